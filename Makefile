@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# No NVIDIA GPU: the CPU build of torch; with one, PyPI's default (CUDA) build.
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+QUESTION ?= How do I join two path components with os.path?
+
+.PHONY: install pull demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,langchain,llamaindex]'
+	touch $@
+
+install: $(STAMP)
+
+pull: install  ## fetch and convert the embedded model (once; cached)
+	$(BIN)/rag-spec models pull
+
+demo: pull  ## answer a question about the standard library, citing the passages used
+	$(BIN)/rag-spec ask "$(QUESTION)"
+
+test: pull  ## unit tests on tiny random models, then end-to-end tests on the real model
+	$(BIN)/ruff check rag_spec tests
+	$(BIN)/python -m pytest -q
+
+bench: pull
+	$(BIN)/rag-spec bench lookahead --json docs/benchmarks/lookahead.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks: interleaved runs against the peers, JSON and PNG reports."""

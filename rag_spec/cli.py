@@ -1,0 +1,127 @@
+"""The ``rag-spec`` command: ask, index, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from rag_spec.errors import RagSpecError
+
+DEFAULT_QUESTION = "How do I join two path components with os.path?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; user errors print one paragraph and exit 2, never a traceback."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except RagSpecError as err:
+        print(f"rag-spec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from rag_spec.models import load_model
+    from rag_spec.retrieval import KnowledgeBase
+    from rag_spec.serving.ask import ask
+
+    if not args.question.strip():
+        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
+        raise RagSpecError(msg)
+    started = time.perf_counter()
+    lm = load_model(args.model, device=args.device)
+    kb = KnowledgeBase.open(args.source or ["stdlib"], args.kind)
+    print(f"(model and {args.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
+    print(f"Q: {args.question}\nA: ", end="", flush=True)
+    answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
+                 on_text=lambda piece: print(piece, end="", flush=True))
+    print("\n\nSources:")
+    for i, hit in enumerate(answer.hits, 1):
+        preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
+        print(f"  [{i}] {hit.title} (score {hit.score:.3f}): {preview}")
+    stats = answer.stats
+    print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
+          f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
+          f"forward pass); retrieval {answer.retrieval_seconds * 1000:.0f} ms")
+    return 0
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    from rag_spec.retrieval import KnowledgeBase
+
+    kinds = ["flat", "hnsw", "ivf", "bm25"] if args.kind == "all" else [args.kind]
+    for kind in kinds:
+        started = time.perf_counter()
+        kb = KnowledgeBase.open(args.source or ["stdlib"], kind, rebuild=args.rebuild)
+        print(f"{kind}: {len(kb)} passages, ready in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    from rag_spec.models.embedded import pull
+
+    started = time.perf_counter()
+    path = pull(args.name, force=args.force)
+    print(f"{args.name}: {path} ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from rag_spec.models.embedded import is_pulled
+    from rag_spec.models.registry import EMBEDDED_MODELS
+
+    for name, spec in EMBEDDED_MODELS.items():
+        state = "pulled" if is_pulled(name) else "not pulled"
+        print(f"{name:24} {state:11} {spec.description} [{spec.requirement}]")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from rag_spec.models.registry import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="rag-spec", description=(
+        "Faster retrieval-augmented generation on local models, with unchanged output."))
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    ask = commands.add_parser("ask", help="answer a question from the knowledge base")
+    ask.add_argument("question", nargs="?", default=DEFAULT_QUESTION)
+    ask.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
+    ask.add_argument("--kind", default="flat", choices=["flat", "hnsw", "ivf", "bm25"])
+    ask.add_argument("--source", action="append",
+                     help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
+    ask.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
+    ask.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
+    ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.set_defaults(run=_ask)
+
+    index = commands.add_parser("index", help="build knowledge-base indexes")
+    index_commands = index.add_subparsers(required=True, metavar="ACTION")
+    build = index_commands.add_parser("build", help="build and save an index")
+    build.add_argument("--source", action="append",
+                       help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
+    build.add_argument("--kind", default="flat", choices=["flat", "hnsw", "ivf", "bm25", "all"])
+    build.add_argument("--rebuild", action="store_true", help="rebuild even if saved")
+    build.set_defaults(run=_index_build)
+
+    models = commands.add_parser("models", help="embedded models")
+    model_commands = models.add_subparsers(required=True, metavar="ACTION")
+    pull = model_commands.add_parser("pull", help="fetch and convert an embedded model")
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    pull.add_argument("--force", action="store_true", help="convert again")
+    pull.set_defaults(run=_models_pull)
+    listing = model_commands.add_parser("list", help="list embedded models")
+    listing.set_defaults(run=_models_list)
+
+    from rag_spec.bench.cli import add_bench_commands
+
+    add_bench_commands(commands)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

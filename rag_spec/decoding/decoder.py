@@ -1,0 +1,303 @@
+"""The lossless speculative decode loop: draft a token tree, verify it in one forward pass,
+keep the longest path the model agrees with plus one bonus token, compact the KV cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from rag_spec.decoding.acceptance import accept
+from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.drafter import Drafter, DraftSession
+from rag_spec.decoding.kv_cache import keep_accepted, tree_batch
+from rag_spec.decoding.sampling import SamplingParams, target_choices
+from rag_spec.decoding.stopping import StopRule
+from rag_spec.decoding.streaming import TextStream
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.trie_drafter import TrieDrafter, TrieMode
+from rag_spec.errors import RagSpecError
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Drafting knobs; the defaults suit RAG answers on a CPU."""
+
+    budget: int = 16  # most draft nodes verified per step
+    branch_length: int = 8  # longest drafted continuation
+    mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
+    adaptive: bool = True  # shrink the budget while drafts keep missing
+    memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
+
+
+@dataclass
+class DecodeStats:
+    """Where a generation's steps and time went."""
+
+    steps: int = 0
+    drafted: int = 0  # draft nodes verified, all steps
+    accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    bookkeeping_seconds: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens committed per forward pass (accepted drafts plus the bonus)."""
+        return (sum(self.accepted_per_step) + self.steps) / max(self.steps, 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_step": round(self.tokens_per_step, 3)}
+
+
+@dataclass
+class GenerationResult:
+    """New tokens only (prompt excluded), their text, and how they were produced."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos", "stop" or "length"
+    stats: DecodeStats
+
+
+@dataclass
+class _Row:
+    """One request in flight."""
+
+    prompt: list[int]
+    session: DraftSession
+    budget: AdaptiveBudget
+    uniforms: torch.Tensor | None = None  # [max_new + depth] one per output position (sampling)
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class LookaheadDecoder:
+    """Speculative decoding for any transformers causal LM, with plain decoding's exact output.
+
+    Example:
+        >>> dec = LookaheadDecoder(lm.model, lm.tokenizer)               # doctest: +SKIP
+        >>> dec.generate(ids, max_new_tokens=64).token_ids                # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, config: LookaheadConfig | None = None,
+                 drafter: Drafter | None = None) -> None:
+        _check_model(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or LookaheadConfig()
+        self.drafter: Drafter = drafter or TrieDrafter(
+            branch_length=self.config.branch_length, mode=self.config.mode,
+            memory_mb=self.config.memory_mb)
+        self._context: list[list[int]] = []
+        self._lock = threading.RLock()
+
+    def add_context(self, texts: Sequence[str]) -> None:
+        """Documents the next ``generate`` call may copy from (e.g. retrieved passages)."""
+        self._require_tokenizer("add_context")
+        self._context.extend(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+
+    def generate(self, input_ids: Any, max_new_tokens: int = 128, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, stop: Sequence[str] = (),
+                 streamer: Callable[[str], None] | Any = None,
+                 attention_mask: Any = None, seed: int | None = None,
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Generate up to ``max_new_tokens`` after each prompt.
+
+        Args:
+            input_ids: one prompt (list of ids, 1-D tensor, or [1, T] tensor) or a batch (list of
+                lists, or [B, T] tensor with ``attention_mask`` for padding).
+            stop: strings that end generation; the text is cut before them.
+            streamer: receives each settled piece of text (a callable), or token ids (a
+                transformers streamer); single prompts only.
+            seed: fixes sampled output, whatever the drafts (default: drawn from torch's RNG).
+
+        Returns:
+            A GenerationResult for a single prompt, a list of them for a batch.
+        """
+        prompts, single = _prompts(input_ids, attention_mask)
+        params = SamplingParams(do_sample, temperature, top_k, top_p, repetition_penalty)
+        if max_new_tokens <= 0:
+            msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
+            raise RagSpecError(msg)
+        if streamer is not None and len(prompts) > 1:
+            msg = "A streamer follows one prompt; call generate once per prompt to stream each."
+            raise RagSpecError(msg)
+        if stop:
+            self._require_tokenizer("stop strings")
+        self._check_length(prompts)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
+        generator = torch.Generator().manual_seed(seed)
+        with self._lock, torch.inference_mode():
+            context, self._context = self._context, []
+            rows = [_Row(p, self.drafter.session(p, context), AdaptiveBudget(
+                self.config.budget, adaptive=self.config.adaptive),
+                uniforms=torch.rand(max_new_tokens + self.config.branch_length + 1,
+                                    generator=generator) if do_sample else None)
+                for p in prompts]
+            rules = [StopRule(self.tokenizer, self._eos_ids(), stop,
+                              self._max_new(p, max_new_tokens)) for p in prompts]
+            stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
+            self._decode(rows, rules, params, stream)
+        results = [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
+                                    r.finish_reason or "length", r.stats)
+                   for r, rule in zip(rows, rules)]
+        return results[0] if single else results
+
+    def _decode(self, rows: list[_Row], rules: list[StopRule], params: SamplingParams,
+                stream: TextStream | None) -> None:
+        started = time.perf_counter()
+        cache, valid = self._prefill([r.prompt[:-1] for r in rows])
+        for r in rows:
+            r.stats.prefill_seconds = time.perf_counter() - started
+        roots = [r.prompt[-1] for r in rows]
+        positions = [len(r.prompt) - 1 for r in rows]
+        while any(r.finish_reason is None for r in rows):
+            # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
+            t0 = time.perf_counter()
+            active = [r.finish_reason is None for r in rows]
+            trees = [r.session.propose(r.context, r.budget.current) if on else TokenTree.empty()
+                     for r, on in zip(rows, active)]
+            # 2. Verify: one forward pass over every row's root and tree.
+            t1 = time.perf_counter()
+            step = tree_batch(roots, trees, positions, valid, self.model.dtype)
+            logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
+                                attention_mask=step.attention_mask, past_key_values=cache,
+                                use_cache=True).logits
+            t2 = time.perf_counter()
+            # 3. Accept: the longest path matching the target's choices, plus a bonus token.
+            keep = []
+            for b, (row, tree) in enumerate(zip(rows, trees)):
+                uniforms = None if row.uniforms is None else row.uniforms[len(row.output):]
+                choices = target_choices(logits[b, :1 + len(tree)], row.context, tree, params,
+                                         uniforms)
+                path, bonus = accept(tree, choices)
+                keep.append([0] + [1 + node for node in path])
+                if active[b]:
+                    self._commit(row, rules[b], tree.path_tokens(path) + [bonus], len(tree))
+                roots[b] = bonus
+                positions[b] += 1 + len(path)
+            # 4. Roll back: keep only the accepted slots of the KV cache.
+            valid = keep_accepted(cache, valid.shape[1], keep, valid)
+            if stream is not None:
+                stream.update(rows[0].output, rows[0].finish_reason is not None)
+            t3 = time.perf_counter()
+            for row, on in zip(rows, active):
+                if on:
+                    row.stats.draft_seconds += t1 - t0
+                    row.stats.forward_seconds += t2 - t1
+                    row.stats.bookkeeping_seconds += t3 - t2
+
+    def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int) -> None:
+        """Append tokens one by one until a stop rule fires; teach the drafter what was kept."""
+        before = len(row.context)
+        for token in tokens:
+            row.output.append(token)
+            row.finish_reason = rule.finish_reason(row.output)
+            if row.finish_reason is not None:
+                break
+        row.stats.steps += 1
+        row.stats.drafted += drafted
+        row.stats.accepted_per_step.append(len(tokens) - 1)
+        row.budget.update(len(tokens) - 1)
+        row.session.observe(row.context, before)
+        if row.finish_reason is not None:
+            row.session.finish(row.output)
+
+    def _prefill(self, prefixes: list[list[int]]) -> tuple[Any, torch.Tensor]:
+        """Run the prompts except their last token, left-padded; return the cache and validity."""
+        from transformers import DynamicCache
+
+        device = self.model.device
+        cache = DynamicCache(config=self.model.config)
+        width = max(len(p) for p in prefixes)
+        valid = torch.zeros(len(prefixes), width, dtype=torch.bool, device=device)
+        if width == 0:
+            return cache, valid
+        ids = torch.zeros(len(prefixes), width, dtype=torch.long)
+        for b, p in enumerate(prefixes):
+            if p:
+                ids[b, width - len(p):] = torch.tensor(p)
+                valid[b, width - len(p):] = True
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
+        allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool,
+                                                                  device=device)
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)
+        self.model(input_ids=ids.to(device), position_ids=positions,
+                   attention_mask=mask[:, None], past_key_values=cache, use_cache=True)
+        return cache, valid
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _context_window(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def _max_new(self, prompt: list[int], max_new_tokens: int) -> int:
+        window = self._context_window()
+        return max_new_tokens if window is None else min(max_new_tokens, window - len(prompt))
+
+    def _check_length(self, prompts: list[list[int]]) -> None:
+        window = self._context_window()
+        longest = max(len(p) for p in prompts)
+        if window is not None and longest >= window:
+            msg = (f"The prompt is {longest} tokens but the model's context window is {window}; "
+                   f"shorten the prompt (fewer or shorter retrieved passages).")
+            raise RagSpecError(msg)
+
+    def _require_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            msg = f"{what} needs a tokenizer: LookaheadDecoder(model, tokenizer)."
+            raise RagSpecError(msg)
+
+
+def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool]:
+    """Normalise the accepted prompt forms to lists of ids; also say whether it was one prompt."""
+    if isinstance(input_ids, torch.Tensor):
+        single = input_ids.dim() == 1
+        batch = input_ids.reshape(1, -1) if single else input_ids
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask).reshape(batch.shape).bool()
+            prompts = [row[m].tolist() for row, m in zip(batch, mask)]
+        else:
+            prompts = batch.tolist()
+        single = single or batch.shape[0] == 1
+    else:
+        seq = list(input_ids)
+        single = not seq or not isinstance(seq[0], (list, tuple))
+        prompts = [list(map(int, seq))] if single else [list(map(int, p)) for p in seq]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        msg = "The prompt is empty: give at least one token (e.g. the chat template's output)."
+        raise RagSpecError(msg)
+    return prompts, single
+
+
+def _check_model(model: Any) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not callable(model):
+        msg = "LookaheadDecoder needs a transformers causal LM (e.g. AutoModelForCausalLM)."
+        raise RagSpecError(msg)
+    if getattr(config, "is_encoder_decoder", False):
+        msg = (f"{type(model).__name__} is an encoder-decoder model; rag-spec decodes "
+               f"decoder-only causal LMs (Llama, Qwen2, Mistral, SmolLM2, ...).")
+        raise RagSpecError(msg)

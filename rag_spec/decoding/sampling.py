@@ -1,0 +1,104 @@
+"""The target model's token choice at every tree node: argmax, or one sample of the processed
+distribution. Repetition penalty, temperature, top-k and top-p are applied as transformers
+applies them, with each node's own context (the committed tokens plus the node's ancestors).
+
+A sample is drawn by inverse CDF from one uniform number per *output position*, shared by all
+nodes at the same depth. Only one node per depth lies on the accepted path and its uniform is
+fresh there, so the output has plain sampling's distribution; and a seed fixes the output
+whatever the drafts were, which is what makes sampled speculation testable token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.errors import RagSpecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is picked; the defaults are greedy decoding."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.temperature <= 0:
+            problems.append("temperature must be > 0 (use do_sample=False for greedy)")
+        if self.top_k < 0:
+            problems.append("top_k must be >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            problems.append("top_p must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            problems.append("repetition_penalty must be > 0 (1.0 turns it off)")
+        if problems:
+            msg = "Invalid sampling settings: " + "; ".join(problems) + "."
+            raise RagSpecError(msg)
+
+
+def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                   params: SamplingParams, uniforms: torch.Tensor | None = None) -> list[int]:
+    """The target's token after the root and after each node.
+
+    Args:
+        logits: [1 + n, vocab] logits for the root then the n tree nodes.
+        context: committed token ids (prompt and output so far, the root token last).
+        tree: the draft the logits were computed for.
+        uniforms: [>= 1 + depth] uniform numbers in [0, 1) for the next output positions
+            (sampling only).
+    """
+    logits = logits.float()
+    if params.repetition_penalty != 1.0:
+        logits = _repetition_penalty(logits, context, tree, params.repetition_penalty)
+    if not params.do_sample:
+        return logits.argmax(dim=-1).tolist()
+    logits = logits / params.temperature
+    if params.top_k:
+        logits = _top_k(logits, params.top_k)
+    if params.top_p < 1.0:
+        logits = _top_p(logits, params.top_p)
+    assert uniforms is not None, "sampling needs one uniform number per output position"
+    depth = torch.zeros(1 + len(tree), dtype=torch.long)
+    depth[1:] = torch.from_numpy(tree.depths)
+    cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]  # exactly 1.0 at the end, so u < 1 always lands on a token
+    u = uniforms[depth].to(cdf.device, cdf.dtype)[:, None]
+    # The first token whose cumulative probability exceeds u; zero-probability tokens never do.
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).tolist()
+
+
+def _repetition_penalty(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                        penalty: float) -> torch.Tensor:
+    """Penalise tokens seen in each row's context (CTRL's rule, as transformers applies it)."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[:, torch.as_tensor(list(context), dtype=torch.long)] = True
+    if len(tree):
+        node, ancestor = tree.ancestor_mask.nonzero()
+        tokens = torch.as_tensor(tree.tokens, dtype=torch.long)
+        seen[torch.as_tensor(node + 1), tokens[torch.as_tensor(ancestor)]] = True
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))

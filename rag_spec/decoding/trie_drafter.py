@@ -1,0 +1,104 @@
+"""Lookahead's trie drafter: continuations seen in the prompt, the retrieved documents, the
+output so far, and (decayed) earlier outputs, looked up by the last 1-3 committed tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Literal
+
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
+
+TrieMode = Literal["tree", "chains"]
+
+# How much a continuation seen in this request counts against one remembered from earlier ones.
+REQUEST_WEIGHT, MEMORY_WEIGHT = 4.0, 1.0
+
+
+class TrieDrafter:
+    """Drafts from n-gram tries; the cross-request memory stays within ``memory_mb``.
+
+    Args:
+        branch_length: the longest drafted continuation (tree depth).
+        mode: ``"tree"`` takes the most frequent nodes (shared prefixes, hierarchical);
+            ``"chains"`` takes whole most-frequent branches side by side (parallel).
+        memory_mb: bound on the output memory kept across requests.
+    """
+
+    def __init__(self, *, branch_length: int = 8, mode: TrieMode = "tree",
+                 memory_mb: float = 64.0, max_key: int = 3) -> None:
+        self.branch_length = branch_length
+        self.mode = mode
+        self.max_key = max_key
+        max_nodes = int(memory_mb * 2**20 / BYTES_PER_NODE)
+        self.memory = NGramTrie(branch_length=branch_length, max_key=max_key,
+                                max_nodes=max_nodes)
+        self._lock = threading.Lock()
+
+    def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
+                ) -> TrieSession:
+        request = NGramTrie(branch_length=self.branch_length, max_key=self.max_key,
+                            max_nodes=2**62)  # per request: bounded by the request's length
+        for document in extra_context:
+            request.insert(document)
+        request.insert(prompt)
+        return TrieSession(self, request, len(prompt))
+
+    def remember(self, output: Sequence[int]) -> None:
+        with self._lock:
+            self.memory.insert(output)
+
+
+class TrieSession:
+    """One request's view: its own n-grams plus the shared memory."""
+
+    def __init__(self, drafter: TrieDrafter, request: NGramTrie, prompt_len: int) -> None:
+        self.drafter = drafter
+        self.request = request
+        self.prompt_len = prompt_len
+
+    def propose(self, context: Sequence[int], budget: int) -> TokenTree:
+        if budget <= 0:
+            return TokenTree.empty()
+        tries: list[tuple[Children, float]] = []
+        for trie, weight in ((self.request, REQUEST_WEIGHT), (self.drafter.memory, MEMORY_WEIGHT)):
+            found = trie.continuations(context)
+            if found:
+                tries.append((found, weight))
+        if not tries:
+            return TokenTree.empty()
+        depth = self.drafter.branch_length
+        if self.drafter.mode == "chains":
+            return _chains(tries, budget, depth)
+        tokens, parents = best_nodes(tries, budget, depth)
+        return TokenTree(tuple(tokens), tuple(parents))
+
+    def observe(self, context: Sequence[int], new_from: int) -> None:
+        # The output's own n-grams: answers often repeat themselves.
+        self.request.insert(context[self.prompt_len:], max(0, new_from - self.prompt_len))
+
+    def finish(self, output: Sequence[int]) -> None:
+        self.drafter.remember(output)
+
+
+def _chains(tries: list[tuple[Children, float]], budget: int, depth: int) -> TokenTree:
+    """Parallel branches: from each of the most frequent first tokens, its most frequent chain."""
+    firsts, _ = best_nodes(tries, budget, 1)
+    paths = []
+    used = 0
+    for first in firsts:
+        path = [first]
+        level = [(c[first][1], w) for c, w in tries if first in c]
+        while len(path) < depth and used + len(path) < budget:
+            nxt, _ = best_nodes(level, 1, 1)
+            if not nxt:
+                break
+            path.append(nxt[0])
+            level = [(c[nxt[0]][1], w) for c, w in level if nxt[0] in c]
+        paths.append(path)
+        used += len(path)
+        if used >= budget:
+            break
+    return TokenTree.from_paths(paths)

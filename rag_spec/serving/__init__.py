@@ -1,0 +1,1 @@
+"""Serving loops: one-shot RAG answers and iterative retrieval-augmented generation."""

@@ -1,0 +1,49 @@
+"""One-shot RAG: retrieve passages for a question, then answer it with the local model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rag_spec.errors import RagSpecError
+from rag_spec.models.loader import LoadedModel
+from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.serving.prompts import chat_input_ids, rag_messages
+
+
+@dataclass
+class Answer:
+    """An answer with the passages it was given and where the time went."""
+
+    text: str
+    token_ids: list[int]
+    hits: list[Hit]
+    retrieval_seconds: float
+    generation_seconds: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / max(self.generation_seconds, 1e-9)
+
+
+def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
+        max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None) -> Answer:
+    """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``."""
+    from rag_spec.decoding.decoder import LookaheadDecoder
+
+    if not question.strip():
+        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
+        raise RagSpecError(msg)
+    started = time.perf_counter()
+    hits = retriever.search([question], k=k)[0]
+    retrieved = time.perf_counter()
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder.add_context([hit.text for hit in hits])
+    prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
+    result = decoder.generate(prompt, max_new_tokens=max_new_tokens, streamer=on_text)
+    generated = time.perf_counter()
+    return Answer(text=result.text, token_ids=result.token_ids, hits=hits,
+                  retrieval_seconds=retrieved - started, generation_seconds=generated - retrieved,
+                  stats=result.stats.as_dict())

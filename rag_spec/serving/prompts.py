@@ -1,0 +1,31 @@
+"""Chat prompts for retrieval-augmented answers, built with the model's own chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rag_spec.retrieval.types import Hit
+
+SYSTEM = "You answer questions about Python using the documentation given."
+
+
+def format_context(hits: Sequence[Hit]) -> str:
+    """The passages, each under its title (small models follow this better than numbering)."""
+    return "\n\n".join(f"Documentation of {hit.title}:\n{hit.text}" for hit in hits)
+
+
+def rag_messages(question: str, hits: Sequence[Hit]) -> list[dict[str, str]]:
+    """System + user messages: the passages, then the question."""
+    user = f"{format_context(hits)}\n\n{question}" if hits else question
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def chat_input_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` with the generation prompt appended."""
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    text = "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
+    return list(tokenizer(text)["input_ids"])

@@ -1,0 +1,53 @@
+"""The rag-spec command: user errors exit non-zero with one paragraph, no traceback."""
+
+import pytest
+
+from rag_spec.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_empty_question(capsys):
+    code, _, err = run(capsys, "ask", "  ")
+    assert code == 2
+    assert "question is empty" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_model(capsys):
+    code, _, err = run(capsys, "ask", "hi", "--model", "no-such-model")
+    assert code == 2
+    assert "Embedded models: smollm2-135m-instruct" in err
+
+
+def test_empty_corpus_folder(capsys, tmp_path):
+    code, _, err = run(capsys, "index", "build", "--source", str(tmp_path), "--kind", "bm25")
+    assert code == 2
+    assert "gave no passages" in err
+
+
+def test_corrupt_index(capsys, tmp_path):
+    from rag_spec.retrieval.knowledge_base import corpus_dir
+
+    (tmp_path / "a.txt").write_text("some words about python paths and files " * 3)
+    assert run(capsys, "index", "build", "--source", str(tmp_path), "--kind", "bm25")[0] == 0
+    (corpus_dir([str(tmp_path)]) / "bm25" / "meta.json").write_text("{not json")
+    code, _, err = run(capsys, "index", "build", "--source", str(tmp_path), "--kind", "bm25")
+    assert code == 2
+    assert "--rebuild" in err
+
+
+def test_models_list(capsys):
+    code, out, _ = run(capsys, "models", "list")
+    assert code == 0
+    assert "smollm2-135m-instruct" in out
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ask", "--k"])
+    assert exit_info.value.code == 2

@@ -1,0 +1,103 @@
+"""Greedy speculative decoding returns exactly transformers' greedy tokens."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+
+
+def repetitive_prompt(seed: int, vocab: int = 64, length: int = 40) -> list[int]:
+    """A prompt that repeats a phrase, so the trie has real drafts to offer."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, vocab, (9,), generator=g).tolist()
+    noise = torch.randint(3, vocab, (length,), generator=g).tolist()
+    return (phrase + noise[:5] + phrase + noise[5:9] + phrase)[:length]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                         dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    if eos is not None and eos in new:  # generate pads after EOS; the sequence ends at EOS
+        new = new[:new.index(eos) + 1]
+    return new
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 48])
+@pytest.mark.parametrize("branch_length", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["tree", "chains"])
+def test_matches_generate_for_every_budget_branch_and_mode(model, budget, branch_length, mode):
+    config = LookaheadConfig(budget=budget, branch_length=branch_length, mode=mode)
+    decoder = LookaheadDecoder(model, config=config)
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        result = decoder.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == hf_greedy(model, prompt, 30)
+
+
+def test_drafts_are_actually_accepted(model):
+    # Once the drafter remembers this exact answer, most of it must come from drafts.
+    prompt = repetitive_prompt(7)
+    first = hf_greedy(model, prompt, 40)
+    decoder = LookaheadDecoder(model)
+    decoder.drafter.remember(prompt + first)
+    result = decoder.generate(prompt, max_new_tokens=40)
+    assert result.token_ids == first
+    assert result.stats.steps <= 10
+    assert max(result.stats.accepted_per_step) >= 4
+
+
+def test_non_adaptive_and_adaptive_agree(model):
+    prompt = repetitive_prompt(3)
+    fixed = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False)).generate(prompt, 30)
+    adaptive = LookaheadDecoder(model, config=LookaheadConfig(adaptive=True)).generate(prompt, 30)
+    assert fixed.token_ids == adaptive.token_ids == hf_greedy(model, prompt, 30)
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_batch_equals_each_prompt_alone(model, batch):
+    prompts = [repetitive_prompt(s, length=20 + 7 * s) for s in range(batch)]
+    decoder = LookaheadDecoder(model)
+    results = decoder.generate(prompts, max_new_tokens=25)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
+
+
+def test_padded_tensor_batch(model):
+    prompts = [repetitive_prompt(1, length=12), repetitive_prompt(2, length=20)]
+    ids = torch.zeros(2, 20, dtype=torch.long)
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, 20 - len(p):] = torch.tensor(p)
+        mask[b, 20 - len(p):] = 1
+    results = LookaheadDecoder(model).generate(ids, max_new_tokens=15, attention_mask=mask)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 15) for p in prompts]
+
+
+def test_single_token_prompt(model):
+    assert LookaheadDecoder(model).generate([5], 10).token_ids == hf_greedy(model, [5], 10)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eos_inside_a_draft_ends_exactly_there(seed):
+    prompt = repetitive_prompt(seed)
+    free_run = hf_greedy(tiny_llama(seed=1), prompt, 40)
+    eos = free_run[12]  # a token the model really emits: make it the EOS
+    model = tiny_llama(seed=1, eos=eos)
+    expected = hf_greedy(model, prompt, 40)
+    assert expected[-1] == eos
+    decoder = LookaheadDecoder(model)
+    decoder.drafter.remember(prompt + free_run)  # drafts now run on through the EOS
+    result = decoder.generate(prompt, 40)
+    assert result.token_ids == expected
+    assert result.finish_reason == "eos"
+    assert max(result.stats.accepted_per_step) >= 2
+
+
+def test_repetition_penalty_matches_generate(model):
+    prompt = repetitive_prompt(4)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                              repetition_penalty=1.3)[0, len(prompt):].tolist()
+    result = LookaheadDecoder(model).generate(prompt, 25, repetition_penalty=1.3)
+    assert result.token_ids == expected

@@ -1,0 +1,53 @@
+"""End to end on the real embedded model and default knowledge base (pulled/built on first use)."""
+
+import pytest
+import torch
+
+from rag_spec.cli import main
+from rag_spec.decoding import LookaheadDecoder
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("user_cache")]
+
+QUESTIONS = ["How do I join two path components with os.path?",
+             "How do I parse a JSON string into a Python object?"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from rag_spec import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def kb():
+    from rag_spec import KnowledgeBase
+
+    return KnowledgeBase.load_default("flat")
+
+
+def test_default_knowledge_base_finds_the_documentation(user_cache, kb):
+    hits = kb.search(QUESTIONS, k=3)
+    assert "posixpath.join" in [h.title for h in hits[0]]
+    assert any(h.title.startswith("json") for h in hits[1])
+
+
+def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
+    from rag_spec.serving.prompts import chat_input_ids, rag_messages
+
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    for question, hits in zip(QUESTIONS, kb.search(QUESTIONS, k=2)):
+        prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
+        expected = lm.model.generate(torch.tensor([prompt]), max_new_tokens=48,
+                                     do_sample=False)[0, len(prompt):].tolist()
+        result = decoder.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == expected
+        assert result.stats.tokens_per_step > 1.0  # the passages were copied from
+
+
+def test_ask_command_answers_and_cites(user_cache, lm, kb, capsys):
+    assert main(["ask", QUESTIONS[0], "--max-new-tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "Sources:" in out
+    assert "posixpath.join" in out
+    assert "tok/s" in out
