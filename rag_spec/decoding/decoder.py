@@ -22,6 +22,7 @@ from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.trie_drafter import TrieDrafter, TrieMode
 from rag_spec.errors import RagSpecError
+from rag_spec_kernels import use_onednn_linear, use_tree_attention
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class LookaheadConfig:
     mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
     adaptive: bool = True  # shrink the budget while drafts keep missing
     memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
+    onednn_linear: bool = True  # CPU: oneDNN matrix products (a weight copy; cheap tree steps)
 
 
 @dataclass
@@ -141,7 +143,8 @@ class LookaheadDecoder:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         generator = torch.Generator().manual_seed(seed)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), use_tree_attention(self.model), \
+                use_onednn_linear(self.model, self.config.onednn_linear):
             context, self._context = self._context, []
             rows = [_Row(p, self.drafter.session(p, context), AdaptiveBudget(
                 self.config.budget, adaptive=self.config.adaptive),
@@ -233,13 +236,16 @@ class LookaheadDecoder:
                 ids[b, width - len(p):] = torch.tensor(p)
                 valid[b, width - len(p):] = True
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
-        allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool,
-                                                                  device=device)
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)
-        self.model(input_ids=ids.to(device), position_ids=positions,
-                   attention_mask=mask[:, None], past_key_values=cache, use_cache=True)
+        mask = None  # no padding: the model's own causal path
+        if not valid.all():
+            causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
+            allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool,
+                                                                      device=device)
+            mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)
+            mask = mask[:, None]
+        self.model(input_ids=ids.to(device), position_ids=positions, attention_mask=mask,
+                   past_key_values=cache, use_cache=True)
         return cache, valid
 
     def _eos_ids(self) -> list[int]:

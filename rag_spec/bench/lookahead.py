@@ -1,0 +1,161 @@
+"""``rag-spec bench lookahead``: our decoder against transformers greedy and prompt lookup.
+
+Systems run interleaved on each prompt, all greedy, same model, dtype and device. Outputs are
+compared token for token with transformers greedy; where one differs, the report gives the
+position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS
+from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, rss_mb, write_json
+
+SYSTEMS = ("hf", "pld4", "pld10", "rag_spec", "rag_spec_stock_linear")
+
+
+def run(prompts_file: str | None = None, json_out: str | None = None, max_new_tokens: int = 128,
+        limit: int | None = None, model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
+    """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.models import load_model
+
+    lm = load_model(model_name)
+    rag, open_ended = _prompt_sets(lm.tokenizer, prompts_file, limit)
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    # The same decoder on the stock linear kernels: what speculation alone buys.
+    stock = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
+    systems = _systems(lm.model, {"rag_spec": decoder, "rag_spec_stock_linear": stock},
+                       max_new_tokens)
+    _warm_up(systems, rag[0])
+    report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
+                              "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
+                              "machine": machine()}
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+        print(f"{name}: {len(prompts)} prompts")
+        runs = interleaved(systems, prompts)
+        summary = _summarise(lm.model, prompts, runs)
+        if name == "rag":
+            report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
+        report[name] = summary
+    report["trie_memory_nodes"] = decoder.drafter.memory.nodes
+    out = Path(json_out) if json_out else REPORT_DIR / "lookahead.json"
+    write_json(report, out)
+    _plot(report, out.with_suffix(".png"))
+    _print_table(report)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return report
+
+
+def _prompt_sets(tokenizer: Any, prompts_file: str | None,
+                 limit: int | None) -> tuple[list[list[int]], list[list[int]]]:
+    from rag_spec.retrieval import KnowledgeBase
+    from rag_spec.serving.prompts import chat_input_ids, rag_messages
+
+    questions = RAG_QUESTIONS
+    if prompts_file:
+        questions = json.loads(Path(prompts_file).read_text())
+    questions = questions[:limit]
+    kb = KnowledgeBase.load_default("flat")
+    hits = kb.search(questions, k=3)
+    rag = [chat_input_ids(tokenizer, rag_messages(q, h)) for q, h in zip(questions, hits)]
+    open_ended = [chat_input_ids(tokenizer, [{"role": "user", "content": p}])
+                  for p in OPEN_PROMPTS[:limit]]
+    return rag, open_ended
+
+
+def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
+    def hf(prompt: list[int], **kwargs: Any) -> Run:
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, **kwargs)
+        return Run(0.0, out[0, len(prompt):].tolist())
+
+    def ours(decoder: Any, prompt: list[int]) -> Run:
+        result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+        return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step,
+                                           "rss_mb": rss_mb()})
+
+    systems: dict[str, Any] = {"hf": hf,
+                               "pld4": lambda p: hf(p, prompt_lookup_num_tokens=4),
+                               "pld10": lambda p: hf(p, prompt_lookup_num_tokens=10)}
+    for name, decoder in decoders.items():
+        systems[name] = lambda p, d=decoder: ours(d, p)
+    return systems
+
+
+def _warm_up(systems: dict[str, Any], prompt: list[int]) -> None:
+    for system in systems.values():
+        system(prompt[:64])
+
+
+def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Run]]
+               ) -> dict[str, Any]:
+    baseline = runs["hf"]
+    systems: dict[str, Any] = {}
+    for name, system_runs in runs.items():
+        speedups = [b.seconds / r.seconds * len(r.tokens) / max(len(b.tokens), 1)
+                    for b, r in zip(baseline, system_runs)]
+        divergences = [_divergence(model, p, b.tokens, r.tokens)
+                       for p, b, r in zip(prompts, baseline, system_runs) if r.tokens != b.tokens]
+        entry = {"tok_per_s": round(median([len(r.tokens) / r.seconds for r in system_runs]), 2),
+                 "speedup_vs_hf": round(median(speedups), 3),
+                 "min_speedup_vs_hf": round(min(speedups), 3),
+                 "identical_to_hf": len(prompts) - len(divergences),
+                 "per_prompt_speedup": [round(s, 3) for s in speedups],
+                 "divergences": divergences}
+        steps = [r.extra["tokens_per_step"] for r in system_runs if "tokens_per_step" in r.extra]
+        if steps:
+            entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
+            entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
+        systems[name] = entry
+    return {"prompts": len(prompts), "systems": systems}
+
+
+def _divergence(model: Any, prompt: list[int], expected: list[int], got: list[int]
+                ) -> dict[str, Any]:
+    """Where two greedy outputs part, and how close the baseline's top two logits were there."""
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                    min(len(expected), len(got)))
+    context = torch.tensor([prompt + expected[:position]], device=model.device)
+    with torch.inference_mode():
+        top2 = model(context).logits[0, -1].float().topk(2).values
+    return {"position": position, "baseline_top2_margin": round(float(top2[0] - top2[1]), 6),
+            "expected_len": len(expected), "got_len": len(got)}
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        data = report[name]["systems"]
+        ax.boxplot([data[s]["per_prompt_speedup"] for s in SYSTEMS], tick_labels=list(SYSTEMS))
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{name}: {report[name]['prompts']} prompts "
+                     f"(rag_spec median {data['rag_spec']['speedup_vs_hf']:.2f}x)")
+        ax.set_ylabel("speedup vs transformers greedy (per prompt)")
+    fig.suptitle(f"{report['model']}, {report['dtype']}, {report['machine']['cpus']} CPUs, "
+                 f"{report['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    for name in ("rag", "open_ended"):
+        n = report[name]["prompts"]
+        print(f"\n{name} ({n} prompts)")
+        print(f"{'system':10} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10}")
+        for system, s in report[name]["systems"].items():
+            print(f"{system:10} {s['tok_per_s']:7.1f} {s['speedup_vs_hf']:7.2f}x "
+                  f"{s['min_speedup_vs_hf']:5.2f}x {s['identical_to_hf']:>5}/{n}")

@@ -1,0 +1,43 @@
+"""Benchmark prompts: RAG questions over the default corpus, and open-ended requests."""
+
+RAG_QUESTIONS = [
+    "How do I join two path components with os.path?",
+    "How do I parse a JSON string into a Python object?",
+    "How can I sort a list in place?",
+    "How do I match a regular expression at the start of a string?",
+    "How do I run a shell command and capture its output with subprocess?",
+    "How do I read rows from a CSV file?",
+    "How do I compute the SHA-256 hash of some bytes?",
+    "How do I measure elapsed time precisely?",
+    "How do I compress data with zlib?",
+    "How do I protect shared data between threads with a lock?",
+    "How do I create a temporary directory that is removed automatically?",
+    "How do I copy a whole directory tree?",
+    "How do I get the current date and time?",
+    "How do I pick a random element from a list?",
+    "How do I count how often each item occurs in a list?",
+    "How do I serialize a Python object with pickle?",
+    "How do I parse command-line arguments?",
+    "How do I read a file line by line?",
+    "How do I format a number with thousands separators?",
+    "How do I split a string on whitespace?",
+    "How do I make an HTTP request with urllib?",
+    "How do I define a data class?",
+    "How do I log messages to a file?",
+    "How do I run a function in a thread pool?",
+    "How do I encode bytes as base64?",
+    "How do I check whether a file exists?",
+    "How do I get environment variables?",
+    "How do I cache the results of a function?",
+]
+
+OPEN_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash table works.",
+    "Give me five tips for writing clean code.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe the water cycle.",
+    "Write a poem about the sea.",
+    "Explain recursion to a beginner.",
+    "What are the benefits of unit testing?",
+]

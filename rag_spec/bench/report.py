@@ -1,0 +1,74 @@
+"""Shared benchmark plumbing: interleaved timing, summaries, the machine, JSON and PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPORT_DIR = Path("docs/benchmarks")
+
+
+@dataclass
+class Run:
+    """One system on one prompt."""
+
+    seconds: float
+    tokens: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def interleaved(systems: dict[str, Callable[[Any], Run]], items: Sequence[Any],
+                progress: Callable[[str], None] = print) -> dict[str, list[Run]]:
+    """Run every system on every item, rotating the order per item (A B C, B C A, ...)."""
+    names = list(systems)
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    for i, item in enumerate(items):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            started = time.perf_counter()
+            run = systems[name](item)
+            run.seconds = time.perf_counter() - started
+            runs[name].append(run)
+        progress(f"  [{i + 1}/{len(items)}] " + "  ".join(
+            f"{n} {len(runs[n][-1].tokens) / runs[n][-1].seconds:5.1f} tok/s" for n in names))
+    return runs
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now, in MB (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
