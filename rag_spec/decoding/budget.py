@@ -4,26 +4,33 @@ from __future__ import annotations
 
 
 class AdaptiveBudget:
-    """Full budget while drafts pay; a small probe budget while they keep missing.
+    """The full budget while drafts pay for themselves; none while they keep missing.
 
-    A multi-token step costs more than a one-token step, so when nothing matches for a while the
-    budget drops to ``probe`` nodes (cheap enough to cost about a plain step), and it returns to
-    full as soon as a probe is accepted.
+    A verified tree costs a little more than a one-token step, so when the recent mean of
+    accepted tokens falls below ``threshold`` the next steps draft nothing (a plain step's
+    cost), except one probe step in ``probe_every`` that measures whether drafts pay again.
     """
 
-    def __init__(self, full: int, *, adaptive: bool = True, probe: int = 2,
-                 smoothing: float = 0.5) -> None:
+    def __init__(self, full: int, *, adaptive: bool = True, threshold: float = 0.2,
+                 probe_every: int = 4, smoothing: float = 0.7) -> None:
         self.full = full
-        self.probe = min(probe, full)
         self.adaptive = adaptive
+        self.threshold = threshold
+        self.probe_every = probe_every
         self.smoothing = smoothing
-        self.mean_accepted = 1.0  # optimistic start: the first steps try the full budget
+        self.mean_accepted = 1.0  # optimistic start: the first steps draft
+        self._idle = 0
 
     @property
     def current(self) -> int:
-        if not self.adaptive or self.mean_accepted >= 0.5:
+        if not self.adaptive or self.mean_accepted >= self.threshold:
             return self.full
-        return self.probe
+        return self.full if self._idle >= self.probe_every - 1 else 0
 
-    def update(self, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them."""
+        if drafted == 0:
+            self._idle += 1
+            return
+        self._idle = 0
         self.mean_accepted = self.smoothing * self.mean_accepted + (1 - self.smoothing) * accepted

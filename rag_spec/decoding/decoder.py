@@ -29,7 +29,7 @@ from rag_spec_kernels import use_onednn_linear, use_tree_attention
 class LookaheadConfig:
     """Drafting knobs; the defaults suit RAG answers on a CPU."""
 
-    budget: int = 16  # most draft nodes verified per step
+    budget: int = 12  # most draft nodes verified per step
     branch_length: int = 8  # longest drafted continuation
     mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
     adaptive: bool = True  # shrink the budget while drafts keep missing
@@ -215,7 +215,7 @@ class LookaheadDecoder:
         row.stats.steps += 1
         row.stats.drafted += drafted
         row.stats.accepted_per_step.append(len(tokens) - 1)
-        row.budget.update(len(tokens) - 1)
+        row.budget.update(drafted, len(tokens) - 1)
         row.session.observe(row.context, before)
         if row.finish_reason is not None:
             row.session.finish(row.output)
