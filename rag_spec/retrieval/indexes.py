@@ -59,6 +59,13 @@ class DenseIndex:
         scores, ids = self.index.search(vectors, k)
         return scores, ids
 
+    def score(self, queries: Sequence[str], doc_ids: Sequence[int]) -> np.ndarray:
+        """[n_queries, n_docs] inner products: the index's own metric, computed locally."""
+        if self.kind == "ivf":
+            self.cpu_index.make_direct_map()
+        vectors = self.cpu_index.reconstruct_batch(np.asarray(doc_ids, dtype=np.int64))
+        return self.embedder.encode(queries) @ vectors.T
+
     def save(self, folder: Path) -> None:
         import faiss
 
@@ -101,6 +108,14 @@ class BM25Index:
         found, scores = self.bm25.retrieve(ids, k=min(k, n_docs), show_progress=False,
                                            n_threads=0)
         return _pad(scores.astype(np.float32), found.astype(np.int64), k)
+
+    def score(self, queries: Sequence[str], doc_ids: Sequence[int]) -> np.ndarray:
+        """[n_queries, n_docs] BM25 scores with the whole corpus's statistics."""
+        ids = self.tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids",
+                                      show_progress=False)
+        docs = np.asarray(doc_ids, dtype=np.int64)
+        return np.stack([self.bm25.get_scores(q)[docs] if q else np.zeros(len(docs))
+                         for q in ids]).astype(np.float32)
 
     def save(self, folder: Path) -> None:
         self.bm25.save(str(folder / "bm25"), show_progress=False)

@@ -1,0 +1,104 @@
+"""Speculative retrieval (RaLMSpec): guess each retrieval from a small per-request cache, then
+check a batch of guesses with one call to the real knowledge base.
+
+The cache ranks its passages with the knowledge base's own metric (``score``), so whenever the
+knowledge base's top-k passages are in the cache they are also the cache's top-k: a guess is
+wrong only when the right passage had not been seen yet. Verification calls fetch ``prefetch``
+passages per query and keep them all, which makes later guesses right more often.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rag_spec.errors import RagSpecError
+from rag_spec.retrieval.types import Hit, Retriever
+
+
+class SpecRetriever:
+    """A Retriever that also opens speculation sessions; ``search`` passes straight through.
+
+    Args:
+        retriever: the knowledge base (or any Retriever; without a ``score`` method the guess is
+            the last verified result, which still wins when consecutive queries agree).
+        prefetch: passages kept per verified query (1 turns prefetching off).
+        capacity: most passages a request's cache holds (least recently used leave first).
+    """
+
+    def __init__(self, retriever: Retriever, *, prefetch: int = 20, capacity: int = 256) -> None:
+        if prefetch < 1 or capacity < 1:
+            msg = "prefetch and capacity must be at least 1."
+            raise RagSpecError(msg)
+        self.retriever = retriever
+        self.prefetch = prefetch
+        self.capacity = capacity
+
+    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
+        return self.retriever.search(queries, k)
+
+    def session(self) -> SpecSession:
+        """A fresh cache for one request."""
+        return SpecSession(self)
+
+
+class SpecSession:
+    """One request's cache: ``guess`` from it, ``verify`` against the knowledge base."""
+
+    def __init__(self, owner: SpecRetriever) -> None:
+        self.owner = owner
+        self.cache: OrderedDict[int, Hit] = OrderedDict()  # doc_id -> hit, oldest first
+        self.last: list[Hit] = []
+        self.kb_calls = 0
+        self._lock = threading.Lock()  # verification may run on a worker thread
+
+    def guess(self, query: str, k: int) -> list[Hit]:
+        """The cache's top-``k`` for ``query``: the knowledge base's answer if it is cached."""
+        scorer = getattr(self.owner.retriever, "score", None)
+        with self._lock:
+            cached = list(self.cache.values())
+            if scorer is None or not cached:
+                return list(self.last)
+        scores = np.asarray(scorer([query], [h.doc_id for h in cached]))[0]
+        order = np.argsort(-scores, kind="stable")[:k]
+        return [cached[i] for i in order]
+
+    def verify(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """The knowledge base's top-``k`` for each query, in one call; all results are cached."""
+        fetched = self.owner.retriever.search(list(queries), max(k, self.owner.prefetch))
+        with self._lock:
+            self.kb_calls += 1
+            for hits in fetched:
+                for hit in hits:
+                    self.cache[hit.doc_id] = hit
+                    self.cache.move_to_end(hit.doc_id)
+            while len(self.cache) > self.owner.capacity:
+                self.cache.popitem(last=False)
+            if fetched:
+                self.last = fetched[-1][:k]
+        return [hits[:k] for hits in fetched]
+
+
+def same_passages(a: Sequence[Hit], b: Sequence[Hit]) -> bool:
+    return [h.doc_id for h in a] == [h.doc_id for h in b]
+
+
+class DelayedRetriever:
+    """A retriever behind a simulated service: ``latency_ms`` of delay per (batched) call."""
+
+    def __init__(self, retriever: Retriever, latency_ms: float) -> None:
+        self.retriever = retriever
+        self.latency = latency_ms / 1000
+
+    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
+        import time
+
+        time.sleep(self.latency)
+        return self.retriever.search(queries, k)
+
+    def __getattr__(self, name: str) -> Any:  # score, passages, ... stay local
+        return getattr(self.retriever, name)

@@ -1,0 +1,232 @@
+"""Iterative retrieval-augmented generation (In-Context RaLM), naive or speculative.
+
+Every ``stride`` generated tokens the last ``query_tokens`` tokens of question + output become a
+query; the top-``k`` passages replace the ones in the prompt and generation goes on. With a
+SpecRetriever the retrievals are guessed from a per-request cache and checked in batches (one
+knowledge-base call each, optionally on a worker thread while the next stride generates); on
+the first wrong guess generation rolls back to it. Decoding is greedy and the KV-cache history
+is replayed exactly, so the output equals the naive loop's token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from rag_spec.errors import RagSpecError
+from rag_spec.models.loader import LoadedModel
+from rag_spec.retrieval.os3 import StrideScheduler
+from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
+from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.serving.prompts import chat_input_ids, rag_messages
+from rag_spec.serving.ralm_state import RalmState
+
+
+@dataclass
+class RalmStats:
+    """What the knowledge base was asked and where the time went."""
+
+    kb_calls: int = 0
+    queries_verified: int = 0
+    speculation_hits: int = 0
+    rollbacks: int = 0
+    strides: list[int] = field(default_factory=list)  # speculation stride of each round
+    rollback_points: list[int] = field(default_factory=list)  # output length at each rollback
+    retrieval_seconds: float = 0.0  # inside knowledge-base calls
+    generation_seconds: float = 0.0  # prefills and decoding
+    waiting_seconds: float = 0.0  # blocked on an asynchronous verification
+    last_verify_seconds: float = 0.0
+
+
+@dataclass
+class RalmResult:
+    text: str
+    token_ids: list[int]
+    passages: list[Hit]  # the passages in the prompt when generation ended
+    stats: RalmStats
+
+
+@dataclass
+class _Pending:
+    """A retrieval point whose passages were guessed, not yet verified."""
+
+    point: int
+    length: int  # output length at the point
+    query: str
+    guess: list[Hit]
+
+
+class IterativeRaLM:
+    """Retrieve every ``stride`` tokens; speculate when ``retriever`` is a SpecRetriever.
+
+    Args:
+        lm: a loaded model (``rag_spec.load_model``).
+        retriever: any Retriever (naive loop) or a SpecRetriever (speculative loop).
+        stride: tokens generated between retrievals.
+        query_tokens: how many of the latest question + output tokens form a query.
+        k: passages per retrieval, all placed in the prompt.
+        os3: pick the speculation stride with OS3 (else ``speculation_stride``).
+        asynchronous: verify on a worker thread while the next stride generates.
+    """
+
+    def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
+                 query_tokens: int = 32, k: int = 1, os3: bool = True,
+                 asynchronous: bool = True, speculation_stride: int = 3,
+                 max_speculation_stride: int = 8) -> None:
+        for name, value in (("stride", stride), ("query_tokens", query_tokens), ("k", k),
+                            ("speculation_stride", speculation_stride)):
+            if value < 1:
+                msg = f"{name} must be at least 1 (got {value})."
+                raise RagSpecError(msg)
+        self.lm = lm
+        self.retriever = retriever
+        self.stride = stride
+        self.query_tokens = query_tokens
+        self.k = k
+        self.os3 = os3
+        self.asynchronous = asynchronous
+        self.speculation_stride = speculation_stride
+        self.max_speculation_stride = max_speculation_stride
+
+    def generate(self, question: str, max_new_tokens: int = 128) -> RalmResult:
+        """Answer ``question``; the same tokens whether or not retrieval is speculative."""
+        if not question.strip():
+            msg = "The question is empty; IterativeRaLM needs something to retrieve for."
+            raise RagSpecError(msg)
+        if max_new_tokens < 1:
+            msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
+            raise RagSpecError(msg)
+        tokenizer = self.lm.tokenizer
+        question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+        eos = self.lm.model.generation_config.eos_token_id
+        state = RalmState(self.lm.model,
+                          lambda hits: chat_input_ids(tokenizer, rag_messages(question, hits)),
+                          eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        stats = RalmStats()
+        with torch.inference_mode():
+            if isinstance(self.retriever, SpecRetriever):
+                self._speculative(state, question, question_ids, max_new_tokens, stats)
+            else:
+                self._naive(state, question, question_ids, max_new_tokens, stats)
+        stats.generation_seconds = state.compute_seconds
+        text = tokenizer.decode(state.output, skip_special_tokens=True)
+        return RalmResult(text, list(state.output), state.passages, stats)
+
+    def _query(self, question_ids: list[int], output: list[int]) -> str:
+        tail = (question_ids + output)[-self.query_tokens:]
+        return self.lm.tokenizer.decode(tail, skip_special_tokens=True)
+
+    def _search(self, queries: list[str], stats: RalmStats, k: int) -> list[list[Hit]]:
+        started = time.perf_counter()
+        hits = self.retriever.search(queries, k)
+        stats.retrieval_seconds += time.perf_counter() - started
+        stats.kb_calls += 1
+        stats.queries_verified += len(queries)
+        return hits
+
+    def _generate(self, state: RalmState, limit: int) -> None:
+        state.step(min(self.stride, limit - len(state.output)))
+
+    def _naive(self, state: RalmState, question: str, question_ids: list[int], limit: int,
+               stats: RalmStats) -> None:
+        state.use(self._search([question], stats, self.k)[0], -1)
+        point = 0
+        while True:
+            self._generate(state, limit)
+            if state.finished or len(state.output) >= limit:
+                return
+            query = self._query(question_ids, state.output)
+            state.use(self._search([query], stats, self.k)[0], point)
+            point += 1
+
+    def _speculative(self, state: RalmState, question: str, question_ids: list[int],
+                     limit: int, stats: RalmStats) -> None:
+        assert isinstance(self.retriever, SpecRetriever)
+        session = self.retriever.session()
+        scheduler = StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
+                                    asynchronous=self.asynchronous,
+                                    max_stride=self.max_speculation_stride)
+        state.use(self._verify(session, [question], stats)[0], -1)
+        pending: list[_Pending] = []  # guessed points of the round being built
+        in_flight: tuple[Future, list[_Pending]] | None = None  # a round under verification
+        point = 0
+        stride = scheduler.next_stride()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-verify") as pool:
+            while True:
+                # 1. Generate a stride under the current passages, then guess the next ones.
+                started = time.perf_counter()
+                self._generate(state, limit)
+                done = state.finished or len(state.output) >= limit
+                if not done:
+                    query = self._query(question_ids, state.output)
+                    pending.append(_Pending(point, len(state.output), query,
+                                            session.guess(query, self.k)))
+                    point += 1
+                scheduler.record_speculation(time.perf_counter() - started)
+                if len(pending) < stride and not done:
+                    state.use(pending[-1].guess, pending[-1].point)
+                    continue
+                # 2. The round is complete: first settle the one still in flight, if any.
+                if in_flight is not None:
+                    waited = time.perf_counter()
+                    truths = in_flight[0].result()  # a retriever's error surfaces here
+                    stats.waiting_seconds += time.perf_counter() - waited
+                    verified, in_flight = in_flight[1], None
+                    resume = self._settle(state, verified, truths, scheduler, stats)
+                    if resume is not None:
+                        pending, point = [], resume
+                        stride = scheduler.next_stride()
+                        continue
+                if not pending:
+                    return
+                # 3. Verify this round: on a worker while the next round speculates, or now.
+                stats.strides.append(len(pending))
+                queries = [p.query for p in pending]
+                if self.asynchronous and not done:
+                    in_flight = (pool.submit(self._verify, session, queries, stats), pending)
+                    state.use(pending[-1].guess, pending[-1].point)
+                    pending = []
+                    continue
+                truths = self._verify(session, queries, stats)
+                resume = self._settle(state, pending, truths, scheduler, stats)
+                if resume is None:
+                    if done:
+                        return
+                    state.use(truths[-1], pending[-1].point)
+                else:
+                    point = resume
+                pending = []
+                stride = scheduler.next_stride()
+
+    @staticmethod
+    def _settle(state: RalmState, points: list[_Pending], truths: list[list[Hit]],
+                scheduler: StrideScheduler, stats: RalmStats) -> int | None:
+        """Check a round's guesses; at the first wrong one, roll back, use the truth and return
+        the retrieval point to resume from (None: every guess was right)."""
+        wrong = next((i for i, (p, t) in enumerate(zip(points, truths))
+                      if not same_passages(p.guess, t)), None)
+        matched = len(points) if wrong is None else wrong
+        stats.speculation_hits += matched
+        scheduler.record_verification(stats.last_verify_seconds, len(points), matched)
+        if wrong is None:
+            state.forget_before(points[-1].point)
+            return None
+        stats.rollbacks += 1
+        stats.rollback_points.append(points[wrong].length)
+        state.rollback(points[wrong].point, points[wrong].length)
+        state.use(truths[wrong], points[wrong].point)
+        return points[wrong].point + 1
+
+    def _verify(self, session: SpecSession, queries: list[str],
+                stats: RalmStats) -> list[list[Hit]]:
+        started = time.perf_counter()
+        truths = session.verify(queries, self.k)
+        elapsed = time.perf_counter() - started
+        stats.retrieval_seconds += elapsed
+        stats.last_verify_seconds = elapsed
+        stats.kb_calls += 1
+        stats.queries_verified += len(queries)
+        return truths

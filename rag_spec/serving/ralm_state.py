@@ -1,0 +1,97 @@
+"""The generation state of iterative RaLM: output tokens plus one KV cache per passage segment.
+
+A segment starts whenever the passage in the prompt changes: its cache is the prompt built from
+that passage, the question and the output so far, prefilled once; then each new token extends
+it by one step. Rolling back to an earlier retrieval point drops the segments opened after it
+and crops the one that was current there, so the cache holds exactly what it would have held
+had generation never gone past that point: speculative and naive loops compute identically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rag_spec.retrieval.types import Hit
+
+
+@dataclass
+class Segment:
+    """Generation under one set of passages."""
+
+    passages: list[Hit]
+    point: int  # retrieval point that opened it (-1: the first retrieval)
+    prompt_len: int  # tokens of the passage + question prompt
+    prompt_last: int  # the prompt's last token: the first pending token when output is empty
+    cache: Any  # DynamicCache over prompt + output (all of it), all but the newest token
+
+
+class RalmState:
+    """Output so far and the segments that produced it, for one request."""
+
+    def __init__(self, model: Any, build_prompt: Callable[[Sequence[Hit]], list[int]],
+                 eos_ids: Sequence[int]) -> None:
+        self.model = model
+        self.build_prompt = build_prompt
+        self.eos_ids = frozenset(eos_ids)
+        self.output: list[int] = []
+        self.segments: list[Segment] = []
+        self.compute_seconds = 0.0  # prefills and decoding steps
+
+    @property
+    def passages(self) -> list[Hit]:
+        return self.segments[-1].passages
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.output) and self.output[-1] in self.eos_ids
+
+    def use(self, passages: list[Hit], point: int) -> None:
+        """Continue under ``passages``: the same ones keep the cache, others open a segment."""
+        if self.segments and [h.doc_id for h in passages] == [h.doc_id for h in self.passages]:
+            return
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        prompt = self.build_prompt(passages)
+        sequence = prompt + self.output
+        cache = DynamicCache(config=self.model.config)
+        if len(sequence) > 1:
+            self.model(input_ids=torch.tensor([sequence[:-1]], device=self.model.device),
+                       past_key_values=cache, use_cache=True)
+        self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
+        self.compute_seconds += time.perf_counter() - started
+
+    def step(self, n: int) -> int:
+        """Greedily decode up to ``n`` tokens (fewer at EOS); returns how many were added."""
+        started = time.perf_counter()
+        segment = self.segments[-1]
+        added = 0  # the cache holds prompt + output but the newest token, which goes in next
+        while added < n and not self.finished:
+            pending = self.output[-1] if self.output else segment.prompt_last
+            logits = self.model(input_ids=torch.tensor([[pending]], device=self.model.device),
+                                past_key_values=segment.cache, use_cache=True).logits
+            self.output.append(int(logits[0, -1].argmax()))
+            added += 1
+        self.compute_seconds += time.perf_counter() - started
+        return added
+
+    def rollback(self, point: int, length: int) -> None:
+        """Return to retrieval ``point``, where the output had ``length`` tokens."""
+        del self.output[length:]
+        while len(self.segments) > 1 and self.segments[-1].point >= point:
+            self.segments.pop()
+        segment = self.segments[-1]
+        keep = segment.prompt_len + length - 1
+        for layer in segment.cache.layers:
+            layer.keys = layer.keys[:, :, :keep]
+            layer.values = layer.values[:, :, :keep]
+
+    def forget_before(self, point: int) -> None:
+        """Verified up to ``point``: segments no rollback can return to can go."""
+        while len(self.segments) > 1 and self.segments[1].point <= point:
+            self.segments.pop(0)

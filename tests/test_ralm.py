@@ -1,0 +1,133 @@
+"""Iterative RaLM: speculative retrieval gives the naive loop's tokens, with fewer KB calls."""
+
+import hashlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import char_tokenizer, tiny_llama
+from rag_spec.errors import RagSpecError
+from rag_spec.models import LoadedModel
+from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
+from rag_spec.retrieval.types import Hit
+from rag_spec.serving.ralm import IterativeRaLM
+
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+
+
+class HashRetriever:
+    """Deterministic scores from a hash of (query, passage); ``score`` is the same metric,
+    unless ``lying`` makes the local scores disagree (forced mispredictions)."""
+
+    def __init__(self, n: int = 40, lying: bool = False, raise_after: int | None = None):
+        self.texts = [" ".join(WORDS[(i * j) % len(WORDS)] for j in range(1, 6)) for i in range(n)]
+        self.lying = lying
+        self.calls = 0
+        self.raise_after = raise_after
+
+    def _score(self, query: str, doc: int, salt: str = "") -> float:
+        digest = hashlib.sha256(f"{salt}{query[-6:]}|{doc % 7}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") / 2**32
+
+    def search(self, queries, k=1):
+        self.calls += 1
+        if self.raise_after is not None and self.calls > self.raise_after:
+            msg = "knowledge base is down"
+            raise ConnectionError(msg)
+        out = []
+        for q in queries:
+            scores = [self._score(q, d) for d in range(len(self.texts))]
+            order = np.argsort(-np.asarray(scores), kind="stable")[:k]
+            out.append([Hit(int(d), scores[d], f"doc{d}", self.texts[d]) for d in order])
+        return out
+
+    def score(self, queries, doc_ids):
+        salt = "lie" if self.lying else ""
+        return np.array([[self._score(q, d, salt) for d in doc_ids] for q in queries])
+
+
+@pytest.fixture(scope="module")
+def lm():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(seed=5, vocab_size=len(tokenizer))
+    return LoadedModel(model, tokenizer, "tiny", torch.device("cpu"), torch.float32)
+
+
+QUESTION = "which word comes after alpha beta?"
+
+
+def naive(lm, retriever, **kw):
+    return IterativeRaLM(lm, retriever, **kw).generate(QUESTION, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("os3", [False, True])
+@pytest.mark.parametrize("stride, spec_stride, k", [(1, 1, 1), (2, 3, 1), (4, 2, 2), (3, 5, 1)])
+def test_speculative_equals_naive(lm, asynchronous, os3, stride, spec_stride, k):
+    kb = HashRetriever()
+    expected = naive(lm, kb, stride=stride, k=k, query_tokens=12)
+    spec = IterativeRaLM(lm, SpecRetriever(kb), stride=stride, k=k, query_tokens=12, os3=os3,
+                         asynchronous=asynchronous, speculation_stride=spec_stride)
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    assert [h.doc_id for h in result.passages] == [h.doc_id for h in expected.passages]
+    assert result.stats.queries_verified >= expected.stats.kb_calls - 1
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_cache_that_is_wrong_on_purpose_still_gives_identical_output(lm, asynchronous):
+    expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
+    spec = IterativeRaLM(lm, SpecRetriever(HashRetriever(lying=True)), stride=2, query_tokens=12,
+                         os3=False, speculation_stride=3, asynchronous=asynchronous)
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    assert result.stats.rollbacks > 0
+
+
+def test_fewer_knowledge_base_calls_in_batches(lm):
+    kb_naive, kb_spec = HashRetriever(), HashRetriever()
+    expected = naive(lm, kb_naive, stride=2, query_tokens=12)
+    spec = IterativeRaLM(lm, SpecRetriever(kb_spec), stride=2, query_tokens=12, os3=False,
+                         speculation_stride=4, asynchronous=False)
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    assert kb_spec.calls < kb_naive.calls
+    assert max(result.stats.strides) == 4
+
+
+def test_asynchronous_verification_overlaps_generation(lm):
+    slow = DelayedRetriever(HashRetriever(), latency_ms=150)
+    spec = IterativeRaLM(lm, SpecRetriever(slow), stride=2, query_tokens=12, os3=False,
+                         speculation_stride=1, asynchronous=True)
+    started = time.perf_counter()
+    result = spec.generate(QUESTION, max_new_tokens=30)
+    wall = time.perf_counter() - started
+    stats = result.stats
+    # Waiting on verification took less than the verifications themselves: they overlapped.
+    assert stats.waiting_seconds < stats.retrieval_seconds - 0.1
+    assert wall < stats.retrieval_seconds + stats.generation_seconds
+
+
+def test_a_retriever_that_raises_surfaces_and_leaves_no_thread(lm):
+    before = {t.name for t in threading.enumerate()}
+    spec = IterativeRaLM(lm, SpecRetriever(HashRetriever(raise_after=2)), stride=1,
+                         query_tokens=12, os3=False, speculation_stride=1, asynchronous=True)
+    with pytest.raises(ConnectionError, match="down"):
+        spec.generate(QUESTION, max_new_tokens=30)
+    after = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert not [n for n in after - before if n.startswith("rag-spec-verify")]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"k": 0}, "k must"), ({"stride": 0}, "stride"),
+                                           ({"query_tokens": 0}, "query_tokens")])
+def test_bad_settings(lm, kwargs, match):
+    with pytest.raises(RagSpecError, match=match):
+        IterativeRaLM(lm, HashRetriever(), **kwargs)
+
+
+def test_empty_question(lm):
+    with pytest.raises(RagSpecError, match="empty"):
+        IterativeRaLM(lm, HashRetriever()).generate("  ")
