@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rag_spec.errors import RagSpecError
+
 
 def add_bench_commands(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks against the peers")
@@ -15,6 +17,17 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--max-new-tokens", type=int, default=128)
     lookahead.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     lookahead.set_defaults(run=_lookahead)
+    ralm = kinds.add_parser("ralm", help="speculative retrieval vs the naive RaLM loop")
+    ralm.add_argument("--retriever", default="exact", choices=["exact", "hnsw", "ivf", "bm25"])
+    ralm.add_argument("--kb-size", type=int, default=None,
+                      help="pad an exact index with labelled random distractors to N vectors")
+    ralm.add_argument("--latency-ms", type=float, default=0.0,
+                      help="simulated service delay per knowledge-base call")
+    ralm.add_argument("--questions", help="JSON list of questions (default: built-in)")
+    ralm.add_argument("--json", dest="json_out", help="write the report here")
+    ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
+    ralm.add_argument("--max-new-tokens", type=int, default=64)
+    ralm.set_defaults(run=_ralm)
 
 
 def _lookahead(args: argparse.Namespace) -> int:
@@ -22,4 +35,16 @@ def _lookahead(args: argparse.Namespace) -> int:
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
         limit=args.limit)
+    return 0
+
+
+def _ralm(args: argparse.Namespace) -> int:
+    from rag_spec.bench.ralm import run
+
+    if args.kb_size and args.retriever != "exact":
+        msg = "--kb-size pads exact indexes only; use --retriever exact (or --latency-ms)."
+        raise RagSpecError(msg)
+    run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
+        questions_file=args.questions, json_out=args.json_out, limit=args.limit,
+        max_new_tokens=args.max_new_tokens)
     return 0

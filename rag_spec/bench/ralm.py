@@ -1,0 +1,137 @@
+"""``rag-spec bench ralm``: the naive iterative RaLM loop against speculative retrieval and
+each of its parts, interleaved per question, with identical outputs checked."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, rss_mb, write_json
+
+# name -> (prefetch, os3, asynchronous); None = the naive loop
+SYSTEMS: dict[str, tuple[int, bool, bool] | None] = {
+    "naive": None,
+    "spec": (1, False, False),
+    "spec_prefetch": (20, False, False),
+    "spec_os3": (1, True, False),
+    "spec_async": (1, False, True),
+    "spec_all": (20, True, True),
+}
+RETRIEVERS = {"exact": "flat", "hnsw": "hnsw", "ivf": "ivf", "bm25": "bm25"}
+
+
+def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float = 0.0,
+        questions_file: str | None = None, json_out: str | None = None, limit: int | None = 6,
+        max_new_tokens: int = 64, stride: int = 4) -> dict[str, Any]:
+    """Run the benchmark; print a table; write JSON and a PNG; return the report."""
+    import json
+
+    from rag_spec.models import load_model
+    from rag_spec.retrieval import KnowledgeBase
+    from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
+    from rag_spec.serving.ralm import IterativeRaLM
+
+    lm = load_model()
+    kb = KnowledgeBase.load_default(RETRIEVERS[retriever])
+    real = len(kb)
+    if kb_size and kb_size > real:
+        kb = with_distractors(kb, kb_size)
+    base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
+    questions = json.loads(Path(questions_file).read_text()) if questions_file else RAG_QUESTIONS
+    questions = questions[:limit]
+    distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
+
+    def system(settings: tuple[int, bool, bool] | None) -> Any:
+        def one(question: str) -> Run:
+            retriever_ = base if settings is None else SpecRetriever(base, prefetch=settings[0])
+            ralm = IterativeRaLM(lm, retriever_, stride=stride, os3=bool(settings and settings[1]),
+                                 asynchronous=bool(settings and settings[2]))
+            result = ralm.generate(question, max_new_tokens=max_new_tokens)
+            return Run(0.0, result.token_ids, {"stats": result.stats})
+        return one
+
+    runs = interleaved({name: system(s) for name, s in SYSTEMS.items()}, questions)
+    naive = runs["naive"]
+    share = median([r.extra["stats"].retrieval_seconds / r.seconds for r in naive])
+    report: dict[str, Any] = {
+        "benchmark": "ralm", "questions": len(questions), "retriever": retriever,
+        "kb_size": len(kb), "real_passages": real, "distractor_top1_wins": distractor_wins,
+        "latency_ms": latency_ms, "stride": stride, "max_new_tokens": max_new_tokens,
+        "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
+        "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
+    for name, system_runs in runs.items():
+        speedups = [n.seconds / r.seconds for n, r in zip(naive, system_runs)]
+        stats = [r.extra["stats"] for r in system_runs]
+        report["systems"][name] = {
+            "seconds_per_request": round(median([r.seconds for r in system_runs]), 3),
+            "speedup_vs_naive": round(median(speedups), 3),
+            "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, system_runs)),
+            "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
+            "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
+            "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
+                                                for s in stats])), 2),
+            "per_question_speedup": [round(x, 3) for x in speedups]}
+    name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
+        f"_{int(latency_ms)}ms" if latency_ms else "")
+    out = Path(json_out) if json_out else REPORT_DIR / f"{name}.json"
+    write_json(report, out)
+    _plot(report, out.with_suffix(".png"))
+    print(f"\nretriever {retriever}, kb {len(kb)}, latency {latency_ms} ms, retrieval share "
+          f"{share:.2f} (Amdahl bound {report['amdahl_bound']:.2f}x)")
+    for system_name, s in report["systems"].items():
+        print(f"{system_name:14} {s['seconds_per_request']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
+              f"  identical {s['identical_to_naive']}/{len(questions)}  kb calls {s['kb_calls']}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return report
+
+
+def with_distractors(kb: Any, size: int, seed: int = 0) -> Any:
+    """The same knowledge base padded to ``size`` passages with random unit vectors, labelled
+    as distractors; real passages keep their ids. Exact (flat) indexes only."""
+    import faiss
+
+    from rag_spec.corpus import Passage
+    from rag_spec.retrieval import KnowledgeBase
+    from rag_spec.retrieval.indexes import DenseIndex
+
+    real = kb.index.cpu_index
+    vectors = real.reconstruct_n(0, real.ntotal)
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(vectors)
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    for done in range(real.ntotal, size, 500_000):
+        block = rng.standard_normal((min(500_000, size - done), vectors.shape[1]),
+                                    dtype=np.float32)
+        block /= np.linalg.norm(block, axis=1, keepdims=True)
+        index.add(block)
+    print(f"added {size - real.ntotal} distractors in {time.perf_counter() - started:.0f} s")
+    distractor = Passage("distractor", "(random vector, no text)")
+    passages = kb.passages + [distractor] * (size - real.ntotal)
+    return KnowledgeBase(passages, DenseIndex("flat", index, kb.index.embedder))
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["systems"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
+    ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
+               label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("speedup vs naive RaLM (median)")
+    ax.set_title(f"{report['retriever']}, {report['kb_size']} passages, "
+                 f"{report['latency_ms']:.0f} ms latency, retrieval share "
+                 f"{report['retrieval_share']:.2f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

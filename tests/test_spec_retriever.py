@@ -1,0 +1,88 @@
+"""SpecRetriever's cache ranking and the OS3 stride scheduler."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rag_spec.corpus import Passage
+from rag_spec.retrieval import KnowledgeBase
+from rag_spec.retrieval.embedder import Embedder
+from rag_spec.retrieval.os3 import StrideScheduler, best_stride, expected_verified
+from rag_spec.retrieval.spec_retriever import SpecRetriever
+
+VOCAB = ["path", "join", "json", "parse", "sort", "list", "file", "read", "time", "date",
+         "thread", "lock", "zip", "hash", "random", "string", "split", "format"]
+
+
+def random_passages(seed: int, n: int = 60) -> list[Passage]:
+    rng = np.random.default_rng(seed)
+    return [Passage(f"p{i}", " ".join(rng.choice(VOCAB, 12))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+@pytest.mark.parametrize("kind", ["bm25", "flat"])
+def test_kb_top1_in_cache_means_cache_top1(kind, embedder):
+    # The cache ranks with the KB's own metric, so a cached KB top-1 is always the guess.
+    rng = np.random.default_rng(1)
+    for seed in range(4):
+        kb = KnowledgeBase.build(random_passages(seed), kind, embedder=embedder)
+        spec = SpecRetriever(kb, prefetch=5)
+        for _ in range(5):
+            session = spec.session()
+            session.verify([" ".join(rng.choice(VOCAB, 3)) for _ in range(3)], k=1)  # fill cache
+            query = " ".join(rng.choice(VOCAB, 4))
+            truth = kb.search([query], k=1)[0][0]
+            if truth.doc_id in session.cache:
+                assert session.guess(query, k=1)[0].doc_id == truth.doc_id
+
+
+def test_prefetch_fills_the_cache_and_capacity_bounds_it():
+    kb = KnowledgeBase.build(random_passages(0), "bm25")
+    session = SpecRetriever(kb, prefetch=10, capacity=15).session()
+    session.verify(["path join", "json parse"], k=1)
+    assert len(session.cache) == 15  # 20 prefetched, the oldest 5 evicted
+    assert session.kb_calls == 1
+
+
+def test_guess_without_a_score_method_repeats_the_last_result():
+    class Plain:
+        def search(self, queries, k=1):
+            return KnowledgeBase.build(random_passages(0), "bm25").search(queries, k)
+
+    session = SpecRetriever(Plain()).session()
+    truth = session.verify(["sort list"], k=1)[0]
+    assert session.guess("anything", k=1) == truth
+
+
+def test_os3_reproduces_the_papers_strides():
+    # RaLMSpec's scheduler with a=0.05 s, b=4.3 s gives s = 4 / 6 / 8 for gamma 0.3 / 0.5 / 0.6,
+    # and s = 1 when verification is cheap (a=0.05, b=0.03).
+    assert [best_stride(0.05, 4.3, g, False, 8) for g in (0.3, 0.5, 0.6)] == [4, 6, 8]
+    assert best_stride(0.05, 0.03, 0.5, False, 8) == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.001, 1), st.floats(0.001, 5), st.floats(0, 0.95), st.booleans())
+def test_os3_stride_is_the_argmax_of_the_objective(a, b, gamma, asynchronous):
+    from rag_spec.retrieval.os3 import round_latency
+
+    s = best_stride(a, b, gamma, asynchronous, 8)
+    rates = [expected_verified(k, gamma) / round_latency(k, a, b, gamma, asynchronous)
+             for k in range(1, 9)]
+    assert rates[s - 1] == max(rates)
+
+
+def test_scheduler_estimates_gamma_over_a_window():
+    scheduler = StrideScheduler(window=3, gamma_max=1.0)
+    assert scheduler.next_stride() == 1  # cold start
+    for speculated, matched in [(4, 4), (4, 1), (4, 4), (4, 2)]:  # the first falls out
+        scheduler.record_verification(1.0, speculated, matched)
+    scheduler.record_speculation(0.1)
+    assert scheduler.gamma == pytest.approx(7 / 9)  # 7 matched, 2 rounds missed
+    assert scheduler.next_stride() == best_stride(0.1, 1.0, 7 / 9, False, 8)
+    assert StrideScheduler(os3=False, fixed=5).next_stride() == 5
