@@ -22,6 +22,8 @@ _EXPORTS = {
     "GenerationResult": "rag_spec.decoding",
     "TokenTree": "rag_spec.decoding",
     "TrieDrafter": "rag_spec.decoding",
+    "SpecRetriever": "rag_spec.retrieval.spec_retriever",
+    "IterativeRaLM": "rag_spec.serving.ralm",
     "RagSpecError": "rag_spec.errors",
 }
 

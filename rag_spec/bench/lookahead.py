@@ -136,11 +136,12 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
         data = report[name]["systems"]
         ax.boxplot([data[s]["per_prompt_speedup"] for s in SYSTEMS], tick_labels=list(SYSTEMS))
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.tick_params(axis="x", rotation=25)
         ax.set_title(f"{name}: {report[name]['prompts']} prompts "
                      f"(rag_spec median {data['rag_spec']['speedup_vs_hf']:.2f}x)")
         ax.set_ylabel("speedup vs transformers greedy (per prompt)")

@@ -148,7 +148,7 @@ class LookaheadDecoder:
             context, self._context = self._context, []
             rows = [_Row(p, self.drafter.session(p, context), AdaptiveBudget(
                 self.config.budget, adaptive=self.config.adaptive),
-                uniforms=torch.rand(max_new_tokens + self.config.branch_length + 1,
+                uniforms=torch.rand(max_new_tokens + self.config.budget + 1,
                                     generator=generator) if do_sample else None)
                 for p in prompts]
             rules = [StopRule(self.tokenizer, self._eos_ids(), stop,

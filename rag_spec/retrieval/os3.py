@@ -50,9 +50,19 @@ class StrideScheduler:
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (speculated, matched)
         self._a: deque[float] = deque(maxlen=window)
         self._b: deque[float] = deque(maxlen=window)
+        self._g: deque[float] = deque(maxlen=window)  # cache guesses (embedding the query...)
 
     def record_speculation(self, seconds: float) -> None:
         self._a.append(seconds)
+
+    def record_guess(self, seconds: float) -> None:
+        self._g.append(seconds)
+
+    def worth_guessing(self) -> bool:
+        """Guess only while a guess costs less than asking the knowledge base outright."""
+        if not self._g or not self._b:
+            return True
+        return sum(self._g) / len(self._g) < min(self._b)
 
     def record_verification(self, seconds: float, speculated: int, matched: int) -> None:
         self._b.append(seconds)

@@ -56,7 +56,7 @@ class _Pending:
     point: int
     length: int  # output length at the point
     query: str
-    guess: list[Hit]
+    guess: list[Hit] | None  # None: not guessed, verified before use
 
 
 class IterativeRaLM:
@@ -162,12 +162,18 @@ class IterativeRaLM:
                 done = state.finished or len(state.output) >= limit
                 if not done:
                     query = self._query(question_ids, state.output)
-                    pending.append(_Pending(point, len(state.output), query,
-                                            session.guess(query, self.k)))
+                    guess = None  # no guess: asking the knowledge base costs no more
+                    if scheduler.worth_guessing():
+                        guessed = time.perf_counter()
+                        guess = session.guess(query, self.k)
+                        scheduler.record_guess(time.perf_counter() - guessed)
+                    pending.append(_Pending(point, len(state.output), query, guess))
                     point += 1
                 scheduler.record_speculation(time.perf_counter() - started)
-                if len(pending) < stride and not done:
-                    state.use(pending[-1].guess, pending[-1].point)
+                # A guessed change of passages ends the round: its prefill is verified first.
+                settled = done or pending[-1].guess is None or not same_passages(
+                    pending[-1].guess, state.passages)
+                if len(pending) < stride and not settled:
                     continue
                 # 2. The round is complete: first settle the one still in flight, if any.
                 if in_flight is not None:
@@ -185,10 +191,9 @@ class IterativeRaLM:
                 # 3. Verify this round: on a worker while the next round speculates, or now.
                 stats.strides.append(len(pending))
                 queries = [p.query for p in pending]
-                if self.asynchronous and not done:
+                if self.asynchronous and not settled:
                     in_flight = (pool.submit(self._verify, session, queries, stats), pending)
-                    state.use(pending[-1].guess, pending[-1].point)
-                    pending = []
+                    pending = []  # the next stride generates on while this round is checked
                     continue
                 truths = self._verify(session, queries, stats)
                 resume = self._settle(state, pending, truths, scheduler, stats)
@@ -207,9 +212,10 @@ class IterativeRaLM:
         """Check a round's guesses; at the first wrong one, roll back, use the truth and return
         the retrieval point to resume from (None: every guess was right)."""
         wrong = next((i for i, (p, t) in enumerate(zip(points, truths))
-                      if not same_passages(p.guess, t)), None)
+                      if p.guess is not None and not same_passages(p.guess, t)), None)
         matched = len(points) if wrong is None else wrong
-        stats.speculation_hits += matched
+        guessed = sum(p.guess is not None for p in points[:matched])
+        stats.speculation_hits += guessed
         scheduler.record_verification(stats.last_verify_seconds, len(points), matched)
         if wrong is None:
             state.forget_before(points[-1].point)
