@@ -23,12 +23,13 @@ class HashRetriever:
     unless ``lying`` makes the local scores disagree (forced mispredictions)."""
 
     def __init__(self, n: int = 40, lying: bool = False, raise_after: int | None = None,
-                 stable: bool = False):
+                 stable: bool = False, score_ms: float = 0.0):
         self.texts = [" ".join(WORDS[(i * j) % len(WORDS)] for j in range(1, 6)) for i in range(n)]
         self.lying = lying
         self.calls = 0
         self.raise_after = raise_after
         self.stable = stable  # the same top passage for every query
+        self.score_ms = score_ms  # extra cost of a local (cache) score
 
     def _score(self, query: str, doc: int, salt: str = "") -> float:
         key = "" if self.stable else query[-6:]
@@ -48,6 +49,7 @@ class HashRetriever:
         return out
 
     def score(self, queries, doc_ids):
+        time.sleep(self.score_ms / 1000)
         salt = "lie" if self.lying else ""
         return np.array([[self._score(q, d, salt) for d in doc_ids] for q in queries])
 
@@ -111,8 +113,8 @@ def test_fewer_knowledge_base_calls_in_batches(lm):
 
 
 def test_cheap_knowledge_base_is_asked_directly(lm):
-    # A knowledge base as cheap as a cache guess: the loop stops guessing and behaves naively.
-    kb = HashRetriever()
+    # A knowledge base cheaper than a cache guess: the loop stops guessing and asks it directly.
+    kb = HashRetriever(score_ms=3)
     expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(kb), stride=2, query_tokens=12, os3=False,
                          speculation_stride=4, asynchronous=True)

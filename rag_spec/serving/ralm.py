@@ -170,10 +170,9 @@ class IterativeRaLM:
                     pending.append(_Pending(point, len(state.output), query, guess))
                     point += 1
                 scheduler.record_speculation(time.perf_counter() - started)
-                # A guessed change of passages ends the round: its prefill is verified first.
-                settled = done or pending[-1].guess is None or not same_passages(
-                    pending[-1].guess, state.passages)
+                settled = done or pending[-1].guess is None  # nothing left to speculate on
                 if len(pending) < stride and not settled:
+                    state.use(pending[-1].guess, pending[-1].point)
                     continue
                 # 2. The round is complete: first settle the one still in flight, if any.
                 if in_flight is not None:
@@ -193,7 +192,8 @@ class IterativeRaLM:
                 queries = [p.query for p in pending]
                 if self.asynchronous and not settled:
                     in_flight = (pool.submit(self._verify, session, queries, stats), pending)
-                    pending = []  # the next stride generates on while this round is checked
+                    state.use(pending[-1].guess, pending[-1].point)
+                    pending = []  # the next stride generates on the guess while it is checked
                     continue
                 truths = self._verify(session, queries, stats)
                 resume = self._settle(state, pending, truths, scheduler, stats)
