@@ -75,7 +75,7 @@ class _Row:
     prompt: list[int]
     session: DraftSession
     budget: AdaptiveBudget
-    uniforms: torch.Tensor | None = None  # [max_new + depth] one per output position (sampling)
+    uniforms: torch.Tensor | None = None  # [max_new + budget + 1] one per output position
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
