@@ -86,3 +86,12 @@ def test_scheduler_estimates_gamma_over_a_window():
     assert scheduler.gamma == pytest.approx(7 / 9)  # 7 matched, 2 rounds missed
     assert scheduler.next_stride() == best_stride(0.1, 1.0, 7 / 9, False, 8)
     assert StrideScheduler(os3=False, fixed=5).next_stride() == 5
+
+
+def test_async_only_while_verification_waits_rather_than_computes():
+    scheduler = StrideScheduler(asynchronous=True)
+    scheduler.record_cpu_share(cpu_seconds=0.01, wall_seconds=0.3)  # a remote store: waiting
+    assert scheduler.overlaps()
+    scheduler.record_cpu_share(cpu_seconds=0.5, wall_seconds=0.3)  # local search on all cores
+    assert not scheduler.overlaps()
+    assert not StrideScheduler(asynchronous=False).overlaps()

@@ -51,9 +51,19 @@ class StrideScheduler:
         self._a: deque[float] = deque(maxlen=window)
         self._b: deque[float] = deque(maxlen=window)
         self._g: deque[float] = deque(maxlen=window)  # cache guesses (embedding the query...)
+        self.cpu_bound = False  # verification keeps this machine's cores busy (not a remote wait)
 
     def record_speculation(self, seconds: float) -> None:
         self._a.append(seconds)
+
+    def record_cpu_share(self, cpu_seconds: float, wall_seconds: float) -> None:
+        """A synchronous verification used ``cpu_seconds`` of process CPU in ``wall_seconds``."""
+        self.cpu_bound = cpu_seconds > 0.5 * wall_seconds
+
+    def overlaps(self) -> bool:
+        """Verify asynchronously only when verification waits rather than computes: on a small
+        machine a CPU-bound search on a worker thread slows decoding more than it hides."""
+        return self.asynchronous and not self.cpu_bound
 
     def record_guess(self, seconds: float) -> None:
         self._g.append(seconds)
@@ -84,4 +94,4 @@ class StrideScheduler:
             return 1  # cold start, as RaLMSpec's --adapt_cold_start 1
         a = sum(self._a) / len(self._a)
         b = self._b[-1]
-        return best_stride(a, b, self.gamma, self.asynchronous, self.max_stride)
+        return best_stride(a, b, self.gamma, self.overlaps(), self.max_stride)

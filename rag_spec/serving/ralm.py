@@ -149,7 +149,7 @@ class IterativeRaLM:
         scheduler = StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
                                     asynchronous=self.asynchronous,
                                     max_stride=self.max_speculation_stride)
-        state.use(self._verify(session, [question], stats)[0], -1)
+        state.use(self._verify(session, [question], stats, scheduler)[0], -1)
         pending: list[_Pending] = []  # guessed points of the round being built
         in_flight: tuple[Future, list[_Pending]] | None = None  # a round under verification
         point = 0
@@ -190,12 +190,12 @@ class IterativeRaLM:
                 # 3. Verify this round: on a worker while the next round speculates, or now.
                 stats.strides.append(len(pending))
                 queries = [p.query for p in pending]
-                if self.asynchronous and not settled:
+                if scheduler.overlaps() and not settled:
                     in_flight = (pool.submit(self._verify, session, queries, stats), pending)
                     state.use(pending[-1].guess, pending[-1].point)
                     pending = []  # the next stride generates on the guess while it is checked
                     continue
-                truths = self._verify(session, queries, stats)
+                truths = self._verify(session, queries, stats, scheduler)
                 resume = self._settle(state, pending, truths, scheduler, stats)
                 if resume is None:
                     if done:
@@ -226,11 +226,15 @@ class IterativeRaLM:
         state.use(truths[wrong], points[wrong].point)
         return points[wrong].point + 1
 
-    def _verify(self, session: SpecSession, queries: list[str],
-                stats: RalmStats) -> list[list[Hit]]:
-        started = time.perf_counter()
+    def _verify(self, session: SpecSession, queries: list[str], stats: RalmStats,
+                scheduler: StrideScheduler | None = None) -> list[list[Hit]]:
+        """One knowledge-base call; given the ``scheduler``, it runs in the foreground and its
+        CPU share is measured (a worker's would include the decoding running beside it)."""
+        started, cpu = time.perf_counter(), time.process_time()
         truths = session.verify(queries, self.k)
         elapsed = time.perf_counter() - started
+        if scheduler is not None:
+            scheduler.record_cpu_share(time.process_time() - cpu, elapsed)
         stats.retrieval_seconds += elapsed
         stats.last_verify_seconds = elapsed
         stats.kb_calls += 1
