@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class RalmStats:
     retrieval_seconds: float = 0.0  # inside knowledge-base calls
     generation_seconds: float = 0.0  # prefills and decoding
     waiting_seconds: float = 0.0  # blocked on an asynchronous verification
-    last_verify_seconds: float = 0.0
+    last_verify_seconds: float = 0.0  # the latest call's, for the stride scheduler
 
 
 @dataclass
@@ -119,10 +120,13 @@ class IterativeRaLM:
         tail = (question_ids + output)[-self.query_tokens:]
         return self.lm.tokenizer.decode(tail, skip_special_tokens=True)
 
-    def _search(self, queries: list[str], stats: RalmStats, k: int) -> list[list[Hit]]:
+    def _search(self, search: Any, queries: list[str], stats: RalmStats) -> list[list[Hit]]:
+        """One knowledge-base call through ``search``, timed and counted."""
         started = time.perf_counter()
-        hits = self.retriever.search(queries, k)
-        stats.retrieval_seconds += time.perf_counter() - started
+        hits = search(queries, self.k)
+        elapsed = time.perf_counter() - started
+        stats.retrieval_seconds += elapsed
+        stats.last_verify_seconds = elapsed
         stats.kb_calls += 1
         stats.queries_verified += len(queries)
         return hits
@@ -132,14 +136,14 @@ class IterativeRaLM:
 
     def _naive(self, state: RalmState, question: str, question_ids: list[int], limit: int,
                stats: RalmStats) -> None:
-        state.use(self._search([question], stats, self.k)[0], -1)
+        state.use(self._search(self.retriever.search, [question], stats)[0], -1)
         point = 0
         while True:
             self._generate(state, limit)
             if state.finished or len(state.output) >= limit:
                 return
             query = self._query(question_ids, state.output)
-            state.use(self._search([query], stats, self.k)[0], point)
+            state.use(self._search(self.retriever.search, [query], stats)[0], point)
             point += 1
 
     def _speculative(self, state: RalmState, question: str, question_ids: list[int],
@@ -230,13 +234,8 @@ class IterativeRaLM:
                 scheduler: StrideScheduler | None = None) -> list[list[Hit]]:
         """One knowledge-base call; given the ``scheduler``, it runs in the foreground and its
         CPU share is measured (a worker's would include the decoding running beside it)."""
-        started, cpu = time.perf_counter(), time.process_time()
-        truths = session.verify(queries, self.k)
-        elapsed = time.perf_counter() - started
+        cpu = time.process_time()
+        truths = self._search(session.verify, queries, stats)
         if scheduler is not None:
-            scheduler.record_cpu_share(time.process_time() - cpu, elapsed)
-        stats.retrieval_seconds += elapsed
-        stats.last_verify_seconds = elapsed
-        stats.kb_calls += 1
-        stats.queries_verified += len(queries)
+            scheduler.record_cpu_share(time.process_time() - cpu, stats.last_verify_seconds)
         return truths
