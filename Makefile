@@ -24,7 +24,7 @@ demo: pull  ## answer a question about the standard library, citing the passages
 	$(BIN)/rag-spec ask "$(QUESTION)"
 
 test: pull  ## unit tests on tiny random models, then end-to-end tests on the real model
-	$(BIN)/ruff check rag_spec tests
+	$(BIN)/ruff check rag_spec kernels integrations tests
 	$(BIN)/python -m pytest -q
 
 bench: pull

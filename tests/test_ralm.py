@@ -1,57 +1,16 @@
 """Iterative RaLM: speculative retrieval gives the naive loop's tokens, with fewer KB calls."""
 
-import hashlib
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_llama
+from conftest import HashRetriever, char_tokenizer, tiny_llama
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
 from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
-from rag_spec.retrieval.types import Hit
 from rag_spec.serving.ralm import IterativeRaLM
-
-WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
-
-
-class HashRetriever:
-    """Deterministic scores from a hash of (query, passage); ``score`` is the same metric,
-    unless ``lying`` makes the local scores disagree (forced mispredictions)."""
-
-    def __init__(self, n: int = 40, lying: bool = False, raise_after: int | None = None,
-                 stable: bool = False, score_ms: float = 0.0):
-        self.texts = [" ".join(WORDS[(i * j) % len(WORDS)] for j in range(1, 6)) for i in range(n)]
-        self.lying = lying
-        self.calls = 0
-        self.raise_after = raise_after
-        self.stable = stable  # the same top passage for every query
-        self.score_ms = score_ms  # extra cost of a local (cache) score
-
-    def _score(self, query: str, doc: int, salt: str = "") -> float:
-        key = "" if self.stable else query[-6:]
-        digest = hashlib.sha256(f"{salt}{key}|{doc % 7}".encode()).digest()
-        return int.from_bytes(digest[:4], "big") / 2**32
-
-    def search(self, queries, k=1):
-        self.calls += 1
-        if self.raise_after is not None and self.calls > self.raise_after:
-            msg = "knowledge base is down"
-            raise ConnectionError(msg)
-        out = []
-        for q in queries:
-            scores = [self._score(q, d) for d in range(len(self.texts))]
-            order = np.argsort(-np.asarray(scores), kind="stable")[:k]
-            out.append([Hit(int(d), scores[d], f"doc{d}", self.texts[d]) for d in order])
-        return out
-
-    def score(self, queries, doc_ids):
-        time.sleep(self.score_ms / 1000)
-        salt = "lie" if self.lying else ""
-        return np.array([[self._score(q, d, salt) for d in doc_ids] for q in queries])
 
 
 def service(retriever: HashRetriever, latency_ms: float = 3) -> DelayedRetriever:

@@ -115,6 +115,7 @@ class LookaheadDecoder:
                  repetition_penalty: float = 1.0, stop: Sequence[str] = (),
                  streamer: Callable[[str], None] | Any = None,
                  attention_mask: Any = None, seed: int | None = None,
+                 context: Sequence[str] = (),
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` after each prompt.
 
@@ -125,6 +126,8 @@ class LookaheadDecoder:
             streamer: receives each settled piece of text (a callable), or token ids (a
                 transformers streamer); single prompts only.
             seed: fixes sampled output, whatever the drafts (default: drawn from torch's RNG).
+            context: documents this call may copy from, like ``add_context`` but for this call
+                only (safe when threads share the decoder).
 
         Returns:
             A GenerationResult for a single prompt, a list of them for a batch.
@@ -139,14 +142,18 @@ class LookaheadDecoder:
             raise RagSpecError(msg)
         if stop:
             self._require_tokenizer("stop strings")
+        if context:
+            self._require_tokenizer("context documents")
+        documents = self.tokenizer(list(context), add_special_tokens=False)["input_ids"] \
+            if context else []
         self._check_length(prompts)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         generator = torch.Generator().manual_seed(seed)
         with self._lock, torch.inference_mode(), use_tree_attention(self.model), \
                 use_onednn_linear(self.model, self.config.onednn_linear):
-            context, self._context = self._context, []
-            rows = [_Row(p, self.drafter.session(p, context), AdaptiveBudget(
+            documents, self._context = self._context + documents, []
+            rows = [_Row(p, self.drafter.session(p, documents), AdaptiveBudget(
                 self.config.budget, adaptive=self.config.adaptive),
                 uniforms=torch.rand(max_new_tokens + self.config.budget + 1,
                                     generator=generator) if do_sample else None)

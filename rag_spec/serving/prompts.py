@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rag_spec.retrieval.types import Hit
@@ -19,6 +19,17 @@ def rag_messages(question: str, hits: Sequence[Hit]) -> list[dict[str, str]]:
     """System + user messages: the passages, then the question."""
     user = f"{format_context(hits)}\n\n{question}" if hits else question
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def merge_turns(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """Join consecutive messages of one role: many chat templates insist that roles alternate."""
+    merged: list[dict[str, str]] = []
+    for message in messages:
+        if merged and merged[-1]["role"] == message["role"]:
+            merged[-1]["content"] += "\n\n" + message["content"]
+        else:
+            merged.append({"role": message["role"], "content": message["content"]})
+    return merged
 
 
 def chat_input_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

@@ -1,0 +1,45 @@
+"""``IterativeRaLM``: question in, answer out, retrieving every few tokens (RaLMSpec)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+
+from langchain_rag_spec.chat_models import ChatLookahead
+from langchain_rag_spec.llms import LookaheadLLM
+from langchain_rag_spec.retrievers import SpecRetriever
+from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
+from rag_spec.serving.ralm import IterativeRaLM as RaLM
+
+
+class IterativeRaLM(RunnableSerializable[str, str]):
+    """Iterative retrieval-augmented generation as a Runnable.
+
+    Every ``stride`` tokens the latest ``query_tokens`` tokens query ``retriever`` and the top
+    passage replaces the one in the prompt. With ``speculative=True`` retrievals are guessed
+    from a per-request cache and verified in batches, asynchronously; the answer is the same.
+
+    Example:
+        >>> chain = IterativeRaLM(llm=ChatLookahead(), retriever=SpecRetriever())  # doctest: +SKIP
+        >>> chain.invoke("How do I copy a file?")                                   # doctest: +SKIP
+    """
+
+    llm: ChatLookahead | LookaheadLLM
+    retriever: SpecRetriever
+    speculative: bool = True
+    stride: int = 4
+    query_tokens: int = 32
+    k: int = 1
+    max_tokens: int = 128
+
+    def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> str:
+        return self._call_with_config(self._answer, input, config, **kwargs)
+
+    def _answer(self, question: str) -> str:
+        local = self.llm.local_lm()
+        search = self.retriever.backend()
+        ralm = RaLM(local.lm, SpeculativeSearch(search) if self.speculative else search,
+                    stride=self.stride, query_tokens=self.query_tokens, k=self.k)
+        with local.lock:  # the model computes for one caller at a time
+            return ralm.generate(question, max_new_tokens=self.max_tokens).text

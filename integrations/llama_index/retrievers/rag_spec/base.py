@@ -1,0 +1,54 @@
+"""``SpecRetriever``: a LlamaIndex retriever over a rag_spec knowledge base."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from rag_spec.retrieval.batching import BatchingRetriever
+from rag_spec.retrieval.knowledge_base import KnowledgeBase
+from rag_spec.retrieval.types import Hit, Retriever
+
+
+class SpecRetriever(BaseRetriever):
+    """Top ``similarity_top_k`` passages as ``NodeWithScore``; concurrent calls share a search.
+
+    Args:
+        knowledge_base: a rag_spec KnowledgeBase or any rag_spec Retriever; ``None`` opens the
+            default knowledge base with index ``kind`` ("flat", "hnsw", "ivf", "bm25").
+
+    Example:
+        >>> from llama_index.core.query_engine import RetrieverQueryEngine          # doctest: +SKIP
+        >>> RetrieverQueryEngine.from_args(SpecRetriever(), llm=LookaheadLLM())     # doctest: +SKIP
+    """
+
+    def __init__(self, knowledge_base: Retriever | None = None, *, kind: str = "flat",
+                 similarity_top_k: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._source = knowledge_base
+        self._kind = kind
+        self.similarity_top_k = similarity_top_k
+        self._backend: BatchingRetriever | None = None
+
+    def backend(self) -> Retriever:
+        """The rag_spec Retriever that answers (opened on first use)."""
+        if self._backend is None:
+            source = self._source or KnowledgeBase.load_default(self._kind)
+            self._backend = BatchingRetriever(source)
+        return self._backend
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = self.backend().search([query_bundle.query_str], self.similarity_top_k)[0]
+        return [_node(hit) for hit in hits]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+def _node(hit: Hit) -> NodeWithScore:
+    node = TextNode(text=hit.text, id_=f"rag-spec-{hit.doc_id}",
+                    metadata={"title": hit.title, "doc_id": hit.doc_id})
+    return NodeWithScore(node=node, score=hit.score)

@@ -1,0 +1,34 @@
+"""A Retriever that answers concurrent single searches with one batched knowledge-base call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rag_spec.coalesce import Coalescer
+from rag_spec.retrieval.types import Hit, Retriever
+
+
+class BatchingRetriever:
+    """Wraps ``retriever`` so that searches arriving together from many threads (a framework's
+    ``batch``, a server's requests) become one ``search`` call: one faiss call for all queries.
+
+    Args:
+        retriever: any Retriever.
+        wait_ms: how long the first search waits for others to join it.
+    """
+
+    def __init__(self, retriever: Retriever, *, wait_ms: float = 1.0) -> None:
+        self.retriever = retriever
+        self._worker: Coalescer[str, list[Hit]] = Coalescer(
+            self._run, wait_ms=wait_ms, max_batch=64, name="rag-spec retrieval")
+
+    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
+        futures = [self._worker.submit(query, key=k) for query in queries]
+        return [future.result() for future in futures]
+
+    def _run(self, k: Any, queries: Sequence[str]) -> list[list[Hit]]:
+        return self.retriever.search(list(queries), k)
+
+    def __getattr__(self, name: str) -> Any:  # score, passages, ... of the wrapped retriever
+        return getattr(self.retriever, name)

@@ -1,0 +1,179 @@
+"""LangChain adapters on a tiny model folder: same tokens as transformers, real streaming,
+exact stops, non-blocking async, real batching, and errors that surface through chains."""
+
+import asyncio
+
+import pytest
+import torch
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.runnables import RunnableLambda
+
+from conftest import HashRetriever
+from langchain_rag_spec import ChatLookahead, IterativeRaLM, LookaheadLLM, SpecRetriever
+from rag_spec.models import load_model
+from rag_spec.serving.local_lm import LocalLM
+
+MAX = 24
+
+
+@pytest.fixture
+def chat(tiny_model_dir):
+    return ChatLookahead(model=tiny_model_dir, max_tokens=MAX)
+
+
+@pytest.fixture
+def completer(tiny_model_dir):
+    return LookaheadLLM(model=tiny_model_dir, max_tokens=MAX)
+
+
+def greedy(folder, prompt_ids, max_new_tokens=MAX):
+    """transformers' own greedy decoding: the reference every adapter must match."""
+    lm = load_model(folder)
+    ids = torch.tensor([prompt_ids])  # the mask keeps pad-valued prompt tokens visible
+    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids),
+                            max_new_tokens=max_new_tokens, do_sample=False)
+    return lm.tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+
+
+def test_chat_invoke_equals_transformers_greedy(chat, tiny_model_dir):
+    messages = [SystemMessage("be brief."), HumanMessage("hello there")]
+    reply = chat.invoke(messages)
+    prompt = LocalLM.shared(tiny_model_dir).encode(
+        [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hello there"}])
+    assert reply.content == greedy(tiny_model_dir, prompt)
+    assert reply.usage_metadata["output_tokens"] == MAX
+    assert reply.usage_metadata["input_tokens"] == len(prompt)
+    assert reply.response_metadata["model_name"] == tiny_model_dir
+    assert reply.response_metadata["speculation"]["tokens_per_step"] >= 1
+
+
+def test_llm_returns_only_new_text_equal_to_transformers(completer, tiny_model_dir):
+    prompt = "the cat sat on the mat. the cat"
+    ids = load_model(tiny_model_dir).tokenizer(prompt)["input_ids"]
+    assert completer.invoke(prompt) == greedy(tiny_model_dir, ids)
+
+
+def test_stream_yields_chunks_that_join_to_invoke(chat):
+    chunks = list(chat.stream("hello there"))
+    assert len(chunks) > 1
+    assert "".join(c.content for c in chunks) == chat.invoke("hello there").content
+    assert chunks[-1].chunk_position == "last"
+    assert [c.usage_metadata is not None for c in chunks].count(True) == 1
+
+
+def test_llm_stream_fires_token_callbacks(completer):
+    class Tokens(BaseCallbackHandler):
+        def __init__(self):
+            self.pieces = []
+
+        def on_llm_new_token(self, token, **kwargs):
+            self.pieces.append(token)
+
+    handler = Tokens()
+    streamed = "".join(completer.stream("the cat", config={"callbacks": [handler]}))
+    assert len(handler.pieces) > 1
+    assert "".join(handler.pieces) == streamed == completer.invoke("the cat")
+
+
+@pytest.mark.parametrize("per_call", [True, False])
+def test_stop_sequences_cut_exactly(tiny_model_dir, per_call):
+    free = ChatLookahead(model=tiny_model_dir, max_tokens=MAX).invoke("hello there").content
+    stop = free[8:11]
+    expected = free[:free.index(stop)]
+    if per_call:
+        cut = ChatLookahead(model=tiny_model_dir, max_tokens=MAX).invoke("hello there",
+                                                                         stop=[stop])
+    else:
+        cut = ChatLookahead(model=tiny_model_dir, max_tokens=MAX, stop=[stop]).invoke(
+            "hello there")
+    assert cut.content == expected
+    assert cut.response_metadata["finish_reason"] == "stop"
+    streamed = "".join(c.content for c in ChatLookahead(
+        model=tiny_model_dir, max_tokens=MAX).stream("hello there", stop=[stop]))
+    assert streamed == expected
+
+
+def test_batch_decodes_together_and_matches_invoke(chat, tiny_model_dir, monkeypatch):
+    lm = LocalLM.shared(tiny_model_dir)
+    batch_sizes = []
+    generate = lm.decoder.generate
+
+    def spy(prompts, **kwargs):
+        batch_sizes.append(len(prompts))
+        return generate(prompts, **kwargs)
+
+    monkeypatch.setattr(lm.decoder, "generate", spy)
+    inputs = ["hello there", "what is up", "a cat sat"]
+    replies = chat.batch(inputs)
+    assert max(batch_sizes) > 1  # concurrent invokes were merged into one decode
+    assert [r.content for r in replies] == [chat.invoke(i).content for i in inputs]
+
+
+async def test_async_calls_run_concurrently_without_blocking_the_loop(chat):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    clock = asyncio.create_task(ticker())
+    first, second = await asyncio.gather(chat.ainvoke("hello there"), chat.ainvoke("a cat sat"))
+    streamed = [c.content async for c in chat.astream("hello there")]
+    clock.cancel()
+    assert ticks > 5
+    assert first.content == chat.invoke("hello there").content
+    assert second.content == chat.invoke("a cat sat").content
+    assert len(streamed) > 1 and "".join(streamed) == first.content
+
+
+async def test_llm_async_batch(completer):
+    results = await completer.abatch(["the cat", "a dog"])
+    assert results == [completer.invoke("the cat"), completer.invoke("a dog")]
+
+
+def test_context_documents_do_not_change_the_answer(chat):
+    plain = chat.invoke("hello there").content
+    with_docs = chat.with_context(["hello there, the cat sat on the mat"]).invoke("hello there")
+    assert with_docs.content == plain
+
+
+def test_an_early_break_in_a_stream_frees_the_model(chat):
+    for _ in chat.stream("hello there"):
+        break
+    assert chat.invoke("hello there").content  # would hang if the model were still held
+
+
+def test_retriever_k_batch_and_one_search_per_batch():
+    source = HashRetriever()
+    retriever = SpecRetriever(source=source, k=3)
+    docs = retriever.invoke("alpha beta")
+    assert len(docs) == 3 and docs[0].metadata["title"].startswith("doc")
+    assert len(retriever.invoke("alpha beta", k=1)) == 1
+    source.calls = 0
+    results = retriever.batch([f"query {i}" for i in range(6)])
+    assert [len(r) for r in results] == [3] * 6
+    assert source.calls < 6  # merged into batched knowledge-base calls
+
+
+def test_a_failing_retriever_surfaces_through_the_chain():
+    chain = SpecRetriever(source=HashRetriever(raise_after=0)) | RunnableLambda(len)
+    with pytest.raises(ConnectionError, match="knowledge base is down"):
+        chain.invoke("alpha")
+
+
+def test_retriever_rejects_what_it_cannot_search():
+    with pytest.raises(Exception, match="cannot search a int"):
+        SpecRetriever(source=3).invoke("alpha")
+
+
+def test_iterative_ralm_runnable_speculative_equals_naive(chat):
+    source = HashRetriever()
+    naive = IterativeRaLM(llm=chat, retriever=SpecRetriever(source=source), speculative=False,
+                          max_tokens=16)
+    fast = IterativeRaLM(llm=chat, retriever=SpecRetriever(source=source), max_tokens=16)
+    question = "alpha beta gamma"
+    assert fast.invoke(question) == naive.invoke(question)
+    assert (naive | RunnableLambda(str.upper)).invoke(question) == naive.invoke(question).upper()

@@ -1,0 +1,92 @@
+"""LlamaIndex adapters: the LLM on a tiny model folder (same tokens as transformers, streaming,
+async), then query engines end to end on the embedded model and knowledge base."""
+
+import asyncio
+
+import pytest
+import torch
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.llms import ChatMessage
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.embeddings.rag_spec import RagSpecEmbedding
+from llama_index.llms.rag_spec import LookaheadLLM
+from llama_index.retrievers.rag_spec import SpecRetriever
+
+from conftest import HashRetriever
+from rag_spec.models import load_model
+from rag_spec.serving.local_lm import LocalLM
+
+
+@pytest.fixture
+def llm(tiny_model_dir):
+    return LookaheadLLM(model=tiny_model_dir, max_new_tokens=24)
+
+
+def test_complete_equals_transformers_greedy(llm, tiny_model_dir):
+    lm = load_model(tiny_model_dir)
+    ids = torch.tensor([lm.tokenizer("the cat sat")["input_ids"]])
+    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                            do_sample=False)
+    expected = lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    response = llm.complete("the cat sat")
+    assert response.text == expected
+    assert response.additional_kwargs["completion_tokens"] == out.shape[1] - ids.shape[1]
+
+
+def test_chat_applies_the_chat_prompt_and_streams_deltas(llm, tiny_model_dir):
+    messages = [ChatMessage(role="user", content="hello there")]
+    reply = llm.chat(messages)
+    prompt = LocalLM.shared(tiny_model_dir).encode([{"role": "user", "content": "hello there"}])
+    assert reply.additional_kwargs["prompt_tokens"] == len(prompt)
+    streamed = list(llm.stream_chat(messages))
+    assert len(streamed) > 1
+    assert "".join(r.delta for r in streamed) == streamed[-1].message.content
+    assert streamed[-1].message.content == reply.message.content
+    assert [r.text for r in llm.stream_complete("the cat")][-1] == llm.complete("the cat").text
+
+
+async def test_async_methods_match_sync_and_run_together(llm):
+    messages = [ChatMessage(role="user", content="hello there")]
+    reply, completion = await asyncio.gather(llm.achat(messages), llm.acomplete("the cat"))
+    assert reply.message.content == llm.chat(messages).message.content
+    assert completion.text == llm.complete("the cat").text
+    pieces = [r.delta async for r in await llm.astream_complete("the cat")]
+    assert len(pieces) > 1 and "".join(pieces) == completion.text
+    chat_pieces = [r.delta async for r in await llm.astream_chat(messages)]
+    assert "".join(chat_pieces) == reply.message.content
+
+
+def test_metadata_comes_from_the_model(llm, tiny_model_dir):
+    meta = llm.metadata
+    assert meta.context_window == load_model(tiny_model_dir).model.config.max_position_embeddings
+    assert meta.is_chat_model and meta.num_output == 24
+
+
+def test_retriever_returns_scored_nodes():
+    nodes = SpecRetriever(HashRetriever(), similarity_top_k=2).retrieve("alpha beta")
+    assert len(nodes) == 2
+    assert nodes[0].score >= nodes[1].score
+    assert nodes[0].node.metadata["title"].startswith("doc")
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+def test_query_engine_answers_from_the_default_knowledge_base():
+    engine = RetrieverQueryEngine.from_args(SpecRetriever(similarity_top_k=2),
+                                            llm=LookaheadLLM(max_new_tokens=48))
+    response = engine.query("How do I join two path components with os.path?")
+    assert "posixpath.join" in [n.node.metadata["title"] for n in response.source_nodes]
+    assert "join" in str(response).lower()
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+def test_vector_store_index_works_offline_with_our_embeddings():
+    docs = [Document(text="The capital of France is Paris."),
+            Document(text="Python lists are mutable sequences."),
+            Document(text="The mitochondria is the powerhouse of the cell.")]
+    index = VectorStoreIndex.from_documents(docs, embed_model=RagSpecEmbedding())
+    nodes = index.as_retriever(similarity_top_k=1).retrieve("Which city is France's capital?")
+    assert "Paris" in nodes[0].node.get_content()
+    engine = index.as_query_engine(llm=LookaheadLLM(max_new_tokens=24), similarity_top_k=1)
+    assert str(engine.query("What is the capital of France?")).strip()
