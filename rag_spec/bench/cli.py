@@ -28,6 +28,11 @@ def add_bench_commands(commands: Any) -> None:
     ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
     ralm.add_argument("--max-new-tokens", type=int, default=64)
     ralm.set_defaults(run=_ralm)
+    chain = kinds.add_parser("chain", help="LangChain / LlamaIndex RAG: stock vs rag-spec classes")
+    chain.add_argument("--json", dest="json_out", help="write the report here")
+    chain.add_argument("--limit", type=int, default=12, help="use the first N questions")
+    chain.add_argument("--max-new-tokens", type=int, default=128)
+    chain.set_defaults(run=_chain)
 
 
 def _lookahead(args: argparse.Namespace) -> int:
@@ -47,4 +52,11 @@ def _ralm(args: argparse.Namespace) -> int:
     run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
         questions_file=args.questions, json_out=args.json_out, limit=args.limit,
         max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+def _chain(args: argparse.Namespace) -> int:
+    from rag_spec.bench.chain import run
+
+    run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
     return 0

@@ -42,13 +42,15 @@ class SpecRetriever(BaseRetriever):
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = self.backend().search([query_bundle.query_str], self.similarity_top_k)[0]
-        return [_node(hit) for hit in hits]
+        return [NodeWithScore(node=passage_node(hit), score=hit.score) for hit in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
 
 
-def _node(hit: Hit) -> NodeWithScore:
-    node = TextNode(text=hit.text, id_=f"rag-spec-{hit.doc_id}",
-                    metadata={"title": hit.title, "doc_id": hit.doc_id})
-    return NodeWithScore(node=node, score=hit.score)
+def passage_node(hit: Hit, embedding: list[float] | None = None) -> TextNode:
+    """A passage as a LlamaIndex node: the LLM sees its title and text, not its id."""
+    return TextNode(text=hit.text, id_=f"rag-spec-{hit.doc_id}", embedding=embedding,
+                    metadata={"title": hit.title, "doc_id": hit.doc_id},
+                    excluded_llm_metadata_keys=["doc_id"],
+                    excluded_embed_metadata_keys=["doc_id", "title"])
