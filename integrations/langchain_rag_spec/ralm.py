@@ -41,5 +41,5 @@ class IterativeRaLM(RunnableSerializable[str, str]):
         search = self.retriever.backend()
         ralm = RaLM(local.lm, SpeculativeSearch(search) if self.speculative else search,
                     stride=self.stride, query_tokens=self.query_tokens, k=self.k)
-        with local.lock:  # the model computes for one caller at a time
+        with local.exclusive():  # the model computes for one caller at a time
             return ralm.generate(question, max_new_tokens=self.max_tokens).text

@@ -4,9 +4,10 @@ keep the longest path the model agrees with plus one bonus token, compact the KV
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,6 +86,45 @@ class _Row:
         return self.prompt + self.output
 
 
+class GenerationStream:
+    """Text pieces of one generation, produced as the caller iterates; ``result`` at the end."""
+
+    def __init__(self, steps: Generator[None, None, list[GenerationResult]],
+                 pieces: list[str]) -> None:
+        self._steps = steps
+        self._pieces = pieces  # filled by the decoder's text stream as steps settle text
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while True:
+                try:
+                    next(self._steps)
+                except StopIteration as done:
+                    self.result = done.value[0]
+                    yield from self._flush()
+                    return
+                yield from self._flush()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop generating (the decoder is free again)."""
+        self._steps.close()
+
+    def _flush(self) -> Iterator[str]:
+        pieces, self._pieces[:] = list(self._pieces), []
+        yield from pieces
+
+
+def _drain(steps: Generator[None, None, list[GenerationResult]]) -> list[GenerationResult]:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class LookaheadDecoder:
     """Speculative decoding for any transformers causal LM, with plain decoding's exact output.
 
@@ -103,7 +143,7 @@ class LookaheadDecoder:
             branch_length=self.config.branch_length, mode=self.config.mode,
             memory_mb=self.config.memory_mb)
         self._context: list[list[int]] = []
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
 
     def add_context(self, texts: Sequence[str]) -> None:
         """Documents the next ``generate`` call may copy from (e.g. retrieved passages)."""
@@ -133,12 +173,48 @@ class LookaheadDecoder:
             A GenerationResult for a single prompt, a list of them for a batch.
         """
         prompts, single = _prompts(input_ids, attention_mask)
-        params = SamplingParams(do_sample, temperature, top_k, top_p, repetition_penalty)
-        if max_new_tokens <= 0:
-            msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
-            raise RagSpecError(msg)
         if streamer is not None and len(prompts) > 1:
             msg = "A streamer follows one prompt; call generate once per prompt to stream each."
+            raise RagSpecError(msg)
+        steps = self._steps(prompts, max_new_tokens, SamplingParams(
+            do_sample, temperature, top_k, top_p, repetition_penalty), stop, seed, context,
+            streamer)
+        results = _drain(steps)
+        return results[0] if single else results
+
+    def stream(self, input_ids: Any, max_new_tokens: int = 128, **options: Any
+               ) -> GenerationStream:
+        """Generate for one prompt on the caller's thread, yielding text as it settles.
+
+        Takes ``generate``'s options (except ``streamer``). Iterate the returned stream for text
+        pieces (they join to the final text); its ``result`` is set once it is exhausted.
+        Closing the stream early stops the generation at the current step.
+
+        Example:
+            >>> stream = decoder.stream(ids, max_new_tokens=64)            # doctest: +SKIP
+            >>> for piece in stream: print(piece, end="")                  # doctest: +SKIP
+            >>> stream.result.stats.tokens_per_step                        # doctest: +SKIP
+        """
+        prompts, _ = _prompts(input_ids, options.pop("attention_mask", None))
+        if len(prompts) > 1:
+            msg = "stream follows one prompt; use generate for a batch."
+            raise RagSpecError(msg)
+        params = SamplingParams(options.pop("do_sample", False), options.pop("temperature", 1.0),
+                                options.pop("top_k", 0), options.pop("top_p", 1.0),
+                                options.pop("repetition_penalty", 1.0))
+        pieces: list[str] = []
+        return GenerationStream(self._steps(
+            prompts, max_new_tokens, params, options.pop("stop", ()), options.pop("seed", None),
+            options.pop("context", ()), pieces.append, **options), pieces)
+
+    def _steps(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
+               stop: Sequence[str], seed: int | None, context: Sequence[str],
+               streamer: Callable[[str], None] | Any = None,
+               ) -> Generator[None, None, list[GenerationResult]]:
+        """The whole generation as a generator: one ``yield`` per decoding step, holding the
+        decoder meanwhile; returns the results."""
+        if max_new_tokens <= 0:
+            msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
             raise RagSpecError(msg)
         if stop:
             self._require_tokenizer("stop strings")
@@ -150,66 +226,82 @@ class LookaheadDecoder:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         generator = torch.Generator().manual_seed(seed)
-        with self._lock, torch.inference_mode(), use_tree_attention(self.model), \
-                use_onednn_linear(self.model, self.config.onednn_linear):
+        with self._lock:
             documents, self._context = self._context + documents, []
             rows = [_Row(p, self.drafter.session(p, documents), AdaptiveBudget(
                 self.config.budget, adaptive=self.config.adaptive),
                 uniforms=torch.rand(max_new_tokens + self.config.budget + 1,
-                                    generator=generator) if do_sample else None)
+                                    generator=generator) if params.do_sample else None)
                 for p in prompts]
             rules = [StopRule(self.tokenizer, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
-            self._decode(rows, rules, params, stream)
-        results = [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
-                                    r.finish_reason or "length", r.stats)
-                   for r, rule in zip(rows, rules)]
-        return results[0] if single else results
+            yield from self._decode(rows, rules, params, stream)
+        return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
+                                 r.finish_reason or "length", r.stats)
+                for r, rule in zip(rows, rules)]
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """The model's fast verification path, entered per step so that nothing leaks into the
+        caller's code between the steps of a stream."""
+        with torch.inference_mode(), use_tree_attention(self.model), \
+                use_onednn_linear(self.model, self.config.onednn_linear):
+            yield
 
     def _decode(self, rows: list[_Row], rules: list[StopRule], params: SamplingParams,
-                stream: TextStream | None) -> None:
+                stream: TextStream | None) -> Iterator[None]:
         started = time.perf_counter()
-        cache, valid = self._prefill([r.prompt[:-1] for r in rows])
+        with self._computing():
+            cache, valid = self._prefill([r.prompt[:-1] for r in rows])
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
         roots = [r.prompt[-1] for r in rows]
         positions = [len(r.prompt) - 1 for r in rows]
         while any(r.finish_reason is None for r in rows):
-            # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
-            t0 = time.perf_counter()
-            active = [r.finish_reason is None for r in rows]
-            trees = [r.session.propose(r.context, r.budget.current) if on else TokenTree.empty()
-                     for r, on in zip(rows, active)]
-            # 2. Verify: one forward pass over every row's root and tree.
-            t1 = time.perf_counter()
-            step = tree_batch(roots, trees, positions, valid, self.model.dtype)
-            logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
-                                attention_mask=step.attention_mask, past_key_values=cache,
-                                use_cache=True).logits
-            t2 = time.perf_counter()
-            # 3. Accept: the longest path matching the target's choices, plus a bonus token.
-            keep = []
-            for b, (row, tree) in enumerate(zip(rows, trees)):
-                uniforms = None if row.uniforms is None else row.uniforms[len(row.output):]
-                choices = target_choices(logits[b, :1 + len(tree)], row.context, tree, params,
-                                         uniforms)
-                path, bonus = accept(tree, choices)
-                keep.append([0] + [1 + node for node in path])
-                if active[b]:
-                    self._commit(row, rules[b], tree.path_tokens(path) + [bonus], len(tree))
-                roots[b] = bonus
-                positions[b] += 1 + len(path)
-            # 4. Roll back: keep only the accepted slots of the KV cache.
-            valid = keep_accepted(cache, valid.shape[1], keep, valid)
+            with self._computing():
+                valid = self._step(rows, rules, params, cache, roots, positions, valid)
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
-            t3 = time.perf_counter()
-            for row, on in zip(rows, active):
-                if on:
-                    row.stats.draft_seconds += t1 - t0
-                    row.stats.forward_seconds += t2 - t1
-                    row.stats.bookkeeping_seconds += t3 - t2
+            yield
+
+    def _step(self, rows: list[_Row], rules: list[StopRule], params: SamplingParams, cache: Any,
+              roots: list[int], positions: list[int], valid: torch.Tensor) -> torch.Tensor:
+        """One step for every row: draft, verify in one forward pass, accept, compact the cache.
+        Advances ``roots`` and ``positions`` in place; returns the new validity mask."""
+        # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
+        t0 = time.perf_counter()
+        active = [r.finish_reason is None for r in rows]
+        trees = [r.session.propose(r.context, r.budget.current) if on else TokenTree.empty()
+                 for r, on in zip(rows, active)]
+        # 2. Verify: one forward pass over every row's root and tree.
+        t1 = time.perf_counter()
+        step = tree_batch(roots, trees, positions, valid, self.model.dtype)
+        logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
+                            attention_mask=step.attention_mask, past_key_values=cache,
+                            use_cache=True).logits
+        t2 = time.perf_counter()
+        # 3. Accept: the longest path matching the target's choices, plus a bonus token.
+        keep = []
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            uniforms = None if row.uniforms is None else row.uniforms[len(row.output):]
+            choices = target_choices(logits[b, :1 + len(tree)], row.context, tree, params,
+                                     uniforms)
+            path, bonus = accept(tree, choices)
+            keep.append([0] + [1 + node for node in path])
+            if active[b]:
+                self._commit(row, rules[b], tree.path_tokens(path) + [bonus], len(tree))
+            roots[b] = bonus
+            positions[b] += 1 + len(path)
+        # 4. Roll back: keep only the accepted slots of the KV cache.
+        valid = keep_accepted(cache, valid.shape[1], keep, valid)
+        t3 = time.perf_counter()
+        for row, on in zip(rows, active):
+            if on:
+                row.stats.draft_seconds += t1 - t0
+                row.stats.forward_seconds += t2 - t1
+                row.stats.bookkeeping_seconds += t3 - t2
+        return valid
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int) -> None:
         """Append tokens one by one until a stop rule fires; teach the drafter what was kept."""

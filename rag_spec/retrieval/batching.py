@@ -20,12 +20,11 @@ class BatchingRetriever:
 
     def __init__(self, retriever: Retriever, *, wait_ms: float = 1.0) -> None:
         self.retriever = retriever
-        self._worker: Coalescer[str, list[Hit]] = Coalescer(
-            self._run, wait_ms=wait_ms, max_batch=64, name="rag-spec retrieval")
+        self._batcher: Coalescer[str, list[Hit]] = Coalescer(self._run, wait_ms=wait_ms,
+                                                             max_batch=64)
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
-        futures = [self._worker.submit(query, key=k) for query in queries]
-        return [future.result() for future in futures]
+        return self._batcher(list(queries), key=k)
 
     def _run(self, k: Any, queries: Sequence[str]) -> list[list[Hit]]:
         return self.retriever.search(list(queries), k)

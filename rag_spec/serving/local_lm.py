@@ -1,19 +1,17 @@
 """One local model serving many callers: text or chat prompts, batched lossless generation,
 and streaming as plain or async iterators. The LangChain and LlamaIndex adapters sit on this.
 
-Every forward pass runs on one worker thread (a Coalescer), so callers on any thread or event
-loop are safe, and requests that arrive together with the same options decode as one batch.
+Requests that arrive together with the same options decode as one batch (a Coalescer); the
+model computes on a caller's thread, one request or batch at a time, so callers on any thread
+or event loop are safe.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rag_spec.coalesce import Coalescer
@@ -49,14 +47,19 @@ class GenerateOptions:
 
 @dataclass(frozen=True)
 class Completion:
-    """A finished generation with its token counts, speculation stats and wall time."""
+    """A finished generation with its token counts and speculation stats."""
 
     text: str
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str  # "eos", "stop" or "length"
     stats: DecodeStats
-    seconds: float  # from the start of decoding to the last token (queueing excluded)
+
+    @property
+    def seconds(self) -> float:
+        """Time the model spent on this generation (queueing excluded)."""
+        s = self.stats
+        return s.prefill_seconds + s.draft_seconds + s.forward_seconds + s.bookkeeping_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -71,21 +74,8 @@ class Chunk:
     completion: Completion | None = None
 
 
-@dataclass(frozen=True)
-class _Job:
-    prompt_ids: list[int]
-    options: GenerateOptions
-    context: tuple[str, ...]
-    sink: Callable[[str], None] | None = None  # streaming jobs run alone
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-class _Cancelled(Exception):
-    """The consumer stopped reading a stream; the decoder unwinds and frees the model."""
-
-
 class LocalLM:
-    """A loaded model behind a lookahead decoder and a batching worker.
+    """A loaded model behind a lookahead decoder that batches concurrent requests.
 
     Use ``LocalLM.shared(name)`` to get the one instance per model in this process.
 
@@ -101,8 +91,8 @@ class LocalLM:
                  batch_wait_ms: float = 5.0, max_batch: int = 8) -> None:
         self.lm = lm
         self.decoder = LookaheadDecoder(lm.model, lm.tokenizer, config)
-        self._worker = Coalescer(self._run, wait_ms=batch_wait_ms, max_batch=max_batch,
-                                 name=f"rag-spec {lm.name}")
+        self._batcher: Coalescer[list[int], Completion] = Coalescer(
+            self._run, wait_ms=batch_wait_ms, max_batch=max_batch)
 
     @classmethod
     def shared(cls, model: str | LoadedModel | None = None, *, config: LookaheadConfig | None
@@ -124,10 +114,9 @@ class LocalLM:
     def context_window(self) -> int:
         return int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
 
-    @property
-    def lock(self) -> threading.RLock:
-        """Held while the model computes; hold it to run other work on the same model."""
-        return self.decoder._lock
+    def exclusive(self) -> Any:
+        """A context manager that holds the model for other work (e.g. an iterative RaLM loop)."""
+        return self._batcher.exclusive()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or of chat messages with the generation prompt added."""
@@ -140,80 +129,65 @@ class LocalLM:
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:
-        """Complete each prompt; prompts of one call (and concurrent calls) share batches."""
-        futures = self._submit(prompts, options, context)
-        return [f.result() for f in futures]
+        """Complete each prompt; prompts of one call (and of concurrent calls) share batches."""
+        options = _checked(options)
+        return self._batcher([self.encode(p) for p in prompts], key=(options, tuple(context)))
 
     async def agenerate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                         context: Sequence[str] = ()) -> list[Completion]:
-        """``generate`` for event loops: awaits the worker without blocking the loop."""
-        futures = self._submit(prompts, options, context)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        """``generate`` for event loops: runs on a worker thread, the loop never blocks."""
+        return await asyncio.to_thread(self.generate, prompts, options, context)
 
     def stream(self, prompt: Prompt, options: GenerateOptions | None = None,
                context: Sequence[str] = ()) -> Iterator[Chunk]:
         """Yield text as the decoder settles it; the last chunk carries the Completion.
 
-        Stopping early (``break``) cancels the generation at its next step.
+        Stopping early (``break``) ends the generation at its current step.
         """
-        pieces: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        job = self._stream_job(prompt, options, context, pieces.put)
-        future = self._worker.submit(job, key=object())  # a key of its own: never batched
-        future.add_done_callback(pieces.put)
-        try:
-            while not isinstance(item := pieces.get(), Future):
-                yield Chunk(item)
-            yield Chunk("", item.result())
-        finally:
-            job.cancelled.set()
+        options, ids = _checked(options), self.encode(prompt)
+        with self._batcher.exclusive():
+            stream = self.decoder.stream(ids, context=tuple(context), **options.decoder_kwargs())
+            for piece in stream:
+                yield Chunk(piece)
+            result = stream.result
+        yield Chunk("", Completion(result.text, result.token_ids, len(ids), result.finish_reason,
+                                   result.stats))
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,
                       context: Sequence[str] = ()) -> AsyncIterator[Chunk]:
-        """``stream`` for event loops: each chunk is awaited, the loop never blocks."""
+        """``stream`` for event loops: decoding runs on a worker thread; chunks are awaited."""
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[Any] = asyncio.Queue()
+        chunks: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
+        stopped = threading.Event()
 
-        def put(item: Any) -> None:
-            loop.call_soon_threadsafe(pieces.put_nowait, item)
+        def produce() -> None:
+            try:
+                for chunk in self.stream(prompt, options, context):
+                    loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+                    if stopped.is_set():
+                        break
+            except BaseException as error:  # re-raised in the consumer
+                loop.call_soon_threadsafe(chunks.put_nowait, error)
+            else:
+                loop.call_soon_threadsafe(chunks.put_nowait, None)
 
-        job = self._stream_job(prompt, options, context, put)
-        future = self._worker.submit(job, key=object())
-        future.add_done_callback(put)
+        worker = loop.run_in_executor(None, produce)
         try:
-            while not isinstance(item := await pieces.get(), Future):
-                yield Chunk(item)
-            yield Chunk("", item.result())
+            while (item := await chunks.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            job.cancelled.set()
+            stopped.set()
+            await worker
 
-    def _stream_job(self, prompt: Prompt, options: GenerateOptions | None,
-                    context: Sequence[str], put: Callable[[str], None]) -> _Job:
-        cancelled = threading.Event()
-
-        def sink(text: str) -> None:
-            if cancelled.is_set():
-                raise _Cancelled
-            put(text)
-
-        return _Job(self.encode(prompt), _checked(options), tuple(context), sink, cancelled)
-
-    def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions | None,
-                context: Sequence[str]) -> list[Future[Completion]]:
-        options = _checked(options)
-        key = (options, tuple(context))  # only requests with equal keys share a batch
-        return [self._worker.submit(_Job(self.encode(p), options, tuple(context)), key=key)
-                for p in prompts]
-
-    def _run(self, _key: Any, jobs: Sequence[_Job]) -> list[Completion]:
-        """Worker thread: decode one batch (or one streaming job) of same-option requests."""
-        first = jobs[0]
-        started = time.perf_counter()
-        results = self.decoder.generate([j.prompt_ids for j in jobs], streamer=first.sink,
-                                        context=first.context,
-                                        **first.options.decoder_kwargs())
-        seconds = time.perf_counter() - started
-        return [Completion(r.text, r.token_ids, len(j.prompt_ids), r.finish_reason, r.stats,
-                           seconds) for r, j in zip(results, jobs)]
+    def _run(self, key: Any, prompts: Sequence[list[int]]) -> list[Completion]:
+        """Decode one batch of same-option requests (on the leading caller's thread)."""
+        options, context = key
+        results = self.decoder.generate(list(prompts), context=context,
+                                        **options.decoder_kwargs())
+        return [Completion(r.text, r.token_ids, len(p), r.finish_reason, r.stats)
+                for r, p in zip(results, prompts)]
 
 
 def _checked(options: GenerateOptions | None) -> GenerateOptions:

@@ -155,6 +155,7 @@ def _details(completion: Completion | None) -> dict[str, Any]:
             "total_tokens": completion.prompt_tokens + len(completion.token_ids),
             "finish_reason": completion.finish_reason,
             "tokens_per_step": round(stats.tokens_per_step, 3),
+            "accepted_per_step": list(stats.accepted_per_step),
             "tokens_per_second": round(completion.tokens_per_second, 2)}
 
 
