@@ -7,12 +7,12 @@ STAMP := $(VENV)/.installed
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 QUESTION ?= How do I join two path components with os.path?
 
-.PHONY: install pull demo test lint bench clean
+.PHONY: install pull demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,langchain,llamaindex]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex]'
 	touch $@
 
 install: $(STAMP)
@@ -27,8 +27,11 @@ test: pull  ## unit tests on tiny random models, then end-to-end tests on the re
 	$(BIN)/ruff check rag_spec kernels integrations tests
 	$(BIN)/python -m pytest -q
 
+docs: pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
+	$(BIN)/mkdocs build --strict
+
 bench: pull
 	$(BIN)/rag-spec bench lookahead --json docs/benchmarks/lookahead.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build

@@ -24,7 +24,7 @@ question = "How do I read rows from a CSV file and write them back?"
 naive = rag_spec.IterativeRaLM(lm, kb, stride=4, query_tokens=32, k=1)
 speculative = rag_spec.IterativeRaLM(lm, rag_spec.SpecRetriever(kb), stride=4,
                                      query_tokens=32, k=1)
-naive.generate("warm up", max_new_tokens=8)
+_ = naive.generate("warm up", max_new_tokens=8)  # loads the model and index once
 
 # %%
 import time

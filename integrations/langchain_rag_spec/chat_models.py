@@ -23,7 +23,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
     token for token. ``batch`` and concurrent calls decode as one batch; async methods never
     block the event loop; ``stop`` strings cut the answer exactly.
 
-    Example:
+    Examples:
         >>> llm = ChatLookahead(max_tokens=64)                            # doctest: +SKIP
         >>> llm.invoke("What does os.path.join do?").content              # doctest: +SKIP
     """

@@ -12,7 +12,7 @@ from rag_spec.retrieval.embedder import Embedder
 class RagSpecEmbeddings(Embeddings):
     """all-MiniLM-L6-v2 (shipped in a PyPI wheel), unit-length 384-d vectors, no network.
 
-    Example:
+    Examples:
         >>> from langchain_core.vectorstores import InMemoryVectorStore          # doctest: +SKIP
         >>> store = InMemoryVectorStore.from_texts(texts, RagSpecEmbeddings())   # doctest: +SKIP
     """

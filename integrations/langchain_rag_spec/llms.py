@@ -19,7 +19,7 @@ class LookaheadLLM(LookaheadSettings, BaseLLM):
     Returns only the new text (never the prompt), honours ``stop``, decodes a ``batch`` as
     one batch, streams each accepted chunk, and never blocks an event loop.
 
-    Example:
+    Examples:
         >>> LookaheadLLM(max_tokens=32).invoke("def fibonacci(n):")       # doctest: +SKIP
     """
 

@@ -20,7 +20,7 @@ class IterativeRaLM(RunnableSerializable[str, str]):
     passage replaces the one in the prompt. With ``speculative=True`` retrievals are guessed
     from a per-request cache and verified in batches, asynchronously; the answer is the same.
 
-    Example:
+    Examples:
         >>> chain = IterativeRaLM(llm=ChatLookahead(), retriever=SpecRetriever())  # doctest: +SKIP
         >>> chain.invoke("How do I copy a file?")                                   # doctest: +SKIP
     """

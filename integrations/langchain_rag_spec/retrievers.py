@@ -23,13 +23,13 @@ from rag_spec.retrieval.types import Hit, Retriever
 class SpecRetriever(BaseRetriever):
     """Top-``k`` passages as Documents; concurrent and ``batch`` calls share one search.
 
-    Args:
+    Attributes:
         source: a rag_spec ``KnowledgeBase`` (or any rag_spec Retriever), a LangChain retriever
             or vector store; ``None`` opens the default knowledge base.
         kind: index of the default knowledge base: "flat", "hnsw", "ivf" or "bm25".
         k: passages per query (``invoke(query, k=2)`` overrides it per call).
 
-    Example:
+    Examples:
         >>> SpecRetriever(k=2).invoke("join two paths")[0].metadata["title"]   # doctest: +SKIP
         'posixpath.join'
     """

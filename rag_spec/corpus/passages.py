@@ -22,7 +22,7 @@ class Passage:
 def chunk(title: str, text: str, words: int = PASSAGE_WORDS) -> list[Passage]:
     """Split ``text`` into passages of at most ``words`` words (whitespace folded).
 
-    Example:
+    Examples:
         >>> [p.text for p in chunk("t", "a b c d e f g h i j", words=4)]
         ['a b c d', 'e f g h', 'i j']
     """

@@ -19,7 +19,7 @@ from rag_spec.decoding.tree import TokenTree
 def accept(tree: TokenTree, choices: Sequence[int]) -> tuple[list[int], int]:
     """The accepted node path and the bonus token.
 
-    Example:
+    Examples:
         >>> tree = TokenTree.from_paths([[5, 6], [5, 7]])
         >>> accept(tree, [5, 9, 0, 0])   # target picks 5 at the root, then 9: node 0 accepted
         ([0], 9)

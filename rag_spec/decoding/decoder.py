@@ -128,7 +128,7 @@ def _drain(steps: Generator[None, None, list[GenerationResult]]) -> list[Generat
 class LookaheadDecoder:
     """Speculative decoding for any transformers causal LM, with plain decoding's exact output.
 
-    Example:
+    Examples:
         >>> dec = LookaheadDecoder(lm.model, lm.tokenizer)               # doctest: +SKIP
         >>> dec.generate(ids, max_new_tokens=64).token_ids                # doctest: +SKIP
     """
@@ -190,7 +190,7 @@ class LookaheadDecoder:
         pieces (they join to the final text); its ``result`` is set once it is exhausted.
         Closing the stream early stops the generation at the current step.
 
-        Example:
+        Examples:
             >>> stream = decoder.stream(ids, max_new_tokens=64)            # doctest: +SKIP
             >>> for piece in stream: print(piece, end="")                  # doctest: +SKIP
             >>> stream.result.stats.tokens_per_step                        # doctest: +SKIP

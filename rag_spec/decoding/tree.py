@@ -18,7 +18,7 @@ import numpy as np
 class TokenTree:
     """Draft tokens plus each one's parent index; depths and the ancestor mask derive from them.
 
-    Example:
+    Examples:
         >>> tree = TokenTree.from_paths([[5, 6], [5, 7], [8]])
         >>> tree.tokens, tree.parents, tree.depths.tolist()
         ((5, 6, 7, 8), (-1, 0, 0, -1), [1, 2, 2, 1])

@@ -57,7 +57,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
 
     The same (model, device, dtype) is loaded once per process and shared.
 
-    Example:
+    Examples:
         >>> lm = load_model("smollm2-135m-instruct")   # doctest: +SKIP
         >>> lm.model.device, lm.tokenizer.eos_token    # doctest: +SKIP
     """

@@ -34,7 +34,7 @@ _defaults_lock = threading.Lock()
 class KnowledgeBase:
     """Passages searchable in batches: ``search(queries, k) -> list[list[Hit]]``.
 
-    Example:
+    Examples:
         >>> kb = KnowledgeBase.load_default(kind="flat")        # doctest: +SKIP
         >>> kb.search(["join two paths"], k=1)[0][0].title       # doctest: +SKIP
         'posixpath.join'

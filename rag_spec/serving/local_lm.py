@@ -79,7 +79,7 @@ class LocalLM:
 
     Use ``LocalLM.shared(name)`` to get the one instance per model in this process.
 
-    Example:
+    Examples:
         >>> lm = LocalLM.shared()                                          # doctest: +SKIP
         >>> lm.generate([[{"role": "user", "content": "Hi"}]])[0].text    # doctest: +SKIP
     """

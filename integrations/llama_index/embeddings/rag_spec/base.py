@@ -12,7 +12,7 @@ from rag_spec.retrieval.embedder import DEFAULT_EMBEDDER, Embedder
 class RagSpecEmbedding(BaseEmbedding):
     """all-MiniLM-L6-v2 from a PyPI wheel; LlamaIndex's default would call a remote API.
 
-    Example:
+    Examples:
         >>> from llama_index.core import Settings                         # doctest: +SKIP
         >>> Settings.embed_model = RagSpecEmbedding()                     # doctest: +SKIP
     """

@@ -32,7 +32,7 @@ class LookaheadLLM(LLM):
     Greedy output equals ``transformers`` ``generate``; async methods never block the loop;
     ``additional_kwargs`` of every response carry token counts and speculation stats.
 
-    Example:
+    Examples:
         >>> from llama_index.core import Settings                         # doctest: +SKIP
         >>> Settings.llm = LookaheadLLM(max_new_tokens=128)               # doctest: +SKIP
     """

@@ -20,7 +20,7 @@ class SpecRetriever(BaseRetriever):
         knowledge_base: a rag_spec KnowledgeBase or any rag_spec Retriever; ``None`` opens the
             default knowledge base with index ``kind`` ("flat", "hnsw", "ivf", "bm25").
 
-    Example:
+    Examples:
         >>> from llama_index.core.query_engine import RetrieverQueryEngine          # doctest: +SKIP
         >>> RetrieverQueryEngine.from_args(SpecRetriever(), llm=LookaheadLLM())     # doctest: +SKIP
     """
