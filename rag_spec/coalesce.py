@@ -52,10 +52,18 @@ class Coalescer(Generic[Item, Result]):
 
     def __call__(self, items: Sequence[Item], key: Hashable = None) -> list[Result]:
         """Results for ``items``, computed in batches with whatever else arrives meanwhile."""
+        return self.complete(self.submit(items, key))
+
+    def submit(self, items: Sequence[Item], key: Hashable = None) -> list[_Request[Item, Result]]:
+        """Queue ``items`` without waiting; ``complete`` them later (on any thread)."""
         requests = [_Request[Item, Result](key, item) for item in items]
         with self._changed:
             self._pending.extend(requests)
             self._changed.notify_all()
+        return requests
+
+    def complete(self, requests: Sequence[_Request[Item, Result]]) -> list[Result]:
+        """Wait for ``requests``, leading batches whenever nobody else does."""
         while not all(r.future.done() for r in requests):
             with self._take_turn(lambda: all(r.future.done() for r in requests)) as mine:
                 if mine:
@@ -85,7 +93,7 @@ class Coalescer(Generic[Item, Result]):
                     self._busy = False
                     self._changed.notify_all()
 
-    def _lead(self, mine: list[_Request[Item, Result]]) -> None:
+    def _lead(self, mine: Sequence[_Request[Item, Result]]) -> None:
         """Run batches (others' too) until every one of ``mine`` has its result."""
         while not all(r.future.done() for r in mine):
             batch = self._next_batch(mine)
@@ -100,7 +108,8 @@ class Coalescer(Generic[Item, Result]):
             with self._changed:
                 self._changed.notify_all()
 
-    def _next_batch(self, mine: list[_Request[Item, Result]]) -> list[_Request[Item, Result]]:
+    def _next_batch(self, mine: Sequence[_Request[Item, Result]]
+                    ) -> list[_Request[Item, Result]]:
         with self._changed:
             first = next(r for r in mine if not r.future.done())
             if self._wait > 0 and self._count(first.key) < self._max_batch:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from langchain_core.embeddings import Embeddings
 
 from rag_spec.retrieval.embedder import Embedder
+from rag_spec.threads import run_in_compute_thread
 
 
 class RagSpecEmbeddings(Embeddings):
@@ -24,7 +23,7 @@ class RagSpecEmbeddings(Embeddings):
         return self.embed_documents([text])[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        return await asyncio.to_thread(self.embed_documents, texts)
+        return await run_in_compute_thread(self.embed_documents, texts)
 
     async def aembed_query(self, text: str) -> list[float]:
-        return await asyncio.to_thread(self.embed_query, text)
+        return await run_in_compute_thread(self.embed_query, text)

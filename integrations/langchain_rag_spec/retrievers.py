@@ -3,7 +3,6 @@ that batches searches and enables speculative retrieval in ``IterativeRaLM``."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from langchain_core.callbacks import (
@@ -17,7 +16,7 @@ from pydantic import PrivateAttr
 from langchain_rag_spec._sources import as_retriever
 from rag_spec.retrieval.batching import BatchingRetriever
 from rag_spec.retrieval.knowledge_base import KnowledgeBase
-from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.retrieval.types import Hit
 
 
 class SpecRetriever(BaseRetriever):
@@ -39,7 +38,7 @@ class SpecRetriever(BaseRetriever):
     k: int = 4
     _backend: BatchingRetriever | None = PrivateAttr(default=None)
 
-    def backend(self) -> Retriever:
+    def backend(self) -> BatchingRetriever:
         """The rag_spec Retriever that answers (opened on first use)."""
         if self._backend is None:
             source = KnowledgeBase.load_default(self.kind) if self.source is None else self.source
@@ -53,7 +52,7 @@ class SpecRetriever(BaseRetriever):
     async def _aget_relevant_documents(self, query: str, *,
                                        run_manager: AsyncCallbackManagerForRetrieverRun,
                                        k: int | None = None) -> list[Document]:
-        hits = await asyncio.to_thread(self.backend().search, [query], k or self.k)
+        hits = await self.backend().asearch([query], k or self.k)
         return [_document(hit) for hit in hits[0]]
 
 

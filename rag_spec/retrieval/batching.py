@@ -7,6 +7,7 @@ from typing import Any
 
 from rag_spec.coalesce import Coalescer
 from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.threads import run_in_compute_thread
 
 
 class BatchingRetriever:
@@ -25,6 +26,11 @@ class BatchingRetriever:
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         return self._batcher(list(queries), key=k)
+
+    async def asearch(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
+        """``search`` for event loops: concurrent calls share a search on the compute thread."""
+        requests = self._batcher.submit(list(queries), key=k)
+        return await run_in_compute_thread(self._batcher.complete, requests)
 
     def _run(self, k: Any, queries: Sequence[str]) -> list[list[Hit]]:
         return self.retriever.search(list(queries), k)

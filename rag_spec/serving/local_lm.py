@@ -20,6 +20,7 @@ from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.serving.prompts import chat_input_ids, merge_turns
+from rag_spec.threads import run_in_compute_thread
 
 Messages = Sequence[Mapping[str, str]]  # [{"role": ..., "content": ...}, ...]
 Prompt = str | Messages  # text is completed as is; messages get the chat template
@@ -130,13 +131,14 @@ class LocalLM:
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:
         """Complete each prompt; prompts of one call (and of concurrent calls) share batches."""
-        options = _checked(options)
-        return self._batcher([self.encode(p) for p in prompts], key=(options, tuple(context)))
+        return self._batcher.complete(self._submit(prompts, options, context))
 
     async def agenerate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                         context: Sequence[str] = ()) -> list[Completion]:
-        """``generate`` for event loops: runs on a worker thread, the loop never blocks."""
-        return await asyncio.to_thread(self.generate, prompts, options, context)
+        """``generate`` for event loops: the loop never blocks; concurrent calls share batches
+        and run on rag-spec's compute thread."""
+        requests = self._submit(prompts, options, context)
+        return await run_in_compute_thread(self._batcher.complete, requests)
 
     def stream(self, prompt: Prompt, options: GenerateOptions | None = None,
                context: Sequence[str] = ()) -> Iterator[Chunk]:
@@ -155,7 +157,8 @@ class LocalLM:
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,
                       context: Sequence[str] = ()) -> AsyncIterator[Chunk]:
-        """``stream`` for event loops: decoding runs on a worker thread; chunks are awaited."""
+        """``stream`` for event loops: decoding runs on rag-spec's compute thread; chunks are
+        awaited."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
         stopped = threading.Event()
@@ -171,7 +174,7 @@ class LocalLM:
             else:
                 loop.call_soon_threadsafe(chunks.put_nowait, None)
 
-        worker = loop.run_in_executor(None, produce)
+        worker = asyncio.ensure_future(run_in_compute_thread(produce))
         try:
             while (item := await chunks.get()) is not None:
                 if isinstance(item, BaseException):
@@ -180,6 +183,11 @@ class LocalLM:
         finally:
             stopped.set()
             await worker
+
+    def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions | None,
+                context: Sequence[str]) -> list[Any]:
+        key = (_checked(options), tuple(context))  # only equal keys share a batch
+        return self._batcher.submit([self.encode(p) for p in prompts], key=key)
 
     def _run(self, key: Any, prompts: Sequence[list[int]]) -> list[Completion]:
         """Decode one batch of same-option requests (on the leading caller's thread)."""

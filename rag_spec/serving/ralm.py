@@ -24,6 +24,7 @@ from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_p
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.prompts import chat_input_ids, rag_messages
 from rag_spec.serving.ralm_state import RalmState
+from rag_spec.threads import use_one_openmp_thread
 
 
 @dataclass
@@ -158,7 +159,8 @@ class IterativeRaLM:
         in_flight: tuple[Future, list[_Pending]] | None = None  # a round under verification
         point = 0
         stride = scheduler.next_stride()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-verify") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-verify",
+                                initializer=use_one_openmp_thread) as pool:
             while True:
                 # 1. Generate a stride under the current passages, then guess the next ones.
                 started = time.perf_counter()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 
 from rag_spec.retrieval.embedder import DEFAULT_EMBEDDER, Embedder
+from rag_spec.threads import run_in_compute_thread
 
 
 class RagSpecEmbedding(BaseEmbedding):
@@ -33,7 +32,7 @@ class RagSpecEmbedding(BaseEmbedding):
         return self._get_text_embedding(query)
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await asyncio.to_thread(self._get_query_embedding, query)
+        return await run_in_compute_thread(self._get_query_embedding, query)
 
     async def _aget_text_embedding(self, text: str) -> Embedding:
-        return await asyncio.to_thread(self._get_text_embedding, text)
+        return await run_in_compute_thread(self._get_text_embedding, text)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -33,7 +32,7 @@ class SpecRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
         self._backend: BatchingRetriever | None = None
 
-    def backend(self) -> Retriever:
+    def backend(self) -> BatchingRetriever:
         """The rag_spec Retriever that answers (opened on first use)."""
         if self._backend is None:
             source = self._source or KnowledgeBase.load_default(self._kind)
@@ -41,11 +40,15 @@ class SpecRetriever(BaseRetriever):
         return self._backend
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        hits = self.backend().search([query_bundle.query_str], self.similarity_top_k)[0]
-        return [NodeWithScore(node=passage_node(hit), score=hit.score) for hit in hits]
+        return _scored(self.backend().search([query_bundle.query_str], self.similarity_top_k)[0])
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return await asyncio.to_thread(self._retrieve, query_bundle)
+        hits = await self.backend().asearch([query_bundle.query_str], self.similarity_top_k)
+        return _scored(hits[0])
+
+
+def _scored(hits: list[Hit]) -> list[NodeWithScore]:
+    return [NodeWithScore(node=passage_node(hit), score=hit.score) for hit in hits]
 
 
 def passage_node(hit: Hit, embedding: list[float] | None = None) -> TextNode:

@@ -1,0 +1,43 @@
+"""Where heavy work runs, so that threads do not slow each other down.
+
+torch, faiss and oneDNN parallelise with OpenMP, which gives every thread that computes its
+own team of worker threads; once two teams exist on the same cores, every parallel region
+runs slower, for as long as both threads live (measured on 2 cores: a decoding step 1.7-2x
+slower after one search on a live pool thread). Hence two rules:
+
+- async entry points run their work on one shared compute thread (``run_in_compute_thread``),
+  never on the event loop's default executor, whose several threads would each build a team;
+- short work on helper threads (e.g. verifying retrievals while decoding continues) runs with
+  one OpenMP thread (``use_one_openmp_thread``), which builds no team at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-compute")
+
+
+async def run_in_compute_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Await ``fn(*args)`` run on rag-spec's compute thread (the event loop stays free)."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _compute, functools.partial(fn, *args))
+
+
+def use_one_openmp_thread() -> None:
+    """Make the calling thread's torch and faiss work single-threaded (other threads keep
+    theirs: OpenMP thread counts are per thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import faiss
+    except ImportError:
+        return
+    faiss.omp_set_num_threads(1)
