@@ -116,3 +116,19 @@ def test_bad_settings(lm, kwargs, match):
 def test_empty_question(lm):
     with pytest.raises(RagSpecError, match="empty"):
         IterativeRaLM(lm, HashRetriever()).generate("  ")
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("stride", [1, 3, 4])
+def test_lookahead_decoding_inside_ralm_keeps_the_tokens(lm, speculative, stride):
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
+    source = HashRetriever()
+    expected = naive(lm, source, stride=stride).token_ids
+    retriever = SpecRetriever(service(source)) if speculative else source
+    for _ in range(2):  # the second run also drafts from the first one's remembered output
+        result = IterativeRaLM(lm, retriever, stride=stride, lookahead=decoder).generate(
+            QUESTION, max_new_tokens=40)
+        assert result.token_ids == expected
+    assert decoder.drafter.memory.nodes > 0

@@ -12,14 +12,15 @@ import numpy as np
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, rss_mb, write_json
 
-# name -> (prefetch, os3, asynchronous); None = the naive loop
-SYSTEMS: dict[str, tuple[int, bool, bool] | None] = {
+# name -> (prefetch, os3, asynchronous, lookahead decoding); None = the naive loop
+SYSTEMS: dict[str, tuple[int, bool, bool, bool] | None] = {
     "naive": None,
-    "spec": (1, False, False),
-    "spec_prefetch": (20, False, False),
-    "spec_os3": (1, True, False),
-    "spec_async": (1, False, True),
-    "spec_all": (20, True, True),
+    "spec": (1, False, False, False),
+    "spec_prefetch": (20, False, False, False),
+    "spec_os3": (1, True, False, False),
+    "spec_async": (1, False, True, False),
+    "spec_all": (20, True, True, False),
+    "spec_all_lookahead": (20, True, True, True),
 }
 RETRIEVERS = {"exact": "flat", "hnsw": "hnsw", "ivf": "ivf", "bm25": "bm25"}
 
@@ -30,6 +31,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     """Run the benchmark; print a table; write JSON and a PNG; return the report."""
     import json
 
+    from rag_spec.decoding import LookaheadDecoder
     from rag_spec.models import load_model
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
@@ -45,11 +47,14 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     questions = questions[:limit]
     distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
 
-    def system(settings: tuple[int, bool, bool] | None) -> Any:
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+
+    def system(settings: tuple[int, bool, bool, bool] | None) -> Any:
         def one(question: str) -> Run:
             retriever_ = base if settings is None else SpecRetriever(base, prefetch=settings[0])
             ralm = IterativeRaLM(lm, retriever_, stride=stride, os3=bool(settings and settings[1]),
-                                 asynchronous=bool(settings and settings[2]))
+                                 asynchronous=bool(settings and settings[2]),
+                                 lookahead=decoder if settings and settings[3] else None)
             result = ralm.generate(question, max_new_tokens=max_new_tokens)
             return Run(0.0, result.token_ids, {"stats": result.stats})
         return one

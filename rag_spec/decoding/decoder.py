@@ -16,7 +16,7 @@ import torch
 from rag_spec.decoding.acceptance import accept
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import Drafter, DraftSession
-from rag_spec.decoding.kv_cache import keep_accepted, tree_batch
+from rag_spec.decoding.kv_cache import crop, keep_accepted, tree_batch
 from rag_spec.decoding.sampling import SamplingParams, target_choices
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
@@ -77,6 +77,7 @@ class _Row:
     session: DraftSession
     budget: AdaptiveBudget
     uniforms: torch.Tensor | None = None  # [max_new + budget + 1] one per output position
+    remember: bool = True  # hand the finished output to the drafter's cross-request memory
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -241,6 +242,30 @@ class LookaheadDecoder:
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
 
+    def extend(self, cache: Any, context: list[int], max_new_tokens: int, session: DraftSession,
+               budget: AdaptiveBudget) -> GenerationResult:
+        """Greedy tokens after ``context`` for a caller that manages its own KV cache.
+
+        Iterative RaLM keeps one cache per passage and decodes a few tokens at a time; this
+        lets it verify drafts too. ``cache`` (a DynamicCache, one row) holds every position
+        before the last token of the sequence; ``context`` ends with that token and is what
+        ``session`` drafts from. On return the cache holds the sequence up to, not including,
+        the last new token, so consecutive calls chain. The session and budget persist across
+        calls; nothing is remembered across requests (call ``session.finish`` at the end).
+        """
+        rule = StopRule(self.tokenizer, self._eos_ids(), (), max_new_tokens)
+        row = _Row(list(context), session, budget, remember=False)
+        length = cache.get_seq_length()
+        valid = torch.ones(1, length, dtype=torch.bool, device=self.model.device)
+        roots, positions = [context[-1]], [length]
+        with self._lock:
+            while row.finish_reason is None:
+                with self._computing():
+                    valid = self._step([row], [rule], SamplingParams(), cache, roots, positions,
+                                       valid)
+        crop(cache, length + len(row.output))  # a cut-short last step may have kept more
+        return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
+
     @contextlib.contextmanager
     def _computing(self) -> Iterator[None]:
         """The model's fast verification path, entered per step so that nothing leaks into the
@@ -316,7 +341,7 @@ class LookaheadDecoder:
         row.stats.accepted_per_step.append(len(tokens) - 1)
         row.budget.update(drafted, len(tokens) - 1)
         row.session.observe(row.context, before)
-        if row.finish_reason is not None:
+        if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
 
     def _prefill(self, prefixes: list[list[int]]) -> tuple[Any, torch.Tensor]:

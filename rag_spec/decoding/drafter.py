@@ -26,6 +26,10 @@ class DraftSession(Protocol):
         """The request ended with ``output``; keep what is worth keeping across requests."""
         ...
 
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
+        """More text this request may copy from (e.g. a passage retrieved mid-generation)."""
+        ...
+
 
 class Drafter(Protocol):
     """A source of drafts shared by requests."""

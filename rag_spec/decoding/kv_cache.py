@@ -80,6 +80,14 @@ def keep_accepted(cache: object, start: int, keep: Sequence[Sequence[int]],
     return torch.cat([valid, new_valid], dim=1)
 
 
+def crop(cache: object, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (``DynamicCache.crop``, whose
+    argument conventions changed across transformers releases)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys[:, :, :length]
+        layer.values = layer.values[:, :, :length]
+
+
 def _layers(cache: object) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None or not all(hasattr(layer, "keys") for layer in layers):

@@ -82,6 +82,10 @@ class TrieSession:
     def finish(self, output: Sequence[int]) -> None:
         self.drafter.remember(output)
 
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
+        for document in documents:
+            self.request.insert(document)
+
 
 def _chains(tries: list[tuple[Children, float]], budget: int, depth: int) -> TokenTree:
     """Parallel branches: from each of the most frequent first tokens, its most frequent chain."""

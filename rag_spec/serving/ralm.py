@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
+from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.decoder import LookaheadDecoder
+from rag_spec.decoding.drafter import DraftSession
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
 from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.prompts import chat_input_ids, rag_messages
-from rag_spec.serving.ralm_state import RalmState
+from rag_spec.serving.ralm_state import Extend, RalmState, Segment
 from rag_spec.threads import use_one_openmp_thread
 
 
@@ -72,12 +75,15 @@ class IterativeRaLM:
         k: passages per retrieval, all placed in the prompt.
         os3: pick the speculation stride with OS3 (else ``speculation_stride``).
         asynchronous: verify on a worker thread while the next stride generates.
+        lookahead: a LookaheadDecoder on the same model: each stride is decoded speculatively
+            too, drafting from the question, the passages seen and the output (same tokens).
     """
 
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
                  query_tokens: int = 32, k: int = 1, os3: bool = True,
                  asynchronous: bool = True, speculation_stride: int = 3,
-                 max_speculation_stride: int = 8) -> None:
+                 max_speculation_stride: int = 8, lookahead: LookaheadDecoder | None = None
+                 ) -> None:
         for name, value in (("stride", stride), ("query_tokens", query_tokens), ("k", k),
                             ("speculation_stride", speculation_stride)):
             if value < 1:
@@ -92,6 +98,7 @@ class IterativeRaLM:
         self.asynchronous = asynchronous
         self.speculation_stride = speculation_stride
         self.max_speculation_stride = max_speculation_stride
+        self.lookahead = lookahead
 
     def generate(self, question: str, max_new_tokens: int = 128) -> RalmResult:
         """Answer ``question``; the same tokens whether or not retrieval is speculative."""
@@ -104,18 +111,43 @@ class IterativeRaLM:
         tokenizer = self.lm.tokenizer
         question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
         eos = self.lm.model.generation_config.eos_token_id
+        session, extend = self._drafting(question) if self.lookahead else (None, None)
         state = RalmState(self.lm.model,
                           lambda hits: chat_input_ids(tokenizer, rag_messages(question, hits)),
-                          eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                          eos if isinstance(eos, list) else [eos] if eos is not None else [],
+                          extend)
         stats = RalmStats()
         with torch.inference_mode():
             if isinstance(self.retriever, SpecRetriever):
                 self._speculative(state, question, question_ids, max_new_tokens, stats)
             else:
                 self._naive(state, question, question_ids, max_new_tokens, stats)
+        if session is not None:
+            session.finish(state.output)
         stats.generation_seconds = state.compute_seconds
         text = tokenizer.decode(state.output, skip_special_tokens=True)
         return RalmResult(text, list(state.output), state.passages, stats)
+
+    def _drafting(self, question: str) -> tuple[DraftSession, Extend]:
+        """A draft session for this request and the RalmState hook that decodes with it."""
+        decoder, tokenizer = self.lookahead, self.lm.tokenizer
+        assert decoder is not None
+        # Drafting context: this prompt plus the output. Every segment's prompt ends like it
+        # (the chat template's assistant header), and drafts only read the last few tokens.
+        base = chat_input_ids(tokenizer, rag_messages(question, []))
+        session = decoder.drafter.session(base)
+        budget = AdaptiveBudget(decoder.config.budget, adaptive=decoder.config.adaptive)
+        seen: set[int] = set()
+
+        def extend(segment: Segment, output: list[int], n: int) -> list[int]:
+            new = [hit for hit in segment.passages if hit.doc_id not in seen]
+            if new:
+                session.add_documents(tokenizer([h.text for h in new],
+                                                add_special_tokens=False)["input_ids"])
+                seen.update(hit.doc_id for hit in new)
+            return decoder.extend(segment.cache, base + output, n, session, budget).token_ids
+
+        return session, extend
 
     def _query(self, question_ids: list[int], output: list[int]) -> str:
         tail = (question_ids + output)[-self.query_tokens:]

@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
+from rag_spec.decoding.kv_cache import crop
 from rag_spec.retrieval.types import Hit
+
+Extend = Callable[["Segment", list[int], int], list[int]]
+"""Speculative decoding for a segment: (segment, output, n) -> up to n greedy tokens, with
+the segment's cache advanced as plain steps would have left it."""
 
 
 @dataclass
@@ -34,8 +39,9 @@ class RalmState:
     """Output so far and the segments that produced it, for one request."""
 
     def __init__(self, model: Any, build_prompt: Callable[[Sequence[Hit]], list[int]],
-                 eos_ids: Sequence[int]) -> None:
+                 eos_ids: Sequence[int], extend: Extend | None = None) -> None:
         self.model = model
+        self.extend = extend
         self.build_prompt = build_prompt
         self.eos_ids = frozenset(eos_ids)
         self.output: list[int] = []
@@ -71,6 +77,10 @@ class RalmState:
         started = time.perf_counter()
         segment = self.segments[-1]
         added = 0  # the cache holds prompt + output but the newest token, which goes in next
+        if self.extend is not None and not self.finished:
+            tokens = self.extend(segment, self.output, n)
+            self.output.extend(tokens)
+            added = len(tokens)
         while added < n and not self.finished:
             pending = self.output[-1] if self.output else segment.prompt_last
             logits = self.model(input_ids=torch.tensor([[pending]], device=self.model.device),
@@ -86,10 +96,7 @@ class RalmState:
         while len(self.segments) > 1 and self.segments[-1].point >= point:
             self.segments.pop()
         segment = self.segments[-1]
-        keep = segment.prompt_len + length - 1
-        for layer in segment.cache.layers:
-            layer.keys = layer.keys[:, :, :keep]
-            layer.values = layer.values[:, :, :keep]
+        crop(segment.cache, segment.prompt_len + length - 1)
 
     def forget_before(self, point: int) -> None:
         """Verified up to ``point``: segments no rollback can return to can go."""
