@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
-from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, write_json
+from rag_spec.bench.report import (
+    REPORT_DIR,
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    save_figure,
+    setting,
+    write_json,
+)
 from rag_spec.serving.prompts import SYSTEM
 
 PAIRS = {"langchain": ("langchain_stock", "langchain_rag_spec"),
@@ -148,12 +158,7 @@ class _CorpusEmbeddings:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = figure(2, (12, 4.5))
     for ax, (framework, (stock, ours)) in zip(axes, PAIRS.items()):
         systems = report["systems"]
         x = range(report["questions"])
@@ -165,11 +170,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{framework}: median {result['speedup']:.2f}x, "
                      f"{result['identical_answers']}/{report['questions']} identical")
         ax.legend()
-    fig.suptitle(f"{report['model']}, {report['dtype']}, {report['machine']['cpus']} CPUs, "
-                 f"up to {report['max_new_tokens']} new tokens, k={report['k']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"{setting(report)}, up to {report['max_new_tokens']} new tokens, "
+                           f"k={report['k']}")
 
 
 def _print_table(report: dict[str, Any]) -> None:

@@ -15,7 +15,18 @@ from typing import Any
 import torch
 
 from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS
-from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, rss_mb, write_json
+from rag_spec.bench.report import (
+    REPORT_DIR,
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    rss_mb,
+    save_figure,
+    setting,
+    write_json,
+)
 
 SYSTEMS = ("hf", "pld4", "pld10", "rag_spec", "rag_spec_stock_linear")
 
@@ -131,12 +142,7 @@ def _divergence(model: Any, prompt: list[int], expected: list[int], got: list[in
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = figure(2, (12, 4.5), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
         data = report[name]["systems"]
         ax.boxplot([data[s]["per_prompt_speedup"] for s in SYSTEMS], tick_labels=list(SYSTEMS))
@@ -145,11 +151,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{name}: {report[name]['prompts']} prompts "
                      f"(rag_spec median {data['rag_spec']['speedup_vs_hf']:.2f}x)")
         ax.set_ylabel("speedup vs transformers greedy (per prompt)")
-    fig.suptitle(f"{report['model']}, {report['dtype']}, {report['machine']['cpus']} CPUs, "
-                 f"{report['max_new_tokens']} new tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"{setting(report)}, {report['max_new_tokens']} new tokens")
 
 
 def _print_table(report: dict[str, Any]) -> None:

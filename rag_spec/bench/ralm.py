@@ -10,7 +10,17 @@ from typing import Any
 import numpy as np
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
-from rag_spec.bench.report import REPORT_DIR, Run, interleaved, machine, median, rss_mb, write_json
+from rag_spec.bench.report import (
+    REPORT_DIR,
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    rss_mb,
+    save_figure,
+    write_json,
+)
 
 # name -> (prefetch, os3, asynchronous, lookahead decoding); None = the naive loop
 SYSTEMS: dict[str, tuple[int, bool, bool, bool] | None] = {
@@ -121,13 +131,8 @@ def with_distractors(kb: Any, size: int, seed: int = 0) -> Any:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["systems"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = figure()
     ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
     ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
                label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
@@ -137,6 +142,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
                  f"{report['latency_ms']:.0f} ms latency, retrieval share "
                  f"{report['retrieval_share']:.2f}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -72,3 +72,29 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+def figure(ncols: int = 1, size: tuple[float, float] = (8, 4), **kwargs: Any) -> tuple[Any, Any]:
+    """A matplotlib figure drawn off-screen (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size, **kwargs)
+
+
+def save_figure(fig: Any, path: Path, title: str | None = None) -> None:
+    """Title (the setting: model, dtype, cores, ...), lay out, write the PNG, free the figure."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def setting(report: dict[str, Any]) -> str:
+    """The model, dtype and cores a report was measured with, for a plot's title."""
+    return f"{report['model']}, {report['dtype']}, {report['machine']['cpus']} CPUs"

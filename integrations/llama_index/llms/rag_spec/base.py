@@ -94,26 +94,14 @@ class LookaheadLLM(LLM):
                            **kwargs: Any) -> ChatResponseAsyncGen:
         chunks = self._lm().astream(_chat(messages), self._options(kwargs))
 
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for chunk in chunks:
-                text += chunk.text
-                yield _chat_response(chunk, text, chunk.text)
-
-        return gen()
+        return (_chat_response(c, text, c.text) async for c, text in _aaccumulate(chunks))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         chunks = self._lm().astream(self._text(prompt, formatted), self._options(kwargs))
 
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for chunk in chunks:
-                text += chunk.text
-                yield _completion_response(chunk, text, chunk.text)
-
-        return gen()
+        return (_completion_response(c, text, c.text) async for c, text in _aaccumulate(chunks))
 
     def _lm(self) -> LocalLM:
         return LocalLM.shared(self.model, config=LookaheadConfig(**self.lookahead),
@@ -142,6 +130,13 @@ def _accumulate(chunks: Any) -> Any:
     """Pairs of (chunk, text so far): LlamaIndex streams cumulative text plus a delta."""
     text = ""
     for chunk in chunks:
+        text += chunk.text
+        yield chunk, text
+
+
+async def _aaccumulate(chunks: Any) -> Any:
+    text = ""
+    async for chunk in chunks:
         text += chunk.text
         yield chunk, text
 
