@@ -24,6 +24,8 @@ _EXPORTS = {
     "TrieDrafter": "rag_spec.decoding",
     "SpecRetriever": "rag_spec.retrieval.spec_retriever",
     "IterativeRaLM": "rag_spec.serving.ralm",
+    "LocalLM": "rag_spec.serving.local_lm",
+    "GenerateOptions": "rag_spec.serving.local_lm",
     "RagSpecError": "rag_spec.errors",
 }
 
