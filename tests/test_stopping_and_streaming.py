@@ -95,3 +95,19 @@ def test_generation_stops_at_the_context_window(tokenizer):
     result = LookaheadDecoder(model).generate([5] * 250, 100)  # window is 256
     assert len(result.token_ids) == 6
     assert result.finish_reason == "length"
+
+
+def test_decoder_stream_on_the_callers_thread_matches_generate(tokenizer):
+    decoder = LookaheadDecoder(tiny_llama(vocab_size=len(tokenizer)), tokenizer)
+    prompt = tokenizer("the cat sat on the mat. the cat")["input_ids"]
+    expected = decoder.generate(prompt, max_new_tokens=30)
+    stream = decoder.stream(prompt, max_new_tokens=30)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == expected.text
+    assert stream.result.token_ids == expected.token_ids
+    assert list(stream) == []  # a finished stream yields nothing more
+    early = decoder.stream(prompt, max_new_tokens=30)
+    for _ in early:
+        break
+    assert early.result is None
+    assert decoder.generate(prompt, max_new_tokens=30).token_ids == expected.token_ids  # freed

@@ -98,13 +98,13 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[str]:
         try:
-            while True:
+            while self.result is None:  # a finished stream yields nothing more
                 try:
                     next(self._steps)
                 except StopIteration as done:
+                    if done.value is None:  # closed before the end
+                        return
                     self.result = done.value[0]
-                    yield from self._flush()
-                    return
                 yield from self._flush()
         finally:
             self.close()
