@@ -65,19 +65,12 @@ class LookaheadSettings(BaseModel):
 
 def response_metadata(completion: Completion, model: str) -> dict[str, Any]:
     """What a caller sees about one generation: model, finish reason, speculation stats."""
-    stats = completion.stats
-    return {
-        "model_name": model,
-        "model_provider": "rag_spec",
-        "finish_reason": completion.finish_reason,
-        "speculation": {"steps": stats.steps, "drafted": stats.drafted,
-                        "accepted": sum(stats.accepted_per_step),
-                        "tokens_per_step": round(stats.tokens_per_step, 3),
-                        "tokens_per_second": round(completion.tokens_per_second, 2)},
-    }
+    return {"model_name": model, "model_provider": "rag_spec",
+            "finish_reason": completion.finish_reason, "speculation": completion.speculation()}
 
 
 def usage(completion: Completion) -> dict[str, int]:
-    return {"input_tokens": completion.prompt_tokens,
-            "output_tokens": len(completion.token_ids),
-            "total_tokens": completion.prompt_tokens + len(completion.token_ids)}
+    """LangChain's names for the token counts."""
+    counts = completion.usage()
+    return {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
+            "total_tokens": counts["total_tokens"]}

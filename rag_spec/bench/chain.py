@@ -17,15 +17,14 @@ from typing import Any
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
-    REPORT_DIR,
     Run,
     figure,
     interleaved,
     machine,
     median,
+    publish,
     save_figure,
     setting,
-    write_json,
 )
 from rag_spec.serving.prompts import SYSTEM
 
@@ -75,11 +74,7 @@ def run(json_out: str | None = None, limit: int | None = 12, max_new_tokens: int
                              "per_question_speedup": [round(s, 3) for s in speedups],
                              "identical_answers": sum(same),
                              "different": [q for q, ok in zip(questions, same) if not ok]}
-    out = Path(json_out) if json_out else REPORT_DIR / "chain.json"
-    write_json(report, out)
-    _plot(report, out.with_suffix(".png"))
-    _print_table(report)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    publish(report, json_out, "chain", _plot, _print_table)
     return report
 
 

@@ -16,16 +16,15 @@ import torch
 
 from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS
 from rag_spec.bench.report import (
-    REPORT_DIR,
     Run,
     figure,
     interleaved,
     machine,
     median,
+    publish,
     rss_mb,
     save_figure,
     setting,
-    write_json,
 )
 
 SYSTEMS = ("hf", "pld4", "pld10", "rag_spec", "rag_spec_stock_linear")
@@ -56,11 +55,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
             report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
         report[name] = summary
     report["trie_memory_nodes"] = decoder.drafter.memory.nodes
-    out = Path(json_out) if json_out else REPORT_DIR / "lookahead.json"
-    write_json(report, out)
-    _plot(report, out.with_suffix(".png"))
-    _print_table(report)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    publish(report, json_out, "lookahead", _plot, _print_table)
     return report
 
 

@@ -11,15 +11,14 @@ import numpy as np
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
-    REPORT_DIR,
     Run,
     figure,
     interleaved,
     machine,
     median,
+    publish,
     rss_mb,
     save_figure,
-    write_json,
 )
 
 # name -> (prefetch, os3, asynchronous, lookahead decoding); None = the naive loop
@@ -92,15 +91,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
             "per_question_speedup": [round(x, 3) for x in speedups]}
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
         f"_{int(latency_ms)}ms" if latency_ms else "")
-    out = Path(json_out) if json_out else REPORT_DIR / f"{name}.json"
-    write_json(report, out)
-    _plot(report, out.with_suffix(".png"))
-    print(f"\nretriever {retriever}, kb {len(kb)}, latency {latency_ms} ms, retrieval share "
-          f"{share:.2f} (Amdahl bound {report['amdahl_bound']:.2f}x)")
-    for system_name, s in report["systems"].items():
-        print(f"{system_name:14} {s['seconds_per_request']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
-              f"  identical {s['identical_to_naive']}/{len(questions)}  kb calls {s['kb_calls']}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    publish(report, json_out, name, _plot, _print_table)
     return report
 
 
@@ -143,3 +134,13 @@ def _plot(report: dict[str, Any], path: Path) -> None:
                  f"{report['retrieval_share']:.2f}")
     ax.legend()
     save_figure(fig, path)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    print(f"\nretriever {report['retriever']}, kb {report['kb_size']}, latency "
+          f"{report['latency_ms']} ms, retrieval share {report['retrieval_share']:.2f} "
+          f"(Amdahl bound {report['amdahl_bound']:.2f}x)")
+    for name, s in report["systems"].items():
+        print(f"{name:14} {s['seconds_per_request']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
+              f"  identical {s['identical_to_naive']}/{report['questions']}  "
+              f"kb calls {s['kb_calls']}")

@@ -67,11 +67,17 @@ def machine() -> dict[str, Any]:
             "transformers": transformers.__version__}
 
 
-def write_json(report: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+def publish(report: dict[str, Any], json_out: str | None, name: str,
+            plot: Callable[[dict[str, Any], Path], None],
+            table: Callable[[dict[str, Any]], None]) -> None:
+    """Write the JSON (``json_out``, else docs/benchmarks/NAME.json) and the PNG beside it,
+    then print the table and where both went."""
+    out = Path(json_out) if json_out else REPORT_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
+    table(report)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def figure(ncols: int = 1, size: tuple[float, float] = (8, 4), **kwargs: Any) -> tuple[Any, Any]:

@@ -66,6 +66,19 @@ class Completion:
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / max(self.seconds, 1e-9)
 
+    def usage(self) -> dict[str, int]:
+        """Token counts, as APIs report them."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
+                "total_tokens": self.prompt_tokens + len(self.token_ids)}
+
+    def speculation(self) -> dict[str, Any]:
+        """How the tokens were produced: steps, drafts verified and kept, speed."""
+        s = self.stats
+        return {"steps": s.steps, "drafted": s.drafted, "accepted": sum(s.accepted_per_step),
+                "accepted_per_step": list(s.accepted_per_step),
+                "tokens_per_step": round(s.tokens_per_step, 3),
+                "tokens_per_second": round(self.tokens_per_second, 2)}
+
 
 @dataclass(frozen=True)
 class Chunk:

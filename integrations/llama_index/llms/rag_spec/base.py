@@ -144,14 +144,8 @@ async def _aaccumulate(chunks: Any) -> Any:
 def _details(completion: Completion | None) -> dict[str, Any]:
     if completion is None:
         return {}
-    stats = completion.stats
-    return {"prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": len(completion.token_ids),
-            "total_tokens": completion.prompt_tokens + len(completion.token_ids),
-            "finish_reason": completion.finish_reason,
-            "tokens_per_step": round(stats.tokens_per_step, 3),
-            "accepted_per_step": list(stats.accepted_per_step),
-            "tokens_per_second": round(completion.tokens_per_second, 2)}
+    return {**completion.usage(), "finish_reason": completion.finish_reason,
+            **completion.speculation()}
 
 
 def _completion_response(result: Any, text: str | None = None,
