@@ -16,7 +16,7 @@ import torch
 from rag_spec.decoding.acceptance import accept
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import Drafter, DraftSession
-from rag_spec.decoding.kv_cache import crop, keep_accepted, tree_batch
+from rag_spec.decoding.kv_cache import crop, fill_only, keep_accepted, tree_batch
 from rag_spec.decoding.sampling import SamplingParams, target_choices
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
@@ -371,7 +371,7 @@ class LookaheadDecoder:
             mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)
             mask = mask[:, None]
         self.model(input_ids=ids.to(device), position_ids=positions, attention_mask=mask,
-                   past_key_values=cache, use_cache=True)
+                   past_key_values=cache, use_cache=True, **fill_only(self.model))
         return cache, valid
 
     def _eos_ids(self) -> list[int]:

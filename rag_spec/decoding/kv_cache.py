@@ -8,8 +8,10 @@ out of attention and never shift position ids, which count committed tokens only
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +80,14 @@ def keep_accepted(cache: object, start: int, keep: Sequence[Sequence[int]],
     lengths = torch.tensor([len(k) for k in keep], device=valid.device)
     new_valid = torch.arange(width, device=valid.device)[None, :] < lengths[:, None]
     return torch.cat([valid, new_valid], dim=1)
+
+
+def fill_only(model: Any) -> dict[str, Any]:
+    """Forward options for a pass that only fills the cache: no logits where the model can skip
+    them (a prompt's logits cost 49k x 576 multiply-adds per token for the default model)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return {"logits_to_keep": 1}
+    return {}
 
 
 def crop(cache: object, length: int) -> None:

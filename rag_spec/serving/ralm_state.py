@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.kv_cache import crop
+from rag_spec.decoding.kv_cache import crop, fill_only
 from rag_spec.retrieval.types import Hit
 
 Extend = Callable[["Segment", list[int], int], list[int]]
@@ -68,7 +68,7 @@ class RalmState:
         cache = DynamicCache(config=self.model.config)
         if len(sequence) > 1:
             self.model(input_ids=torch.tensor([sequence[:-1]], device=self.model.device),
-                       past_key_values=cache, use_cache=True)
+                       past_key_values=cache, use_cache=True, **fill_only(self.model))
         self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
         self.compute_seconds += time.perf_counter() - started
 
