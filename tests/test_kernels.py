@@ -57,3 +57,50 @@ def test_onednn_linear_follows_weight_updates():
             got = model(x)
         torch.testing.assert_close(got, torch.nn.functional.linear(
             x, model.proj.weight, model.proj.bias), rtol=1e-5, atol=1e-5)
+
+
+class Block(torch.nn.Module):
+    """q/k/v and gate/up siblings, as Llama-family attention and MLP blocks have them."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(24, 32, bias=True)
+        self.k_proj = torch.nn.Linear(24, 8, bias=False)  # mixed biases: zeros stand in
+        self.v_proj = torch.nn.Linear(24, 8, bias=True)
+        self.gate_proj = torch.nn.Linear(24, 40, bias=False)
+        self.up_proj = torch.nn.Linear(24, 40, bias=False)
+        self.weight = self.q_proj.weight
+
+    device, dtype = Tiny.device, Tiny.dtype
+
+    def forward(self, x, other=None):
+        y = x if other is None else other  # ``other``: v_proj and up_proj see another input
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(y)
+        mlp = torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(y)
+        return torch.cat([q, k, v, mlp], dim=-1)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 13, 24)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared):
+    torch.manual_seed(0)
+    model = Block().eval()
+    if not onednn_available(model):
+        pytest.skip("oneDNN is not available in this torch build")
+    x = torch.randn(shape)
+    other = None if shared else torch.randn(shape)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        expected = model(x, other)
+        with use_onednn_linear(model):
+            import rag_spec_kernels.onednn_linear as kernel
+
+            kernel._POINTWISE = lambda *a: calls.append(a[1]) or pointwise(*a)
+            try:
+                got = model(x, other)
+            finally:
+                kernel._POINTWISE = pointwise
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # shared: one product for q/k/v and one for gate/up; otherwise v and up compute alone
+    assert len(calls) == (2 if shared else 4)
