@@ -266,6 +266,13 @@ class LookaheadDecoder:
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
         return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
 
+    def fill(self, cache: Any, tokens: list[int]) -> None:
+        """Append ``tokens`` to a one-row cache the caller manages (``extend``'s prefill), on
+        the same fast path as the steps that follow."""
+        with self._lock, self._computing():
+            self.model(input_ids=torch.tensor([tokens], device=self.model.device),
+                       past_key_values=cache, use_cache=True, **fill_only(self.model))
+
     @contextlib.contextmanager
     def _computing(self) -> Iterator[None]:
         """The model's fast verification path (entering it patches ~200 layers: ~2 ms)."""

@@ -115,7 +115,7 @@ class IterativeRaLM:
         state = RalmState(self.lm.model,
                           lambda hits: chat_input_ids(tokenizer, rag_messages(question, hits)),
                           eos if isinstance(eos, list) else [eos] if eos is not None else [],
-                          extend)
+                          extend, self.lookahead.fill if self.lookahead else None)
         stats = RalmStats()
         with torch.inference_mode():
             if isinstance(self.retriever, SpecRetriever):

@@ -23,6 +23,9 @@ Extend = Callable[["Segment", list[int], int], list[int]]
 """Speculative decoding for a segment: (segment, output, n) -> up to n greedy tokens, with
 the segment's cache advanced as plain steps would have left it."""
 
+Fill = Callable[[Any, list[int]], None]
+"""Prefill for a new segment: (empty cache, tokens) -> None, the cache then holds the tokens."""
+
 
 @dataclass
 class Segment:
@@ -39,9 +42,11 @@ class RalmState:
     """Output so far and the segments that produced it, for one request."""
 
     def __init__(self, model: Any, build_prompt: Callable[[Sequence[Hit]], list[int]],
-                 eos_ids: Sequence[int], extend: Extend | None = None) -> None:
+                 eos_ids: Sequence[int], extend: Extend | None = None,
+                 fill: Fill | None = None) -> None:
         self.model = model
         self.extend = extend
+        self.fill = fill or self._fill
         self.build_prompt = build_prompt
         self.eos_ids = frozenset(eos_ids)
         self.output: list[int] = []
@@ -67,10 +72,13 @@ class RalmState:
         sequence = prompt + self.output
         cache = DynamicCache(config=self.model.config)
         if len(sequence) > 1:
-            self.model(input_ids=torch.tensor([sequence[:-1]], device=self.model.device),
-                       past_key_values=cache, use_cache=True, **fill_only(self.model))
+            self.fill(cache, sequence[:-1])
         self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
         self.compute_seconds += time.perf_counter() - started
+
+    def _fill(self, cache: Any, tokens: list[int]) -> None:
+        self.model(input_ids=torch.tensor([tokens], device=self.model.device),
+                   past_key_values=cache, use_cache=True, **fill_only(self.model))
 
     def step(self, n: int) -> int:
         """Greedily decode up to ``n`` tokens (fewer at EOS); returns how many were added."""
