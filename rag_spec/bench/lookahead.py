@@ -81,7 +81,7 @@ def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, **kwargs)
-        return Run(0.0, out[0, len(prompt):].tolist())
+        return Run(0.0, out[0, len(prompt):].tolist(), {"rss_mb": rss_mb()})
 
     def ours(decoder: Any, prompt: list[int]) -> Run:
         result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
@@ -116,10 +116,11 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
                  "identical_to_hf": len(prompts) - len(divergences),
                  "per_prompt_speedup": [round(s, 3) for s in speedups],
                  "divergences": divergences}
+        # The process's resident memory after each of the system's runs, at most.
+        entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
         steps = [r.extra["tokens_per_step"] for r in system_runs if "tokens_per_step" in r.extra]
         if steps:
             entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
-            entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
         systems[name] = entry
     return {"prompts": len(prompts), "systems": systems}
 
