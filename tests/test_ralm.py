@@ -49,12 +49,13 @@ def test_speculative_equals_naive(lm, asynchronous, os3, stride, spec_stride, k)
     assert result.stats.speculation_hits + result.stats.rollbacks > 0  # it did speculate
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_cache_that_is_wrong_on_purpose_still_gives_identical_output(lm, asynchronous):
+@pytest.mark.parametrize("asynchronous, in_flight", [(False, 1), (True, 1), (True, 3)])
+def test_a_cache_that_is_wrong_on_purpose_still_gives_identical_output(lm, asynchronous,
+                                                                       in_flight):
     expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(lying=True))), stride=2,
                          query_tokens=12, os3=False, speculation_stride=3,
-                         asynchronous=asynchronous)
+                         asynchronous=asynchronous, max_in_flight=in_flight)
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     assert result.stats.rollbacks > 0
@@ -96,6 +97,36 @@ def test_asynchronous_verification_overlaps_generation(lm):
     assert wall < stats.retrieval_seconds + stats.generation_seconds
 
 
+class Concurrency:
+    """Counts how many calls run at once through a retriever."""
+
+    def __init__(self, retriever):
+        self.retriever, self.now, self.most = retriever, 0, 0
+        self.lock = threading.Lock()
+
+    def search(self, queries, k=1):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            return self.retriever.search(queries, k)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_rounds_in_flight_overlap_up_to_the_limit_with_identical_output(lm, in_flight):
+    expected = naive(lm, HashRetriever(), stride=1, query_tokens=12)
+    counted = Concurrency(DelayedRetriever(HashRetriever(), latency_ms=120))
+    spec = IterativeRaLM(lm, SpecRetriever(counted), stride=1, query_tokens=12, os3=False,
+                         speculation_stride=1, asynchronous=True, max_in_flight=in_flight)
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    # A call outlasts a one-token stride, so the pipeline fills to its limit and no further.
+    assert counted.most == in_flight
+
+
 def test_a_retriever_that_raises_surfaces_and_leaves_no_thread(lm):
     before = {t.name for t in threading.enumerate()}
     spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(raise_after=2))), stride=1,
@@ -107,7 +138,8 @@ def test_a_retriever_that_raises_surfaces_and_leaves_no_thread(lm):
 
 
 @pytest.mark.parametrize("kwargs, match", [({"k": 0}, "k must"), ({"stride": 0}, "stride"),
-                                           ({"query_tokens": 0}, "query_tokens")])
+                                           ({"query_tokens": 0}, "query_tokens"),
+                                           ({"max_in_flight": 0}, "max_in_flight")])
 def test_bad_settings(lm, kwargs, match):
     with pytest.raises(RagSpecError, match=match):
         IterativeRaLM(lm, HashRetriever(), **kwargs)

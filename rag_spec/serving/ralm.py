@@ -10,7 +10,9 @@ is replayed exactly, so the output equals the naive loop's token for token.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +56,9 @@ class RalmResult:
     stats: RalmStats
 
 
+_STATS_LOCK = threading.Lock()
+
+
 @dataclass
 class _Pending:
     """A retrieval point whose passages were guessed, not yet verified."""
@@ -75,6 +80,9 @@ class IterativeRaLM:
         k: passages per retrieval, all placed in the prompt.
         os3: pick the speculation stride with OS3 (else ``speculation_stride``).
         asynchronous: verify on a worker thread while the next stride generates.
+        max_in_flight: rounds under asynchronous verification at once. Behind a service whose
+            calls mostly wait (a remote vector store), a second round in flight hides a call
+            that takes longer than a stride; 1 keeps one call at a time.
         lookahead: a LookaheadDecoder on the same model: each stride is decoded speculatively
             too, drafting from the question, the passages seen and the output (same tokens).
     """
@@ -82,10 +90,11 @@ class IterativeRaLM:
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
                  query_tokens: int = 32, k: int = 1, os3: bool = True,
                  asynchronous: bool = True, speculation_stride: int = 3,
-                 max_speculation_stride: int = 8, lookahead: LookaheadDecoder | None = None
-                 ) -> None:
+                 max_speculation_stride: int = 8, max_in_flight: int = 2,
+                 lookahead: LookaheadDecoder | None = None) -> None:
         for name, value in (("stride", stride), ("query_tokens", query_tokens), ("k", k),
-                            ("speculation_stride", speculation_stride)):
+                            ("speculation_stride", speculation_stride),
+                            ("max_in_flight", max_in_flight)):
             if value < 1:
                 msg = f"{name} must be at least 1 (got {value})."
                 raise RagSpecError(msg)
@@ -98,6 +107,7 @@ class IterativeRaLM:
         self.asynchronous = asynchronous
         self.speculation_stride = speculation_stride
         self.max_speculation_stride = max_speculation_stride
+        self.max_in_flight = max_in_flight
         self.lookahead = lookahead
 
     def generate(self, question: str, max_new_tokens: int = 128) -> RalmResult:
@@ -158,10 +168,11 @@ class IterativeRaLM:
         started = time.perf_counter()
         hits = search(queries, self.k)
         elapsed = time.perf_counter() - started
-        stats.retrieval_seconds += elapsed
-        stats.last_verify_seconds = elapsed
-        stats.kb_calls += 1
-        stats.queries_verified += len(queries)
+        with _STATS_LOCK:  # rounds in flight finish on different workers
+            stats.retrieval_seconds += elapsed
+            stats.last_verify_seconds = elapsed
+            stats.kb_calls += 1
+            stats.queries_verified += len(queries)
         return hits
 
     def _generate(self, state: RalmState, limit: int) -> None:
@@ -188,10 +199,11 @@ class IterativeRaLM:
                                     max_stride=self.max_speculation_stride)
         state.use(self._verify(session, [question], stats, scheduler)[0], -1)
         pending: list[_Pending] = []  # guessed points of the round being built
-        in_flight: tuple[Future, list[_Pending]] | None = None  # a round under verification
+        in_flight: deque[tuple[Future, list[_Pending]]] = deque()  # rounds under verification
         point = 0
         stride = scheduler.next_stride()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-verify",
+        with ThreadPoolExecutor(max_workers=self.max_in_flight,
+                                thread_name_prefix="rag-spec-verify",
                                 initializer=use_one_openmp_thread) as pool:
             while True:
                 # 1. Generate a stride under the current passages, then guess the next ones.
@@ -212,24 +224,30 @@ class IterativeRaLM:
                 if len(pending) < stride and not settled:
                     state.use(pending[-1].guess, pending[-1].point)
                     continue
-                # 2. The round is complete: first settle the one still in flight, if any.
-                if in_flight is not None:
+                # 2. The round is complete: settle the oldest rounds in flight while the
+                # pipeline is full (all of them once there is nothing left to speculate on).
+                resume = None
+                while in_flight and (settled or len(in_flight) >= self.max_in_flight):
+                    future, verified = in_flight.popleft()
                     waited = time.perf_counter()
-                    truths = in_flight[0].result()  # a retriever's error surfaces here
+                    truths = future.result()  # a retriever's error surfaces here
                     stats.waiting_seconds += time.perf_counter() - waited
-                    verified, in_flight = in_flight[1], None
                     resume = self._settle(state, verified, truths, scheduler, stats)
                     if resume is not None:
-                        pending, point = [], resume
-                        stride = scheduler.next_stride()
-                        continue
+                        in_flight.clear()  # younger rounds speculated past the wrong guess
+                        break
+                if resume is not None:
+                    pending, point = [], resume
+                    stride = scheduler.next_stride()
+                    continue
                 if not pending:
                     return
                 # 3. Verify this round: on a worker while the next round speculates, or now.
                 stats.strides.append(len(pending))
                 queries = [p.query for p in pending]
                 if scheduler.overlaps() and not settled:
-                    in_flight = (pool.submit(self._verify, session, queries, stats), pending)
+                    in_flight.append((pool.submit(self._verify, session, queries, stats),
+                                      pending))
                     state.use(pending[-1].guess, pending[-1].point)
                     pending = []  # the next stride generates on the guess while it is checked
                     continue
