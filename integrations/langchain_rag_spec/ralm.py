@@ -18,7 +18,8 @@ class IterativeRaLM(RunnableSerializable[str, str]):
 
     Every ``stride`` tokens the latest ``query_tokens`` tokens query ``retriever`` and the top
     passage replaces the one in the prompt. With ``speculative=True`` retrievals are guessed
-    from a per-request cache and verified in batches, asynchronously; the answer is the same.
+    from a per-request cache and verified in batches, asynchronously; each stride is decoded
+    by the LLM's lookahead decoder. The answer is the same as the plain loop's.
 
     Examples:
         >>> chain = IterativeRaLM(llm=ChatLookahead(), retriever=SpecRetriever())  # doctest: +SKIP
@@ -40,6 +41,7 @@ class IterativeRaLM(RunnableSerializable[str, str]):
         local = self.llm.local_lm()
         search = self.retriever.backend()
         ralm = RaLM(local.lm, SpeculativeSearch(search) if self.speculative else search,
-                    stride=self.stride, query_tokens=self.query_tokens, k=self.k)
+                    stride=self.stride, query_tokens=self.query_tokens, k=self.k,
+                    lookahead=local.decoder if self.speculative else None)
         with local.exclusive():  # the model computes for one caller at a time
             return ralm.generate(question, max_new_tokens=self.max_tokens).text
