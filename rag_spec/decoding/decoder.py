@@ -16,7 +16,7 @@ import torch
 from rag_spec.decoding.acceptance import accept
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import Drafter, DraftSession
-from rag_spec.decoding.kv_cache import crop, fill_only, keep_accepted, tree_batch
+from rag_spec.decoding.kv_cache import crop, fill, fill_only, keep_accepted, tree_batch
 from rag_spec.decoding.sampling import SamplingParams, target_choices
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
@@ -270,8 +270,7 @@ class LookaheadDecoder:
         """Append ``tokens`` to a one-row cache the caller manages (``extend``'s prefill), on
         the same fast path as the steps that follow."""
         with self._lock, self._computing():
-            self.model(input_ids=torch.tensor([tokens], device=self.model.device),
-                       past_key_values=cache, use_cache=True, **fill_only(self.model))
+            fill(self.model, cache, tokens)
 
     @contextlib.contextmanager
     def _computing(self) -> Iterator[None]:

@@ -8,6 +8,7 @@ out of attention and never shift position ids, which count committed tokens only
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,9 +86,18 @@ def keep_accepted(cache: object, start: int, keep: Sequence[Sequence[int]],
 def fill_only(model: Any) -> dict[str, Any]:
     """Forward options for a pass that only fills the cache: no logits where the model can skip
     them (a prompt's logits cost 49k x 576 multiply-adds per token for the default model)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        return {"logits_to_keep": 1}
-    return {}
+    return {"logits_to_keep": 1} if _skips_logits(type(model)) else {}
+
+
+@functools.cache
+def _skips_logits(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def fill(model: Any, cache: Any, tokens: list[int]) -> None:
+    """Append ``tokens`` to a one-row ``cache`` (positions continue from its length)."""
+    model(input_ids=torch.tensor([tokens], device=model.device), past_key_values=cache,
+          use_cache=True, **fill_only(model))
 
 
 def crop(cache: object, length: int) -> None:

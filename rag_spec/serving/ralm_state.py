@@ -9,6 +9,7 @@ had generation never gone past that point: speculative and naive loops compute i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.kv_cache import crop, fill_only
+from rag_spec.decoding.kv_cache import crop
+from rag_spec.decoding.kv_cache import fill as fill_cache
 from rag_spec.retrieval.types import Hit
 
 Extend = Callable[["Segment", list[int], int], list[int]]
@@ -46,7 +48,7 @@ class RalmState:
                  fill: Fill | None = None) -> None:
         self.model = model
         self.extend = extend
-        self.fill = fill or self._fill
+        self.fill = fill or functools.partial(fill_cache, model)
         self.build_prompt = build_prompt
         self.eos_ids = frozenset(eos_ids)
         self.output: list[int] = []
@@ -75,10 +77,6 @@ class RalmState:
             self.fill(cache, sequence[:-1])
         self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
         self.compute_seconds += time.perf_counter() - started
-
-    def _fill(self, cache: Any, tokens: list[int]) -> None:
-        self.model(input_ids=torch.tensor([tokens], device=self.model.device),
-                   past_key_values=cache, use_cache=True, **fill_only(self.model))
 
     def step(self, n: int) -> int:
         """Greedily decode up to ``n`` tokens (fewer at EOS); returns how many were added."""
