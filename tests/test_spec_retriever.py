@@ -8,7 +8,12 @@ from hypothesis import strategies as st
 from rag_spec.corpus import Passage
 from rag_spec.retrieval import KnowledgeBase
 from rag_spec.retrieval.embedder import Embedder
-from rag_spec.retrieval.os3 import StrideScheduler, best_stride, expected_verified
+from rag_spec.retrieval.os3 import (
+    StrideScheduler,
+    best_stride,
+    expected_verified,
+    fit_verification,
+)
 from rag_spec.retrieval.spec_retriever import SpecRetriever
 
 VOCAB = ["path", "join", "json", "parse", "sort", "list", "file", "read", "time", "date",
@@ -67,14 +72,36 @@ def test_os3_reproduces_the_papers_strides():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.floats(0.001, 1), st.floats(0.001, 5), st.floats(0, 0.95), st.booleans())
-def test_os3_stride_is_the_argmax_of_the_objective(a, b, gamma, asynchronous):
+@given(st.floats(0.001, 1), st.floats(0.001, 5), st.floats(0, 0.95), st.booleans(),
+       st.floats(0, 1))
+def test_os3_stride_is_the_argmax_of_the_objective(a, b, gamma, asynchronous, b_per_query):
     from rag_spec.retrieval.os3 import round_latency
 
-    s = best_stride(a, b, gamma, asynchronous, 8)
-    rates = [expected_verified(k, gamma) / round_latency(k, a, b, gamma, asynchronous)
+    s = best_stride(a, b, gamma, asynchronous, 8, b_per_query)
+    rates = [expected_verified(k, gamma)
+             / round_latency(k, a, b + (k - 1) * b_per_query, gamma, asynchronous)
              for k in range(1, 9)]
     assert rates[s - 1] == max(rates)
+
+
+def test_os3_fits_how_verification_grows_with_the_batch():
+    # A local exact search: 0.2 s for one query and 0.05 s for each further one.
+    assert fit_verification([(1, 0.2), (4, 0.35), (8, 0.55)]) == pytest.approx((0.2, 0.05))
+    # A remote store's delay does not grow (the noise slope is clipped at 0) ...
+    assert fit_verification([(2, 0.31), (6, 0.30)]) == pytest.approx((0.305, 0.0))
+    # ... and one batch size alone says nothing about growth: the newest latency is used.
+    assert fit_verification([(4, 0.3), (4, 0.5)]) == (0.5, 0.0)
+    # Growth shortens the stride the paper's fixed b would pick (rates 2.29 vs 2.13 at s=2).
+    assert best_stride(0.25, 0.2, 0.6, False, 8) == 2
+    assert best_stride(0.25, 0.2, 0.6, False, 8, b_per_query=0.05) == 1
+
+
+def test_scheduler_uses_the_fitted_verification_cost():
+    scheduler = StrideScheduler(gamma_max=1.0)
+    for queries, seconds in [(1, 0.2), (4, 0.35), (8, 0.55)]:
+        scheduler.record_verification(seconds, queries, queries)
+    scheduler.record_speculation(0.25)
+    assert scheduler.next_stride() == best_stride(0.25, 0.2, 1.0, False, 8, 0.05)
 
 
 def test_scheduler_estimates_gamma_over_a_window():

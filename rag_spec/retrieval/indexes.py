@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from rag_spec.retrieval.embedder import Embedder
+from rag_spec.retrieval.flat_search import flat_vectors, top_k_inner_product
 
 DENSE_KINDS = ("flat", "hnsw", "ivf")
 KINDS = (*DENSE_KINDS, "bm25")
@@ -56,6 +57,8 @@ class DenseIndex:
         return self.search_vectors(self.embedder.encode(queries), k)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind == "flat" and self.index is self.cpu_index:  # exact, on CPU: see flat_search
+            return _pad(*top_k_inner_product(flat_vectors(self.index), vectors, k), k)
         scores, ids = self.index.search(vectors, k)
         return scores, ids
 

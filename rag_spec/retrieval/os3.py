@@ -6,12 +6,17 @@ verification call, gamma = P(speculated passage == knowledge base's). With s spe
 E[verified] = (1 - gamma^s) / (1 - gamma), and the expected latency of a round is
     synchronous:  s*a + b
     asynchronous: gamma^s * ((s-1)*a + max(a, b)) + (1 - gamma^s) * (s*a + b)
-The stride maximises E[verified] / latency.
+The stride maximises E[verified] / latency. The paper takes b as fixed (a GPU scores a batch of
+queries in the time of one); on a CPU a batched exact search costs more per query, so b is
+fitted over recent calls as b(s) = b(1) + (s - 1) * b_per_query, and b_per_query is 0 when the
+calls do not tell it (one batch size seen, or a remote store whose delay does not grow).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 
 def round_latency(s: int, a: float, b: float, gamma: float, asynchronous: bool) -> float:
@@ -29,12 +34,26 @@ def expected_verified(s: int, gamma: float) -> float:
     return (1 - gamma**s) / (1 - gamma)
 
 
-def best_stride(a: float, b: float, gamma: float, asynchronous: bool, max_stride: int) -> int:
-    """The ``s`` in 1..max_stride maximising verified speculations per second."""
+def best_stride(a: float, b: float, gamma: float, asynchronous: bool, max_stride: int,
+                b_per_query: float = 0.0) -> int:
+    """The ``s`` in 1..max_stride maximising verified speculations per second, where a call
+    with ``s`` queries takes ``b + (s - 1) * b_per_query``."""
     def rate(s: int) -> float:
-        return expected_verified(s, gamma) / max(round_latency(s, a, b, gamma, asynchronous),
-                                                  1e-9)
+        latency = round_latency(s, a, b + (s - 1) * b_per_query, gamma, asynchronous)
+        return expected_verified(s, gamma) / max(latency, 1e-9)
     return max(range(1, max_stride + 1), key=rate)
+
+
+def fit_verification(calls: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency of a one-query call, latency per extra query) from (queries, seconds) pairs,
+    by least squares; the newest latency and no growth while only one batch size was seen."""
+    sizes = np.array([n for n, _ in calls], dtype=float)
+    seconds = np.array([t for _, t in calls], dtype=float)
+    if np.ptp(sizes) == 0:
+        return float(seconds[-1]), 0.0
+    slope = max(0.0, float(np.polyfit(sizes, seconds, 1)[0]))
+    one = float(np.mean(seconds) - slope * (np.mean(sizes) - 1))
+    return max(one, 1e-6), slope
 
 
 class StrideScheduler:
@@ -49,7 +68,7 @@ class StrideScheduler:
         self.gamma_max = gamma_max
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (speculated, matched)
         self._a: deque[float] = deque(maxlen=window)
-        self._b: deque[float] = deque(maxlen=window)
+        self._calls: deque[tuple[int, float]] = deque(maxlen=window)  # (queries, seconds)
         self._g: deque[float] = deque(maxlen=window)  # cache guesses (embedding the query...)
         self.cpu_bound = False  # verification keeps this machine's cores busy (not a remote wait)
 
@@ -70,12 +89,13 @@ class StrideScheduler:
 
     def worth_guessing(self) -> bool:
         """Guess only while a guess costs less than asking the knowledge base outright."""
-        if not self._g or not self._b:
+        if not self._g or not self._calls:
             return True
-        return sum(self._g) / len(self._g) < min(self._b)
+        return sum(self._g) / len(self._g) < min(t for _, t in self._calls)
 
     def record_verification(self, seconds: float, speculated: int, matched: int) -> None:
-        self._b.append(seconds)
+        """A call that verified ``speculated`` queries in ``seconds``, ``matched`` of them right."""
+        self._calls.append((speculated, seconds))
         self._rounds.append((speculated, matched))
 
     @property
@@ -90,8 +110,8 @@ class StrideScheduler:
     def next_stride(self) -> int:
         if not self.os3:
             return self.fixed
-        if not self._a or not self._b:
+        if not self._a or not self._calls:
             return 1  # cold start, as RaLMSpec's --adapt_cold_start 1
         a = sum(self._a) / len(self._a)
-        b = self._b[-1]
-        return best_stride(a, b, self.gamma, self.overlaps(), self.max_stride)
+        b, b_per_query = fit_verification(list(self._calls))
+        return best_stride(a, b, self.gamma, self.overlaps(), self.max_stride, b_per_query)
