@@ -97,21 +97,21 @@ def test_os3_fits_how_verification_grows_with_the_batch():
 
 
 def test_scheduler_uses_the_fitted_verification_cost():
-    scheduler = StrideScheduler(gamma_max=1.0)
+    scheduler = StrideScheduler()
     for queries, seconds in [(1, 0.2), (4, 0.35), (8, 0.55)]:
         scheduler.record_verification(seconds, queries, queries)
     scheduler.record_speculation(0.25)
-    assert scheduler.next_stride() == best_stride(0.25, 0.2, 1.0, False, 8, 0.05)
+    assert scheduler.next_stride() == best_stride(0.25, 0.2, 14 / 15, False, 8, 0.05)
 
 
 def test_scheduler_estimates_gamma_over_a_window():
-    scheduler = StrideScheduler(window=3, gamma_max=1.0)
+    scheduler = StrideScheduler(window=3)
     assert scheduler.next_stride() == 1  # cold start
     for speculated, matched in [(4, 4), (4, 1), (4, 4), (4, 2)]:  # the first falls out
         scheduler.record_verification(1.0, speculated, matched)
     scheduler.record_speculation(0.1)
-    assert scheduler.gamma == pytest.approx(7 / 9)  # 7 matched, 2 rounds missed
-    assert scheduler.next_stride() == best_stride(0.1, 1.0, 7 / 9, False, 8)
+    assert scheduler.gamma == pytest.approx(8 / 11)  # 7 matched, 2 rounds missed, prior 1 / 2
+    assert scheduler.next_stride() == best_stride(0.1, 1.0, 8 / 11, False, 8)
     assert StrideScheduler(os3=False, fixed=5).next_stride() == 5
 
 

@@ -60,12 +60,11 @@ class StrideScheduler:
     """Fixed stride, or OS3 over a sliding window of the last ``window`` verifications."""
 
     def __init__(self, *, os3: bool = True, fixed: int = 3, asynchronous: bool = False,
-                 max_stride: int = 8, window: int = 5, gamma_max: float = 0.6) -> None:
+                 max_stride: int = 8, window: int = 5) -> None:
         self.os3 = os3
         self.fixed = fixed
         self.asynchronous = asynchronous
         self.max_stride = max_stride
-        self.gamma_max = gamma_max
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (speculated, matched)
         self._a: deque[float] = deque(maxlen=window)
         self._calls: deque[tuple[int, float]] = deque(maxlen=window)  # (queries, seconds)
@@ -100,12 +99,13 @@ class StrideScheduler:
 
     @property
     def gamma(self) -> float:
-        """RaLMSpec's estimate: matches over matches plus rounds that ended in a mismatch."""
+        """RaLMSpec's counts (guesses matched; rounds that ended in a mismatch) under a uniform
+        prior: 0.5 before any evidence, near 1 only after many matches. The paper capped its
+        plain ratio at 0.6 instead, since the ratio says 1.0 after one lucky round; that cap
+        kept strides short even when prefetching made every guess right."""
         matched = sum(m for _, m in self._rounds)
         missed = sum(1 for s, m in self._rounds if m < s)
-        if matched + missed == 0:
-            return 0.0
-        return min(self.gamma_max, matched / (matched + missed))
+        return (matched + 1) / (matched + missed + 2)
 
     def next_stride(self) -> int:
         if not self.os3:
