@@ -72,6 +72,18 @@ def test_fewer_knowledge_base_calls_in_batches(lm):
     assert max(result.stats.strides) > 1  # several queries verified in one call
 
 
+def test_the_stride_scheduler_starts_warm_from_the_second_request(lm):
+    expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
+    spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(), latency_ms=20)), stride=2,
+                         query_tokens=12, asynchronous=False)
+    first = spec.generate(QUESTION, max_new_tokens=40)
+    second = spec.generate(QUESTION, max_new_tokens=40)
+    assert first.token_ids == second.token_ids == expected.token_ids
+    assert first.stats.strides[0] == 1  # cold start, as the paper's
+    assert second.stats.strides[0] > 1  # OS3 already knows the latencies and the hit rate
+    assert second.stats.kb_calls < first.stats.kb_calls
+
+
 def test_cheap_knowledge_base_is_asked_directly(lm):
     # A knowledge base cheaper than a cache guess: the loop stops guessing and asks it directly.
     kb = HashRetriever(score_ms=3)

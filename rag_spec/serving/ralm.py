@@ -10,6 +10,7 @@ is replayed exactly, so the output equals the naive loop's token for token.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -85,6 +86,9 @@ class IterativeRaLM:
             that takes longer than a stride; 1 keeps one call at a time.
         lookahead: a LookaheadDecoder on the same model: each stride is decoded speculatively
             too, drafting from the question, the passages seen and the output (same tokens).
+
+    The stride scheduler's measurements (stride, call and guess latencies, hit rate) carry over
+    from one request to the next, so only the first request starts cold at stride 1.
     """
 
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
@@ -109,6 +113,8 @@ class IterativeRaLM:
         self.max_speculation_stride = max_speculation_stride
         self.max_in_flight = max_in_flight
         self.lookahead = lookahead
+        self._learned: StrideScheduler | None = None  # the latest request's, finished
+        self._learned_lock = threading.Lock()
 
     def generate(self, question: str, max_new_tokens: int = 128) -> RalmResult:
         """Answer ``question``; the same tokens whether or not retrieval is speculative."""
@@ -192,11 +198,26 @@ class IterativeRaLM:
 
     def _speculative(self, state: RalmState, question: str, question_ids: list[int],
                      limit: int, stats: RalmStats) -> None:
+        scheduler = self._scheduler()
+        try:
+            self._speculate(state, question, question_ids, limit, stats, scheduler)
+        finally:
+            with self._learned_lock:
+                self._learned = scheduler
+
+    def _scheduler(self) -> StrideScheduler:
+        """A scheduler that starts from what the previous request measured."""
+        with self._learned_lock:
+            if self._learned is not None:
+                return copy.deepcopy(self._learned)
+        return StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
+                               asynchronous=self.asynchronous,
+                               max_stride=self.max_speculation_stride)
+
+    def _speculate(self, state: RalmState, question: str, question_ids: list[int], limit: int,
+                   stats: RalmStats, scheduler: StrideScheduler) -> None:
         assert isinstance(self.retriever, SpecRetriever)
         session = self.retriever.session()
-        scheduler = StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
-                                    asynchronous=self.asynchronous,
-                                    max_stride=self.max_speculation_stride)
         state.use(self._verify(session, [question], stats, scheduler)[0], -1)
         pending: list[_Pending] = []  # guessed points of the round being built
         in_flight: deque[tuple[Future, list[_Pending]]] = deque()  # rounds under verification
