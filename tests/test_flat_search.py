@@ -3,23 +3,29 @@
 import faiss
 import numpy as np
 import pytest
+import torch
 
 from rag_spec.retrieval import flat_search
-from rag_spec.retrieval.flat_search import flat_vectors, top_k_inner_product
+from rag_spec.retrieval.flat_search import PackedVectors, flat_vectors, top_k_inner_product
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="packing needs a torch build with oneDNN")
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("rows", [1, 6, 7, 50])
-@pytest.mark.parametrize("n_queries", [1, 3])
+@pytest.mark.parametrize("n_queries", [1, 3, 17])
 @pytest.mark.parametrize("k", [1, 4, 60])
-def test_same_top_k_as_faiss_across_chunks(monkeypatch, rows, n_queries, k):
+def test_same_top_k_as_faiss_across_chunks(monkeypatch, packed, rows, n_queries, k):
     monkeypatch.setattr(flat_search, "CHUNK_ROWS", 7)  # several chunks to merge
     rng = np.random.default_rng(rows * 100 + n_queries * 10 + k)
     vectors = rng.standard_normal((rows, 16), dtype=np.float32)
     index = faiss.IndexFlatIP(16)
     index.add(vectors)
     queries = rng.standard_normal((n_queries, 16), dtype=np.float32)
+    stored = PackedVectors(flat_vectors(index)) if packed else flat_vectors(index)
 
-    scores, ids = top_k_inner_product(flat_vectors(index), queries, k)
+    scores, ids = top_k_inner_product(stored, queries, k)
 
     expected_scores, expected_ids = index.search(queries, min(k, rows))
     assert ids.shape == (n_queries, min(k, rows)) and ids.dtype == np.int64
@@ -39,3 +45,31 @@ def test_an_empty_index_finds_nothing():
     scores, ids = top_k_inner_product(flat_vectors(faiss.IndexFlatIP(4)),
                                       np.ones((2, 4), np.float32), 3)
     assert scores.shape == ids.shape == (2, 0)
+
+
+@needs_onednn
+def test_a_packed_knowledge_base_finds_the_same_passages(user_cache):
+    from rag_spec.retrieval import KnowledgeBase
+
+    kb = KnowledgeBase.load_default("flat")
+    queries = ["join two filesystem paths", "parse a json string", "sort a list in place"]
+    expected = kb.search(queries, k=5)
+    kb.index.pack()
+    try:
+        found = kb.search(queries, k=5)
+    finally:
+        kb.index.packed = None  # the default knowledge base is shared by other tests
+    assert [[h.doc_id for h in hits] for hits in found] == [
+        [h.doc_id for h in hits] for hits in expected]
+    assert [h.score for hits in found for h in hits] == pytest.approx(
+        [h.score for hits in expected for h in hits], abs=1e-5)
+
+
+def test_only_a_flat_index_packs():
+    from rag_spec.corpus import Passage
+    from rag_spec.errors import RagSpecError
+    from rag_spec.retrieval import KnowledgeBase
+
+    kb = KnowledgeBase.build([Passage("a", "alpha"), Passage("b", "beta")], "hnsw")
+    with pytest.raises(RagSpecError, match="Only a flat index"):
+        kb.index.pack()

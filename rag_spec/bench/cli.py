@@ -23,6 +23,9 @@ def add_bench_commands(commands: Any) -> None:
                       help="pad an exact index with labelled random distractors to N vectors")
     ralm.add_argument("--latency-ms", type=float, default=0.0,
                       help="simulated service delay per knowledge-base call")
+    ralm.add_argument("--packed", action="store_true",
+                      help="exact only: search a packed copy of the vectors (twice the memory; "
+                           "batches of up to 16 queries cost about what one does)")
     ralm.add_argument("--questions", help="JSON list of questions (default: built-in)")
     ralm.add_argument("--json", dest="json_out", help="write the report here")
     ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
@@ -46,12 +49,13 @@ def _lookahead(args: argparse.Namespace) -> int:
 def _ralm(args: argparse.Namespace) -> int:
     from rag_spec.bench.ralm import run
 
-    if args.kb_size and args.retriever != "exact":
-        msg = "--kb-size pads exact indexes only; use --retriever exact (or --latency-ms)."
+    if (args.kb_size or args.packed) and args.retriever != "exact":
+        msg = ("--kb-size and --packed apply to exact indexes only; use --retriever exact "
+               "(or --latency-ms).")
         raise RagSpecError(msg)
     run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
-        questions_file=args.questions, json_out=args.json_out, limit=args.limit,
-        max_new_tokens=args.max_new_tokens)
+        packed=args.packed, questions_file=args.questions, json_out=args.json_out,
+        limit=args.limit, max_new_tokens=args.max_new_tokens)
     return 0
 
 

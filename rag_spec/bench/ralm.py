@@ -35,8 +35,8 @@ RETRIEVERS = {"exact": "flat", "hnsw": "hnsw", "ivf": "ivf", "bm25": "bm25"}
 
 
 def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float = 0.0,
-        questions_file: str | None = None, json_out: str | None = None, limit: int | None = 6,
-        max_new_tokens: int = 64, stride: int = 4) -> dict[str, Any]:
+        packed: bool = False, questions_file: str | None = None, json_out: str | None = None,
+        limit: int | None = 6, max_new_tokens: int = 64, stride: int = 4) -> dict[str, Any]:
     """Run the benchmark; print a table; write JSON and a PNG; return the report."""
     import json
 
@@ -51,6 +51,10 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     real = len(kb)
     if kb_size and kb_size > real:
         kb = with_distractors(kb, kb_size)
+    if packed:
+        started = time.perf_counter()
+        kb.index.pack()
+        print(f"packed {len(kb)} vectors in {time.perf_counter() - started:.0f} s")
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
     questions = json.loads(Path(questions_file).read_text()) if questions_file else RAG_QUESTIONS
     questions = questions[:limit]
@@ -76,7 +80,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     report: dict[str, Any] = {
         "benchmark": "ralm", "questions": len(questions), "retriever": retriever,
         "kb_size": len(kb), "real_passages": real, "distractor_top1_wins": distractor_wins,
-        "latency_ms": latency_ms, "stride": stride, "max_new_tokens": max_new_tokens,
+        "latency_ms": latency_ms, "packed": packed, "stride": stride,
+        "max_new_tokens": max_new_tokens,
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
         "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
     for name, system_runs in runs.items():
@@ -87,12 +92,15 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
             "speedup_vs_naive": round(median(speedups), 3),
             "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, system_runs)),
             "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
+            "retrieval_seconds": round(median([s.retrieval_seconds for s in stats]), 3),
+            "generation_seconds": round(median([s.generation_seconds for s in stats]), 3),
+            "waiting_seconds": round(median([s.waiting_seconds for s in stats]), 3),
             "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
             "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
                                                 for s in stats])), 2),
             "per_question_speedup": [round(x, 3) for x in speedups]}
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
-        f"_{int(latency_ms)}ms" if latency_ms else "")
+        "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "")
     publish(report, json_out, name, _plot, _print_table)
     return report
 
@@ -131,7 +139,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
                label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("speedup vs naive RaLM (median)")
-    ax.set_title(f"{report['retriever']}, {report['kb_size']} passages, "
+    ax.set_title(f"{report['retriever']}{' (packed)' if report.get('packed') else ''}, "
+                 f"{report['kb_size']} passages, "
                  f"{report['latency_ms']:.0f} ms latency, retrieval share "
                  f"{report['retrieval_share']:.2f}")
     ax.legend()
