@@ -54,7 +54,7 @@ def test_a_packed_knowledge_base_finds_the_same_passages(user_cache):
     kb = KnowledgeBase.load_default("flat")
     queries = ["join two filesystem paths", "parse a json string", "sort a list in place"]
     expected = kb.search(queries, k=5)
-    kb.index.pack()
+    kb.pack()
     try:
         found = kb.search(queries, k=5)
     finally:
@@ -70,6 +70,7 @@ def test_only_a_flat_index_packs():
     from rag_spec.errors import RagSpecError
     from rag_spec.retrieval import KnowledgeBase
 
-    kb = KnowledgeBase.build([Passage("a", "alpha"), Passage("b", "beta")], "hnsw")
-    with pytest.raises(RagSpecError, match="Only a flat index"):
-        kb.index.pack()
+    for kind in ("hnsw", "bm25"):
+        kb = KnowledgeBase.build([Passage("a", "alpha"), Passage("b", "beta")], kind)
+        with pytest.raises(RagSpecError, match="Only a flat"):
+            kb.pack()

@@ -53,7 +53,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         kb = with_distractors(kb, kb_size)
     if packed:
         started = time.perf_counter()
-        kb.index.pack()
+        kb.pack()
         print(f"packed {len(kb)} vectors in {time.perf_counter() - started:.0f} s")
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
     questions = json.loads(Path(questions_file).read_text()) if questions_file else RAG_QUESTIONS

@@ -56,11 +56,10 @@ class DenseIndex:
         return cls(kind, index, embedder)
 
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.search_vectors(self.embedder.encode(queries), k)
+        return self.search_vectors(self.embedder.encode_queries(queries), k)
 
     def pack(self) -> None:
-        """Keep a copy of a flat index's vectors in oneDNN's blocked layout (CPU; as much memory
-        again): batches of up to 16 queries then cost about what one does (see flat_search)."""
+        """See KnowledgeBase.pack."""
         if self.kind != "flat" or self.index is not self.cpu_index:
             msg = f"Only a flat index searched on CPU can be packed (this one is {self.kind})."
             raise RagSpecError(msg)
@@ -78,7 +77,7 @@ class DenseIndex:
         if self.kind == "ivf":
             self.cpu_index.make_direct_map()
         vectors = self.cpu_index.reconstruct_batch(np.asarray(doc_ids, dtype=np.int64))
-        return self.embedder.encode(queries) @ vectors.T
+        return self.embedder.encode_queries(queries) @ vectors.T
 
     def save(self, folder: Path) -> None:
         import faiss

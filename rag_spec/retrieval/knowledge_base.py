@@ -67,6 +67,17 @@ class KnowledgeBase:
             return np.zeros((len(queries), 0), dtype=np.float32)
         return self.index.score(list(queries), list(doc_ids))
 
+    def pack(self) -> None:
+        """Keep a copy of a flat index's vectors in oneDNN's blocked layout (CPU only; as much
+        memory again, ~2 s per 1M vectors to build). A batch of up to 16 queries then costs
+        about what one does, which makes speculative retrieval's batched verifications cheap:
+        over 5M x 384 vectors ~240 ms for 1-16 queries, against ~230 ms for one and ~550 ms
+        for eight unpacked."""
+        if not isinstance(self.index, DenseIndex):
+            msg = f"Only a flat (exact) index can be packed; this one is {self.kind}."
+            raise RagSpecError(msg)
+        self.index.pack()
+
     def hit(self, doc_id: int, score: float) -> Hit:
         passage = self.passages[doc_id]
         return Hit(doc_id=doc_id, score=score, title=passage.title, text=passage.text)
