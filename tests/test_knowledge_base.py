@@ -119,22 +119,3 @@ def test_interrupted_build_leaves_the_previous_index(tmp_path, passages, monkeyp
     monkeypatch.undo()
     assert json.loads(meta.read_text()) == before
     assert KnowledgeBase.open([str(folder)], "bm25", progress=False).search(["x"], 1)
-
-
-def test_queries_are_encoded_once_while_remembered(embedder, monkeypatch):
-    from rag_spec.retrieval import embedder as embedder_module
-
-    monkeypatch.setattr(embedder_module, "REMEMBERED_QUERIES", 3)
-    encoded: list[list[str]] = []
-    encode = embedder.encode
-    monkeypatch.setattr(embedder, "encode", lambda texts, **kw: encoded.append(list(texts))
-                        or encode(texts, **kw))
-    first = embedder.encode_queries(["sort a list", "join paths"])
-    again = embedder.encode_queries(["join paths", "parse json", "join paths"])
-    assert encoded == [["sort a list", "join paths"], ["parse json"]]
-    np.testing.assert_allclose(again, encode(["join paths", "parse json", "join paths"]),
-                               atol=1e-6)
-    np.testing.assert_array_equal(again[0], first[1])  # the remembered vector itself
-    embedder.encode_queries(["hash bytes", "read csv"])  # at most 3 remembered: the oldest go
-    embedder.encode_queries(["sort a list"])
-    assert encoded[-1] == ["sort a list"]

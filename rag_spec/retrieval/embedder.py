@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,6 @@ from typing import Any
 import numpy as np
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
-REMEMBERED_QUERIES = 1024
 
 
 def _bundled_model_dir() -> Path:
@@ -34,8 +32,6 @@ class Embedder:
         self._device = device
         self._model: Any = None
         self._lock = threading.Lock()
-        self._queries: OrderedDict[str, np.ndarray] = OrderedDict()  # newest last
-        self._queries_lock = threading.Lock()
 
     @classmethod
     def default(cls) -> Embedder:
@@ -66,22 +62,3 @@ class Embedder:
         vectors = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
                                     convert_to_numpy=True, show_progress_bar=progress)
         return np.ascontiguousarray(vectors, dtype=np.float32)
-
-    def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
-        """``encode`` for search queries, remembering the latest ones: speculative retrieval
-        encodes each query to guess its passage, then again to verify the guess."""
-        if not queries:
-            return self.encode(queries)
-        with self._queries_lock:
-            known = {q: self._queries[q] for q in queries if q in self._queries}
-            for query in known:
-                self._queries.move_to_end(query)
-        missing = [q for q in dict.fromkeys(queries) if q not in known]
-        if missing:
-            known.update(zip(missing, self.encode(missing)))
-            with self._queries_lock:
-                for query in missing:
-                    self._queries[query] = known[query]
-                while len(self._queries) > REMEMBERED_QUERIES:
-                    self._queries.popitem(last=False)
-        return np.stack([known[q] for q in queries])
