@@ -1,9 +1,9 @@
 """Exact inner-product top-k over a flat index's own vectors, with torch's matrix products.
 
-On CPU, faiss's flat search scans the vectors once per query (393 ms for one query over
-5M x 384 on 2 cores, 866 ms for eight); a matrix product reads them once per batch and runs at
-memory speed (~230 ms for one to four queries). That makes a batch of queries cost little more
-than one, which is what batched verification of speculated retrievals relies on.
+On CPU, faiss's flat search below 20 queries grows with the batch (over 5M x 384 on 2 cores:
+393 ms for one query, 866 ms for eight); a matrix product reads the vectors once per batch at
+memory speed (~230 ms for one to four queries). A batch of queries then costs little more than
+one, which is what batched verification of speculated retrievals relies on.
 
 Past four queries the plain product becomes compute-bound (~550 ms for eight). A packed copy in
 oneDNN's blocked layout (``PackedVectors``, twice the memory) keeps one to sixteen queries at
