@@ -177,3 +177,8 @@ def test_iterative_ralm_runnable_speculative_equals_naive(chat):
     question = "alpha beta gamma"
     assert fast.invoke(question) == naive.invoke(question)
     assert (naive | RunnableLambda(str.upper)).invoke(question) == naive.invoke(question).upper()
+    assert fast.invoke(question) == naive.invoke(question)  # again, on the loop kept from before
+    assert len(fast._loops) == 1
+    fast.stride = 2  # another setting, another loop
+    fast.invoke(question)
+    assert len(fast._loops) == 2

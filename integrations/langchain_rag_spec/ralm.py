@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from pydantic import PrivateAttr
 
 from langchain_rag_spec.chat_models import ChatLookahead
 from langchain_rag_spec.llms import LookaheadLLM
@@ -33,6 +34,7 @@ class IterativeRaLM(RunnableSerializable[str, str]):
     query_tokens: int = 32
     k: int = 1
     max_tokens: int = 128
+    _loops: dict[tuple[Any, ...], RaLM] = PrivateAttr(default_factory=dict)
 
     def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> str:
         return self._call_with_config(self._answer, input, config, **kwargs)
@@ -40,8 +42,13 @@ class IterativeRaLM(RunnableSerializable[str, str]):
     def _answer(self, question: str) -> str:
         local = self.llm.local_lm()
         search = self.retriever.backend()
-        ralm = RaLM(local.lm, SpeculativeSearch(search) if self.speculative else search,
-                    stride=self.stride, query_tokens=self.query_tokens, k=self.k,
-                    lookahead=local.decoder if self.speculative else None)
+        # One loop per setting, kept: its stride scheduler learns from every request.
+        key = (local, search, self.speculative, self.stride, self.query_tokens, self.k)
+        ralm = self._loops.get(key)
+        if ralm is None:
+            ralm = self._loops.setdefault(key, RaLM(
+                local.lm, SpeculativeSearch(search) if self.speculative else search,
+                stride=self.stride, query_tokens=self.query_tokens, k=self.k,
+                lookahead=local.decoder if self.speculative else None))
         with local.exclusive():  # the model computes for one caller at a time
             return ralm.generate(question, max_new_tokens=self.max_tokens).text
