@@ -84,6 +84,34 @@ def test_the_stride_scheduler_starts_warm_from_the_second_request(lm):
     assert second.stats.kb_calls < first.stats.kb_calls
 
 
+def test_requests_leave_no_state_behind(lm):
+    import gc
+    import tracemalloc
+
+    def ours() -> int:
+        """Bytes alive that rag_spec's own lines allocated (torch keeps caches of its own)."""
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, "*/rag_spec/*", all_frames=False)])
+        return sum(stat.size for stat in snapshot.statistics("filename"))
+
+    spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever())), stride=2, query_tokens=12)
+    for _ in range(2):  # warm: lazy imports, the scheduler's window
+        spec.generate(QUESTION, max_new_tokens=40)
+    tracemalloc.start()
+    try:
+        spec.generate(QUESTION, max_new_tokens=40)
+        after_one = ours()
+        for _ in range(10):
+            spec.generate(QUESTION, max_new_tokens=40)
+        grown = ours() - after_one
+    finally:
+        tracemalloc.stop()
+    # A session kept by mistake (its cache of prefetched hits) is ~4 KB a request; calls into
+    # the model add ~0.8 KB a request that torch keeps internally, traced at our call lines.
+    assert grown < 24 * 1024, f"{grown} bytes kept by 10 more requests"
+
+
 def test_cheap_knowledge_base_is_asked_directly(lm):
     # A knowledge base cheaper than a cache guess: the loop stops guessing and asks it directly.
     kb = HashRetriever(score_ms=3)
