@@ -122,3 +122,20 @@ def test_async_only_while_verification_waits_rather_than_computes():
     scheduler.record_cpu_share(cpu_seconds=0.5, wall_seconds=0.3)  # local search on all cores
     assert not scheduler.overlaps()
     assert not StrideScheduler(asynchronous=False).overlaps()
+
+
+def test_a_resumed_scheduler_keeps_the_measurements_and_its_own_settings():
+    earlier = StrideScheduler()
+    for queries, seconds, matched in [(1, 0.2, 1), (4, 0.35, 3), (8, 0.55, 8)]:
+        earlier.record_verification(seconds, queries, matched)
+    earlier.record_speculation(0.25)
+    earlier.record_cpu_share(cpu_seconds=0.5, wall_seconds=0.3)
+
+    resumed = StrideScheduler(asynchronous=True)
+    resumed.resume(earlier)
+    assert resumed.gamma == earlier.gamma
+    assert resumed.next_stride() == earlier.next_stride() > 1
+    assert not resumed.overlaps()  # it already knows verification is CPU-bound
+    fixed = StrideScheduler(os3=False, fixed=5)
+    fixed.resume(earlier)
+    assert fixed.next_stride() == 5

@@ -71,6 +71,13 @@ class StrideScheduler:
         self._g: deque[float] = deque(maxlen=window)  # cache guesses (embedding the query...)
         self.cpu_bound = False  # verification keeps this machine's cores busy (not a remote wait)
 
+    def resume(self, previous: StrideScheduler) -> None:
+        """Start from the measurements of ``previous`` (an earlier request of the same loop)."""
+        for mine, theirs in ((self._rounds, previous._rounds), (self._a, previous._a),
+                             (self._calls, previous._calls), (self._g, previous._g)):
+            mine.extend(theirs)
+        self.cpu_bound = previous.cpu_bound
+
     def record_speculation(self, seconds: float) -> None:
         self._a.append(seconds)
 

@@ -10,7 +10,6 @@ is replayed exactly, so the output equals the naive loop's token for token.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections import deque
@@ -206,13 +205,14 @@ class IterativeRaLM:
                 self._learned = scheduler
 
     def _scheduler(self) -> StrideScheduler:
-        """A scheduler that starts from what the previous request measured."""
+        """A scheduler with this loop's settings and the previous request's measurements."""
+        scheduler = StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
+                                    asynchronous=self.asynchronous,
+                                    max_stride=self.max_speculation_stride)
         with self._learned_lock:
             if self._learned is not None:
-                return copy.deepcopy(self._learned)
-        return StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
-                               asynchronous=self.asynchronous,
-                               max_stride=self.max_speculation_stride)
+                scheduler.resume(self._learned)
+        return scheduler
 
     def _speculate(self, state: RalmState, question: str, question_ids: list[int], limit: int,
                    stats: RalmStats, scheduler: StrideScheduler) -> None:
