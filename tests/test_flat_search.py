@@ -3,12 +3,12 @@
 import faiss
 import numpy as np
 import pytest
-import torch
 
 from rag_spec.retrieval import flat_search
 from rag_spec.retrieval.flat_search import PackedVectors, flat_vectors, top_k_inner_product
+from rag_spec_kernels import onednn_ops_available
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+needs_onednn = pytest.mark.skipif(not onednn_ops_available(),
                                   reason="packing needs a torch build with oneDNN")
 
 

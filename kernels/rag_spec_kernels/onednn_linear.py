@@ -30,12 +30,26 @@ _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _LAYOUT_ROWS = 16
 
 
+def onednn_ops_available() -> bool:
+    """This torch build has oneDNN and the two operators below (the PyPI CPU wheels do)."""
+    return (torch.backends.mkldnn.is_available() and _POINTWISE is not None
+            and _REORDER is not None)
+
+
 def onednn_available(model: Any) -> bool:
     """oneDNN applies to float32 / bfloat16 models on the CPU."""
-    return (torch.backends.mkldnn.is_available() and _POINTWISE is not None
-            and _REORDER is not None
-            and model.device.type == "cpu"
+    return (onednn_ops_available() and model.device.type == "cpu"
             and model.dtype in (torch.float32, torch.bfloat16))
+
+
+def pack_weight(weight: torch.Tensor) -> Any:
+    """A (out, in) weight reordered into oneDNN's blocked layout for products of 1-16 rows."""
+    return _REORDER(weight, _LAYOUT_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a (rows, in) ``x`` and a ``pack_weight`` result."""
+    return _POINTWISE(x, packed, bias, "none", [], "")
 
 
 @contextlib.contextmanager
@@ -85,7 +99,7 @@ def _onednn_forwards(group: list[torch.nn.Linear]) -> list[Any]:
     pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> (input, output)
 
     def product(x: torch.Tensor, w: Any, b: torch.Tensor | None, n: int) -> torch.Tensor:
-        y = _POINTWISE(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
+        y = packed_linear(x.reshape(-1, x.shape[-1]), w, b)
         return y.reshape(*x.shape[:-1], n)
 
     def first(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +131,6 @@ def _reordered_weight(group: list[torch.nn.Linear]) -> tuple[Any, torch.Tensor |
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in group])
-            cached = (version, (_REORDER(weight, _LAYOUT_ROWS), bias))
+            cached = (version, (pack_weight(weight), bias))
             _reordered[group[0]] = cached
         return cached[1]

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from rag_spec.errors import RagSpecError
+from rag_spec_kernels import onednn_ops_available, pack_weight, packed_linear
 
 CHUNK_ROWS = 262_144  # rows scored at a time: bounds the score buffer to CHUNK_ROWS x queries
-_PACKED_ROWS = 16  # oneDNN's blocked layout for products with up to 16 rows of queries
 
 
 def flat_vectors(index: Any) -> torch.Tensor:
@@ -37,13 +37,12 @@ class PackedVectors:
     384 to build, as much memory again as the vectors)."""
 
     def __init__(self, vectors: torch.Tensor) -> None:
-        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-        if reorder is None or not torch.backends.mkldnn.is_available():
+        if not onednn_ops_available():
             msg = ("Packing vectors needs a torch build with oneDNN (the x86 and ARM CPU wheels "
                    "from PyPI have it); search the flat index unpacked instead.")
             raise RagSpecError(msg)
         self.rows = len(vectors)
-        self.chunks = [reorder(vectors[start:start + CHUNK_ROWS].contiguous(), _PACKED_ROWS)
+        self.chunks = [pack_weight(vectors[start:start + CHUNK_ROWS].contiguous())
                        for start in range(0, self.rows, CHUNK_ROWS)]
 
     def __len__(self) -> int:
@@ -52,8 +51,7 @@ class PackedVectors:
     def scores(self, queries: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, (queries, rows) inner products) per chunk."""
         for i, chunk in enumerate(self.chunks):
-            yield i * CHUNK_ROWS, torch.ops.mkldnn._linear_pointwise(queries, chunk, None,
-                                                                     "none", [], "")
+            yield i * CHUNK_ROWS, packed_linear(queries, chunk)
 
 
 def _plain_scores(vectors: torch.Tensor,
