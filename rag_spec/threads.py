@@ -9,6 +9,10 @@ slower after one search on a live pool thread). Hence two rules:
   never on the event loop's default executor, whose several threads would each build a team;
 - short work on helper threads (e.g. verifying retrievals while decoding continues) runs with
   one OpenMP thread (``use_one_openmp_thread``), which builds no team at all.
+
+Retrieval mostly waits (a remote vector store, a service) and must never queue behind a
+generation: async retrieval runs on its own small pool (``run_in_io_thread``), whose threads
+use one OpenMP thread each.
 """
 
 from __future__ import annotations
@@ -22,12 +26,20 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-compute")
+_io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rag-spec-io",
+                         initializer=lambda: use_one_openmp_thread())
 
 
 async def run_in_compute_thread(fn: Callable[..., T], *args: Any) -> T:
     """Await ``fn(*args)`` run on rag-spec's compute thread (the event loop stays free)."""
     return await asyncio.get_running_loop().run_in_executor(
         _compute, functools.partial(fn, *args))
+
+
+async def run_in_io_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Await ``fn(*args)`` run on rag-spec's I/O pool: work that mostly waits (retrieval),
+    which a generation on the compute thread must not hold up."""
+    return await asyncio.get_running_loop().run_in_executor(_io, functools.partial(fn, *args))
 
 
 def use_one_openmp_thread() -> None:

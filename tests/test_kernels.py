@@ -1,10 +1,17 @@
 """The CPU kernels: oneDNN linear layers agree with F.linear and follow weight updates."""
 
+import copy
+
 import pytest
 import torch
 
-from rag_spec_kernels import use_onednn_linear
-from rag_spec_kernels.onednn_linear import onednn_available
+from rag_spec_kernels import (
+    LinearStack,
+    OneDNNLinear,
+    is_plain_linear,
+    linear_stacks,
+    onednn_available,
+)
 
 
 class Tiny(torch.nn.Module):
@@ -25,21 +32,29 @@ class Tiny(torch.nn.Module):
         return self.proj(x)
 
 
+def private_copy(model):
+    """``model`` with its linear layers replaced by oneDNN ones, in a copy (as the runner does)."""
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(model.state_dict())
+    own = {id(m) for m in twin.modules()}
+    for parent, name, stack, index in linear_stacks(twin, own):
+        parent._modules[name] = stack.modules()[index]
+    return twin
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (3, 5, 24), (16, 24)])
-def test_onednn_linear_matches_f_linear_and_restores_the_layer(bias, shape):
+def test_onednn_linear_matches_f_linear(bias, shape):
     torch.manual_seed(0)
     model = Tiny(bias).eval()
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
     x = torch.randn(shape)
+    fast = private_copy(model)
+    assert isinstance(fast.proj, OneDNNLinear) and type(model.proj) is torch.nn.Linear
     with torch.inference_mode():
         expected = model(x)
-        with use_onednn_linear(model):
-            assert "forward" in vars(model.proj)  # the fast path is in place
-            got = model(x)
-        assert "forward" not in vars(model.proj)  # and gone afterwards
-        assert torch.equal(model(x), expected)
+        got = fast(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -49,14 +64,25 @@ def test_onednn_linear_follows_weight_updates():
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
     x = torch.randn(2, 24)
+    stack = LinearStack([model.proj])
+    (layer,) = stack.modules()
     with torch.inference_mode():
-        with use_onednn_linear(model):
-            model(x)
+        layer(x)
         model.proj.weight.mul_(2)  # an in-place change must invalidate the reordered copy
-        with use_onednn_linear(model):
-            got = model(x)
+        got = layer(x)
         torch.testing.assert_close(got, torch.nn.functional.linear(
             x, model.proj.weight, model.proj.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_subclasses_and_wrapped_layers_keep_their_own_maths():
+    class Quantised(torch.nn.Linear):
+        pass
+
+    wrapped = torch.nn.Linear(4, 4)
+    wrapped.forward = lambda x: x
+    assert not is_plain_linear(Quantised(4, 4))
+    assert not is_plain_linear(wrapped)
+    assert is_plain_linear(torch.nn.Linear(4, 4))
 
 
 class Block(torch.nn.Module):
@@ -91,16 +117,16 @@ def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared)
     other = None if shared else torch.randn(shape)
     calls = []
     pointwise = torch.ops.mkldnn._linear_pointwise
+    fast = private_copy(model)
     with torch.inference_mode():
         expected = model(x, other)
-        with use_onednn_linear(model):
-            import rag_spec_kernels.onednn_linear as kernel
+        import rag_spec_kernels.onednn_linear as kernel
 
-            kernel._POINTWISE = lambda *a: calls.append(a[1]) or pointwise(*a)
-            try:
-                got = model(x, other)
-            finally:
-                kernel._POINTWISE = pointwise
+        kernel._POINTWISE = lambda *a: calls.append(a[1]) or pointwise(*a)
+        try:
+            got = fast(x, other)
+        finally:
+            kernel._POINTWISE = pointwise
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # shared: one product for q/k/v and one for gate/up; otherwise v and up compute alone
     assert len(calls) == (2 if shared else 4)

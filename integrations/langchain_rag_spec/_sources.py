@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import threading
+import hashlib
+import inspect
+import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from langchain_core.documents import Document
@@ -12,33 +15,69 @@ from langchain_core.vectorstores import VectorStore
 
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.threads import use_one_openmp_thread
+
+log = logging.getLogger(__name__)
+
+# Searches of one batch run side by side: behind a remote store a batch costs one round trip.
+_searches = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rag-spec-langchain",
+                               initializer=use_one_openmp_thread)
 
 
 class LangChainSource:
-    """Searches a LangChain retriever (``batch``) or vector store (``similarity_search``).
+    """Searches a LangChain retriever (``batch``) or vector store (relevance-scored searches).
 
-    rag_spec tells passages apart by id; a LangChain document's id is its ``id`` or, failing
-    that, its text, numbered in the order first seen.
+    rag_spec tells passages apart by id: a document's id is a hash of its ``id`` or, failing
+    that, of its text, so equal documents get equal ids with nothing remembered.
+    ``Hit.score`` is higher-is-better: a vector store's relevance score in [0, 1] (or, for
+    stores that define none, 1 / rank); retrievers return no scores (0.0).
     """
 
     def __init__(self, source: BaseRetriever | VectorStore) -> None:
         self.source = source
-        self._ids: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._sized = isinstance(source, VectorStore) or _accepts_k(source)
+        self._warned = False
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         if isinstance(self.source, VectorStore):
-            found = [self.source.similarity_search_with_score(q, k=k) for q in queries]
+            found = list(_searches.map(lambda q: self._store_search(q, k), queries))
         else:
-            found = [[(d, 0.0) for d in docs[:k]] for docs in self.source.batch(list(queries))]
-        return [[self._hit(doc, float(score)) for doc, score in pairs] for pairs in found]
+            options = {"k": k} if self._sized else {}
+            found = [[(d, 0.0) for d in docs[:k]]
+                     for docs in self.source.batch(list(queries), **options)]
+            self._warn_if_short(found, k)
+        return [[_hit(doc, float(score)) for doc, score in pairs] for pairs in found]
 
-    def _hit(self, doc: Document, score: float) -> Hit:
-        key = doc.id or doc.page_content
-        with self._lock:
-            doc_id = self._ids.setdefault(key, len(self._ids))
-        title = str(doc.metadata.get("title") or doc.metadata.get("source") or "")
-        return Hit(doc_id=doc_id, score=score, title=title, text=doc.page_content)
+    def _store_search(self, query: str, k: int) -> list[tuple[Document, float]]:
+        store = self.source
+        try:
+            return store.similarity_search_with_relevance_scores(query, k=k)
+        except NotImplementedError:  # no relevance function: rank order, higher is better
+            return [(d, 1.0 / (rank + 1))
+                    for rank, d in enumerate(store.similarity_search(query, k=k))]
+
+    def _warn_if_short(self, found: list[list[tuple[Document, float]]], k: int) -> None:
+        if self._sized or self._warned or all(len(pairs) >= k for pairs in found):
+            return
+        self._warned = True
+        log.warning("%s returns its own number of documents (asked for %d): prefetching is "
+                    "limited to it. Raise the retriever's k to let rag-spec prefetch more.",
+                    type(self.source).__name__, k)
+
+
+def _accepts_k(retriever: BaseRetriever) -> bool:
+    """Whether ``retriever.invoke(query, k=...)`` reaches its search (LangChain passes extra
+    arguments only to retrievers whose ``_get_relevant_documents`` takes them)."""
+    parameters = inspect.signature(type(retriever)._get_relevant_documents).parameters
+    return "k" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                    for p in parameters.values())
+
+
+def _hit(doc: Document, score: float) -> Hit:
+    key = doc.id or doc.page_content
+    doc_id = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+    title = str(doc.metadata.get("title") or doc.metadata.get("source") or "")
+    return Hit(doc_id=doc_id, score=score, title=title, text=doc.page_content)
 
 
 def as_retriever(source: Any) -> Retriever:

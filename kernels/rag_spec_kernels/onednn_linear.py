@@ -5,22 +5,19 @@ machine DESIGN.md describes, a 16-token step costs 2.1x a 1-token step); oneDNN'
 blocked weight layout make the same step cost 1.6x its own 1-token step and 1.35x the stock one,
 which is what lets a verified tree pay for itself. Layers that read the same input (q/k/v,
 gate/up) multiply as one stacked weight: one call and one weight pass, bit-identical results.
-The reordered weights are a copy, made once and kept while the layers' weights are unchanged.
+
+The reordered weights are a copy (as large as the layers' weights), made on first use and
+redone if a layer's weight changes. ``OneDNNLinear`` modules are built for a private copy of a
+model's module tree: the caller's own layers are never modified.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-_reordered: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[Any, Any]] = (  # by first layer
-    weakref.WeakKeyDictionary())
-_lock = threading.Lock()
 # oneDNN's inner product on a reordered weight, taking and returning dense tensors (no layout
 # conversions per call), and the reorder into the blocked layout oneDNN picks for a batch size.
 _POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -28,6 +25,9 @@ _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 # The batch size the weight layout is tuned for: measured here, a layout for 16 rows makes
 # 1-16-row products ~30% faster than oneDNN's plain layout (it streams the weight better).
 _LAYOUT_ROWS = 16
+
+# Sibling layers that attention and MLP blocks (Llama, Qwen2, Mistral, ...) apply to one input.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def onednn_ops_available() -> bool:
@@ -52,85 +52,105 @@ def packed_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None
     return _POINTWISE(x, packed, bias, "none", [], "")
 
 
-@contextlib.contextmanager
-def use_onednn_linear(model: Any, enabled: bool = True) -> Iterator[None]:
-    """Inside the block, every ``nn.Linear`` of ``model`` multiplies through oneDNN."""
-    if not enabled or not onednn_available(model):
-        yield
-        return
-    groups = _input_sharing_groups(model)
-    for group in groups:
-        for linear, forward in zip(group, _onednn_forwards(group)):
-            linear.forward = forward
-    try:
-        yield
-    finally:
-        for group in groups:
-            for linear in group:
-                del linear.forward  # back to the class's own forward
+def is_plain_linear(module: Any) -> bool:
+    """Exactly ``nn.Linear`` with the class's own forward: subclasses (quantised layers) and
+    layers whose forward someone wrapped keep their own maths."""
+    return type(module) is torch.nn.Linear and "forward" not in vars(module)
 
 
-# Sibling layers that attention and MLP blocks (Llama, Qwen2, Mistral, ...) apply to one input.
-_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+class LinearStack:
+    """Sibling linear layers that read one input, multiplied through one stacked weight.
+
+    The first layer's product computes every sibling's output; the others take their slice when
+    handed that same input tensor on the same thread, and compute alone otherwise.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self._packed: tuple[Any, Any, torch.Tensor | None] | None = None  # (version, w, b)
+        self._alone: dict[int, LinearStack] = {}
+        self._pending = threading.local()  # index -> (input, output), per thread
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the reordered copy: the stacked weights' size."""
+        return sum(linear.weight.numel() * linear.weight.element_size()
+                   for linear in self.linears)
+
+    def modules(self) -> list[OneDNNLinear]:
+        """One module per layer, to put in place of the layers in a private module tree."""
+        return [OneDNNLinear(self, i) for i in range(len(self.linears))]
+
+    def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        pending = self._pending.__dict__.setdefault("outputs", {})
+        if index == 0:
+            parts = self._product(x).split(self.sizes, dim=-1)
+            pending.update({i: (x, part) for i, part in enumerate(parts[1:], 1)})
+            return parts[0]
+        held = pending.pop(index, None)
+        if held is not None and held[0] is x:
+            return held[1]
+        with self._lock:
+            alone = self._alone.setdefault(index, LinearStack([self.linears[index]]))
+        return alone._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        _, weight, bias = self._reordered()
+        y = packed_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*x.shape[:-1], sum(self.sizes))
+
+    def _reordered(self) -> tuple[Any, Any, torch.Tensor | None]:
+        """The stacked weights in oneDNN's layout (reordered again if one changed) and the
+        stacked biases (zeros for a layer without one)."""
+        version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
+        with self._lock:
+            if self._packed is None or self._packed[0] != version:
+                weight = torch.cat([g.weight.detach() for g in self.linears])
+                biases = [g.bias for g in self.linears]
+                bias = None if all(b is None for b in biases) else torch.cat([
+                    torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
+                    if g.bias is None else g.bias.detach() for g in self.linears])
+                self._packed = (version, pack_weight(weight), bias)
+            return self._packed
 
 
-def _input_sharing_groups(model: Any) -> list[list[torch.nn.Linear]]:
-    """Every linear layer once: siblings known to share an input together, the rest alone."""
-    grouped: list[list[torch.nn.Linear]] = []
-    seen: set[int] = set()
-    for parent in model.modules():
-        for names in _SHARED_INPUT:
-            group = [getattr(parent, n, None) for n in names]
-            if all(isinstance(g, torch.nn.Linear) for g in group) and len(
+class OneDNNLinear(torch.nn.Module):
+    """A linear layer computed through its ``LinearStack`` (same parameters, no copy of them
+    beyond the stack's reordered weight)."""
+
+    def __init__(self, stack: LinearStack, index: int) -> None:
+        super().__init__()
+        original = stack.linears[index]
+        self.weight = original.weight  # the same Parameter objects: shared, not copied
+        self.bias = original.bias
+        self.in_features, self.out_features = original.in_features, original.out_features
+        self.stack = stack
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stack.forward(self.index, x)
+
+
+def linear_stacks(root: torch.nn.Module, own: set[int]) -> list[tuple[torch.nn.Module, str,
+                                                                       LinearStack, int]]:
+    """Every plain linear layer under ``root`` among the modules whose ids are in ``own``, as
+    (parent, attribute name, stack, index in stack): siblings known to share an input stacked
+    together, the others alone."""
+    found: list[tuple[torch.nn.Module, str, LinearStack, int]] = []
+    taken: set[int] = set()
+    for parent in root.modules():
+        for names in SHARED_INPUT:
+            group = [parent._modules.get(n) for n in names]
+            if all(id(g) in own and is_plain_linear(g) for g in group) and len(
                     {g.in_features for g in group}) == 1:
-                grouped.append(group)
-                seen.update(id(g) for g in group)
-    alone = [[m] for m in model.modules()
-             if isinstance(m, torch.nn.Linear) and id(m) not in seen]
-    return grouped + alone
-
-
-def _onednn_forwards(group: list[torch.nn.Linear]) -> list[Any]:
-    """Forwards for layers sharing an input: the first computes one product for all of them
-    (bit-identical to separate ones, one weight pass and call instead of several), the others
-    take their slice when handed that same input tensor, and compute alone otherwise."""
-    weight, bias = _reordered_weight(group)
-    sizes = [linear.out_features for linear in group]
-    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> (input, output)
-
-    def product(x: torch.Tensor, w: Any, b: torch.Tensor | None, n: int) -> torch.Tensor:
-        y = packed_linear(x.reshape(-1, x.shape[-1]), w, b)
-        return y.reshape(*x.shape[:-1], n)
-
-    def first(x: torch.Tensor) -> torch.Tensor:
-        parts = product(x, weight, bias, sum(sizes)).split(sizes, dim=-1)
-        pending.update({i: (x, part) for i, part in enumerate(parts[1:], 1)})
-        return parts[0]
-
-    def later(i: int) -> Any:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            held = pending.pop(i, None)
-            if held is not None and held[0] is x:
-                return held[1]
-            alone_weight, alone_bias = _reordered_weight([group[i]])
-            return product(x, alone_weight, alone_bias, sizes[i])
-        return forward
-
-    return [first] + [later(i) for i in range(1, len(group))]
-
-
-def _reordered_weight(group: list[torch.nn.Linear]) -> tuple[Any, torch.Tensor | None]:
-    """The group's weights stacked in oneDNN's layout (reordered again if one changed), and
-    their biases stacked (zeros for a layer without one)."""
-    version = tuple((g.weight.data_ptr(), g.weight._version) for g in group)
-    with _lock:
-        cached = _reordered.get(group[0])
-        if cached is None or cached[0] != version:
-            weight = torch.cat([g.weight.detach() for g in group])
-            biases = [g.bias for g in group]
-            bias = None if all(b is None for b in biases) else torch.cat([
-                torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
-                if g.bias is None else g.bias.detach() for g in group])
-            cached = (version, (pack_weight(weight), bias))
-            _reordered[group[0]] = cached
-        return cached[1]
+                stack = LinearStack(group)
+                found += [(parent, n, stack, i) for i, n in enumerate(names)]
+                taken.update(id(g) for g in group)
+    for parent in root.modules():
+        for name, child in parent._modules.items():
+            if id(child) in own and id(child) not in taken and is_plain_linear(child):
+                found.append((parent, name, LinearStack([child]), 0))
+                taken.add(id(child))
+    return found

@@ -9,8 +9,6 @@ head covers every query head and every tree token, with the tree mask repeated p
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,21 +48,13 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-@contextlib.contextmanager
-def use_tree_attention(model: Any) -> Iterator[None]:
-    """Route the model's attention through ``tree_attention`` inside the block only."""
+def register_tree_attention() -> str:
+    """Register ``tree_attention`` in transformers' public attention registry, with SDPA's mask
+    builder for the masks a model makes itself (causal and sliding-window prefills); idempotent.
+    Returns the name a config's ``_attn_implementation`` selects it by."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if TREE_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(TREE_ATTENTION, tree_attention)
-    found = {id(m.config): m.config for m in model.modules()
-             if hasattr(getattr(m, "config", None), "_attn_implementation")}
-    configs = list(found.values())
-    previous = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = TREE_ATTENTION
-    try:
-        yield
-    finally:
-        for c, name in zip(configs, previous):
-            c._attn_implementation = name
+    AttentionInterface.register(TREE_ATTENTION, tree_attention)
+    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
+    return TREE_ATTENTION

@@ -4,38 +4,54 @@ keep the longest path the model agrees with plus one bonus token, compact the KV
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.acceptance import accept
 from rag_spec.decoding.budget import AdaptiveBudget
-from rag_spec.decoding.drafter import Drafter, DraftSession
-from rag_spec.decoding.kv_cache import crop, fill, fill_only, keep_accepted, tree_batch
-from rag_spec.decoding.sampling import SamplingParams, target_choices
+from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView, propose
+from rag_spec.decoding.kv_cache import attention_window, crop, fill
+from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec.decoding.sampling import RowSampler, SamplingParams
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.trie_drafter import TrieDrafter, TrieMode
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter, TrieMode
+from rag_spec.decoding.verify import verify
 from rag_spec.errors import RagSpecError
-from rag_spec_kernels import use_onednn_linear, use_tree_attention
+from rag_spec.models.limits import context_window
+from rag_spec.tokenizing import serial
 
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    """Drafting knobs; the defaults suit RAG answers on a CPU."""
+    """The decoder's knobs; the defaults suit RAG answers on a CPU.
+
+    Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``mode``,
+    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear`` (``.runner``).
+    """
 
     budget: int = 12  # most draft nodes verified per step
     branch_length: int = 8  # longest drafted continuation
     mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
     adaptive: bool = True  # shrink the budget while drafts keep missing
     memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
-    onednn_linear: bool = True  # CPU: oneDNN matrix products (a weight copy; cheap tree steps)
+    # CPU: oneDNN matrix products on a reordered weight copy (cheap tree steps). "auto": only
+    # while the copy fits a quarter of the available memory; True forces it, False turns it off.
+    onednn_linear: bool | Literal["auto"] = "auto"
+
+    @property
+    def trie(self) -> TrieConfig:
+        return TrieConfig(self.branch_length, self.mode, self.memory_mb)
+
+    @property
+    def runner(self) -> RunnerSettings:
+        return RunnerSettings(onednn_linear=self.onednn_linear)
 
 
 @dataclass
@@ -76,7 +92,7 @@ class _Row:
     prompt: list[int]
     session: DraftSession
     budget: AdaptiveBudget
-    uniforms: torch.Tensor | None = None  # [max_new + budget + 1] one per output position
+    sampler: RowSampler
     remember: bool = True  # hand the finished output to the drafter's cross-request memory
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -129,6 +145,10 @@ def _drain(steps: Generator[None, None, list[GenerationResult]]) -> list[Generat
 class LookaheadDecoder:
     """Speculative decoding for any transformers causal LM, with plain decoding's exact output.
 
+    The model is only read: forward passes go through a ``Runner``, a private copy of its
+    module tree that shares the weights. Any ``Drafter`` can propose the trees (default: the
+    trie drafter configured by ``config``).
+
     Examples:
         >>> dec = LookaheadDecoder(lm.model, lm.tokenizer)               # doctest: +SKIP
         >>> dec.generate(ids, max_new_tokens=64).token_ids                # doctest: +SKIP
@@ -140,16 +160,19 @@ class LookaheadDecoder:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or LookaheadConfig()
-        self.drafter: Drafter = drafter or TrieDrafter(
-            branch_length=self.config.branch_length, mode=self.config.mode,
-            memory_mb=self.config.memory_mb)
-        self._context: list[list[int]] = []
+        self.drafter: Drafter = drafter or TrieDrafter.from_config(self.config.trie)
+        self.runner = Runner.of(model, self.config.runner)
+        self._window = attention_window(model.config)  # refuses attention it cannot mask
+        self._tokens = serial(tokenizer)
+        self._pending = threading.local()  # add_context documents, per calling thread
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
 
     def add_context(self, texts: Sequence[str]) -> None:
-        """Documents the next ``generate`` call may copy from (e.g. retrieved passages)."""
+        """Documents the next ``generate`` call on this thread may copy from (e.g. retrieved
+        passages)."""
         self._require_tokenizer("add_context")
-        self._context.extend(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+        documents = self._tokens(list(texts), add_special_tokens=False)["input_ids"]
+        self._pending.__dict__.setdefault("documents", []).extend(documents)
 
     def generate(self, input_ids: Any, max_new_tokens: int = 128, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -166,9 +189,10 @@ class LookaheadDecoder:
             stop: strings that end generation; the text is cut before them.
             streamer: receives each settled piece of text (a callable), or token ids (a
                 transformers streamer); single prompts only.
-            seed: fixes sampled output, whatever the drafts (default: drawn from torch's RNG).
+            seed: fixes sampled output, whatever the drafts (default: drawn from torch's RNG;
+                row ``b`` of a batch samples with ``seed + b``). Greedy decoding draws nothing.
             context: documents this call may copy from, like ``add_context`` but for this call
-                only (safe when threads share the decoder).
+                only.
 
         Returns:
             A GenerationResult for a single prompt, a list of them for a batch.
@@ -206,15 +230,14 @@ class LookaheadDecoder:
         pieces: list[str] = []
         return GenerationStream(self._steps(
             prompts, max_new_tokens, params, options.pop("stop", ()), options.pop("seed", None),
-            options.pop("context", ()), pieces.append, hand_back=True, **options), pieces)
+            options.pop("context", ()), pieces.append, **options), pieces)
 
     def _steps(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
                stop: Sequence[str], seed: int | None, context: Sequence[str],
-               streamer: Callable[[str], None] | Any = None, hand_back: bool = False,
+               streamer: Callable[[str], None] | Any = None,
                ) -> Generator[None, None, list[GenerationResult]]:
         """The whole generation as a generator: one ``yield`` per decoding step, holding the
-        decoder meanwhile; returns the results. ``hand_back``: the caller runs its own code
-        between steps (a stream), so the fast path is entered per step and never leaks."""
+        decoder meanwhile; returns the results."""
         if max_new_tokens <= 0:
             msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
             raise RagSpecError(msg)
@@ -222,23 +245,21 @@ class LookaheadDecoder:
             self._require_tokenizer("stop strings")
         if context:
             self._require_tokenizer("context documents")
-        documents = self.tokenizer(list(context), add_special_tokens=False)["input_ids"] \
+        documents = self._tokens(list(context), add_special_tokens=False)["input_ids"] \
             if context else []
+        documents = self._pending.__dict__.pop("documents", []) + documents
         self._check_length(prompts)
-        if seed is None:
+        if params.do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
-        generator = torch.Generator().manual_seed(seed)
         with self._lock:
-            documents, self._context = self._context + documents, []
-            rows = [_Row(p, self.drafter.session(p, documents), AdaptiveBudget(
-                self.config.budget, adaptive=self.config.adaptive),
-                uniforms=torch.rand(max_new_tokens + self.config.budget + 1,
-                                    generator=generator) if params.do_sample else None)
-                for p in prompts]
-            rules = [StopRule(self.tokenizer, self._eos_ids(), stop,
+            rows = [_Row(p, self.drafter.session(p, documents),
+                         AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive),
+                         RowSampler(params, None if seed is None else seed + b))
+                    for b, p in enumerate(prompts)]
+            rules = [StopRule(self._tokens, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
-            yield from self._decode(rows, rules, params, stream, per_step=hand_back)
+            yield from self._decode(rows, rules, stream)
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
@@ -248,93 +269,73 @@ class LookaheadDecoder:
         """Greedy tokens after ``context`` for a caller that manages its own KV cache.
 
         Iterative RaLM keeps one cache per passage and decodes a few tokens at a time; this
-        lets it verify drafts too. ``cache`` (a DynamicCache, one row) holds every position
-        before the last token of the sequence; ``context`` ends with that token and is what
-        ``session`` drafts from. On return the cache holds the sequence up to, not including,
-        the last new token, so consecutive calls chain. The session and budget persist across
-        calls; nothing is remembered across requests (call ``session.finish`` at the end).
+        lets it verify drafts too. ``cache`` (from ``kv_cache.new_cache``, one row) holds every
+        position before the last token of the sequence; ``context`` ends with that token and is
+        what ``session`` drafts from. On return the cache holds the sequence up to, not
+        including, the last new token, so consecutive calls chain. The session and budget
+        persist across calls; nothing is remembered across requests (call ``session.finish``
+        at the end).
         """
-        rule = StopRule(self.tokenizer, self._eos_ids(), (), max_new_tokens)
-        row = _Row(list(context), session, budget, remember=False)
-        length = cache.get_seq_length()
-        valid = torch.ones(1, length, dtype=torch.bool, device=self.model.device)
-        roots, positions = [context[-1]], [length]
-        with self._lock, self._computing():
+        rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
+        row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
+        tree_cache = TreeKVCache.of_row(cache, context[-1], self._window)
+        length = tree_cache.length
+        with self._lock:
             while row.finish_reason is None:
-                valid = self._step([row], [rule], SamplingParams(), cache, roots, positions,
-                                   valid)
+                self._step([row], [rule], tree_cache)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
         return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
 
     def fill(self, cache: Any, tokens: list[int]) -> None:
         """Append ``tokens`` to a one-row cache the caller manages (``extend``'s prefill), on
         the same fast path as the steps that follow."""
-        with self._lock, self._computing():
-            fill(self.model, cache, tokens)
+        with self._lock:
+            fill(self.runner, cache, tokens)
 
-    @contextlib.contextmanager
-    def _computing(self) -> Iterator[None]:
-        """The model's fast verification path (entering it patches ~200 layers: ~2 ms)."""
-        with torch.inference_mode(), use_tree_attention(self.model), \
-                use_onednn_linear(self.model, self.config.onednn_linear):
+    def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None
+                ) -> Iterator[None]:
+        started = time.perf_counter()
+        with torch.inference_mode():  # entered per step: a stream's caller runs in between
+            cache = TreeKVCache.prefill(self.runner, [r.prompt for r in rows])
+        for r in rows:
+            r.stats.prefill_seconds = time.perf_counter() - started
+        while any(r.finish_reason is None for r in rows):
+            self._step(rows, rules, cache)
+            if stream is not None:
+                stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
 
-    def _decode(self, rows: list[_Row], rules: list[StopRule], params: SamplingParams,
-                stream: TextStream | None, per_step: bool) -> Iterator[None]:
-        whole, each = ((contextlib.nullcontext(), self._computing) if per_step
-                       else (self._computing(), contextlib.nullcontext))
-        with whole:
-            started = time.perf_counter()
-            with each():
-                cache, valid = self._prefill([r.prompt[:-1] for r in rows])
-            for r in rows:
-                r.stats.prefill_seconds = time.perf_counter() - started
-            roots = [r.prompt[-1] for r in rows]
-            positions = [len(r.prompt) - 1 for r in rows]
-            while any(r.finish_reason is None for r in rows):
-                with each():
-                    valid = self._step(rows, rules, params, cache, roots, positions, valid)
-                if stream is not None:
-                    stream.update(rows[0].output, rows[0].finish_reason is not None)
-                yield
-
-    def _step(self, rows: list[_Row], rules: list[StopRule], params: SamplingParams, cache: Any,
-              roots: list[int], positions: list[int], valid: torch.Tensor) -> torch.Tensor:
-        """One step for every row: draft, verify in one forward pass, accept, compact the cache.
-        Advances ``roots`` and ``positions`` in place; returns the new validity mask."""
+    @torch.inference_mode()
+    def _step(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache) -> None:
+        """One step for every row: draft, verify in one forward pass, accept, compact."""
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
-        trees = [r.session.propose(r.context, r.budget.current) if on else TokenTree.empty()
-                 for r, on in zip(rows, active)]
-        # 2. Verify: one forward pass over every row's root and tree.
+        requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0)
+                    for r, on in zip(rows, active)]
+        trees = [tree if on else TokenTree.empty() for tree, on in zip(
+            propose(self.drafter, requests, TargetView(self.runner, cache)), active)]
+        # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        step = tree_batch(roots, trees, positions, valid, self.model.dtype)
-        logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
-                            attention_mask=step.attention_mask, past_key_values=cache,
-                            use_cache=True).logits
+        batch = cache.step(trees, self.runner.dtype)
+        logits = self.runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                             attention_mask=batch.attention_mask,
+                             past_key_values=cache.cache, use_cache=True).logits
         t2 = time.perf_counter()
-        # 3. Accept: the longest path matching the target's choices, plus a bonus token.
-        keep = []
-        for b, (row, tree) in enumerate(zip(rows, trees)):
-            uniforms = None if row.uniforms is None else row.uniforms[len(row.output):]
-            choices = target_choices(logits[b, :1 + len(tree)], row.context, tree, params,
-                                     uniforms)
-            path, bonus = accept(tree, choices)
-            keep.append([0] + [1 + node for node in path])
-            if active[b]:
-                self._commit(row, rules[b], tree.path_tokens(path) + [bonus], len(tree))
-            roots[b] = bonus
-            positions[b] += 1 + len(path)
+        # 3. Verify: each row's accepted path and the target's next token after it.
+        verdicts = [verify(logits[b, :1 + len(tree)], tree, row.sampler, row.context,
+                           len(row.output)) for b, (row, tree) in enumerate(zip(rows, trees))]
+        for row, rule, tree, verdict, on in zip(rows, rules, trees, verdicts, active):
+            if on:
+                self._commit(row, rule, verdict.tokens, len(tree))
         # 4. Roll back: keep only the accepted slots of the KV cache.
-        valid = keep_accepted(cache, valid.shape[1], keep, valid)
+        cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
         t3 = time.perf_counter()
         for row, on in zip(rows, active):
             if on:
                 row.stats.draft_seconds += t1 - t0
                 row.stats.forward_seconds += t2 - t1
                 row.stats.bookkeeping_seconds += t3 - t2
-        return valid
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int) -> None:
         """Append tokens one by one until a stop rule fires; teach the drafter what was kept."""
@@ -352,34 +353,6 @@ class LookaheadDecoder:
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
 
-    def _prefill(self, prefixes: list[list[int]]) -> tuple[Any, torch.Tensor]:
-        """Run the prompts except their last token, left-padded; return the cache and validity."""
-        from transformers import DynamicCache
-
-        device = self.model.device
-        cache = DynamicCache(config=self.model.config)
-        width = max(len(p) for p in prefixes)
-        valid = torch.zeros(len(prefixes), width, dtype=torch.bool, device=device)
-        if width == 0:
-            return cache, valid
-        ids = torch.zeros(len(prefixes), width, dtype=torch.long)
-        for b, p in enumerate(prefixes):
-            if p:
-                ids[b, width - len(p):] = torch.tensor(p)
-                valid[b, width - len(p):] = True
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        mask = None  # no padding: the model's own causal path
-        if not valid.all():
-            causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
-            allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool,
-                                                                      device=device)
-            mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
-            mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)
-            mask = mask[:, None]
-        self.model(input_ids=ids.to(device), position_ids=positions, attention_mask=mask,
-                   past_key_values=cache, use_cache=True, **fill_only(self.model))
-        return cache, valid
-
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
@@ -388,15 +361,12 @@ class LookaheadDecoder:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
-    def _context_window(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
-
     def _max_new(self, prompt: list[int], max_new_tokens: int) -> int:
-        window = self._context_window()
+        window = context_window(self.model.config, self.tokenizer)
         return max_new_tokens if window is None else min(max_new_tokens, window - len(prompt))
 
     def _check_length(self, prompts: list[list[int]]) -> None:
-        window = self._context_window()
+        window = context_window(self.model.config, self.tokenizer)
         longest = max(len(p) for p in prompts)
         if window is not None and longest >= window:
             msg = (f"The prompt is {longest} tokens but the model's context window is {window}; "

@@ -1,14 +1,24 @@
-"""The drafting seam: a Drafter opens a session per request; a session proposes TokenTrees.
+"""The drafting seam: a Drafter opens a session per request and proposes one TokenTree per row
+of a batch in one call.
 
-Drafters never see target logits; the verifier never knows which drafter it talks to.
+Drafters never see target logits of the step they draft for; the verifier never knows which
+drafter it talks to. A drafter that computes (a draft model, a sparse-KV self draft) reads the
+target through ``TargetView``: the runner's forward (the target's weights, never a user's
+module) and the batch's committed KV cache, read-only.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rag_spec.decoding.tree import TokenTree
+
+if TYPE_CHECKING:
+    from rag_spec.decoding.runner import Runner
+    from rag_spec.decoding.tree_cache import TreeKVCache
 
 
 class DraftSession(Protocol):
@@ -19,7 +29,7 @@ class DraftSession(Protocol):
         ...
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
-        """``context[new_from:]`` was just committed (accepted tokens plus the bonus)."""
+        """``context[new_from:]`` was just committed (accepted tokens plus the next token)."""
         ...
 
     def finish(self, output: Sequence[int]) -> None:
@@ -31,6 +41,24 @@ class DraftSession(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One row's request for a draft this step."""
+
+    session: DraftSession
+    context: Sequence[int]  # committed tokens (prompt and output so far), the root last
+    budget: int  # most nodes the tree may have (0: draft nothing)
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What a drafter may read of the target, for the rows of ``DraftRequest``s in order."""
+
+    runner: Runner  # forward passes through the fast path (shares the target's weights)
+    cache: TreeKVCache  # committed KV entries, validity and positions of every row: read only
+
+
+@runtime_checkable
 class Drafter(Protocol):
     """A source of drafts shared by requests."""
 
@@ -38,3 +66,33 @@ class Drafter(Protocol):
                 ) -> DraftSession:
         """Open a session for a request with ``prompt`` and optional extra documents."""
         ...
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        """One tree per request, for the whole batch at once (``target`` is None where the
+        caller has no batch cache, e.g. a one-row RaLM segment)."""
+        ...
+
+
+def propose_each(requests: Sequence[DraftRequest]) -> list[TokenTree]:
+    """Drafts from each request's own session: for drafters that draft row by row."""
+    return [r.session.propose(r.context, r.budget) if r.budget > 0 else TokenTree.empty()
+            for r in requests]
+
+
+def propose(drafter: Any, requests: Sequence[DraftRequest], target: TargetView | None
+            ) -> list[TokenTree]:
+    """``drafter.propose``; drafters written before batch proposals (``session`` only) still
+    work, row by row, with a DeprecationWarning."""
+    batched = getattr(drafter, "propose", None)
+    if batched is None:
+        warnings.warn(f"{type(drafter).__name__} has no propose(requests, target); drafting row "
+                      "by row. Add it (see rag_spec.decoding.drafter.Drafter).",
+                      DeprecationWarning, stacklevel=3)
+        return propose_each(requests)
+    trees = batched(requests, target)
+    if len(trees) != len(requests):
+        msg = (f"{type(drafter).__name__}.propose returned {len(trees)} trees for "
+               f"{len(requests)} requests; it must return one per request.")
+        raise ValueError(msg)
+    return trees

@@ -1,92 +1,73 @@
-"""Tree-step inputs for a batch, and KV-cache compaction to the accepted paths.
+"""KV caches the decoder understands: transformers' DynamicCache with full-length layers.
 
-The cache is a transformers DynamicCache shared by the batch, ``length`` slots long. Rows
-accept different numbers of tokens, so a row's slots can hold stale entries ("holes");
-``valid[b, s]`` says whether slot ``s`` of row ``b`` holds a committed token. Holes are masked
-out of attention and never shift position ids, which count committed tokens only.
+Speculation writes draft entries and then keeps only accepted ones, so every layer must hold
+every position: a sliding-window layer that drops old entries by itself would lose the slots
+being compacted. Sliding-window attention (Mistral-style) is therefore applied by the masks
+(``attention_window``), over full layers; other layer kinds are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rag_spec.decoding.tree import TokenTree
+from rag_spec.errors import RagSpecError
+
+_SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
-@dataclass(frozen=True)
-class TreeBatch:
-    """One forward pass over a root token plus a tree per row."""
+def new_cache() -> Any:
+    """An empty cache of full-length layers (created as the model fills them)."""
+    from transformers import DynamicCache
 
-    input_ids: torch.Tensor  # [B, N] root token, then the tree's tokens, then padding
-    position_ids: torch.Tensor  # [B, N] committed length + depth
-    attention_mask: torch.Tensor  # [B, 1, N, cache_len + N] additive float mask
+    return DynamicCache()
 
 
-def tree_batch(roots: Sequence[int], trees: Sequence[TokenTree], positions: Sequence[int],
-               valid: torch.Tensor, dtype: torch.dtype) -> TreeBatch:
-    """Inputs for verifying ``trees`` (one per row) below each row's pending ``roots`` token.
+def attention_window(config: Any) -> int | None:
+    """The sliding window every layer of the model attends within, or None for full attention.
 
-    Args:
-        positions: [B] position id of each root (the number of tokens already in the cache).
-        valid: [B, cache_len] bool, which cache slots each row may attend to.
+    Raises RagSpecError for models whose layers differ (some sliding, some full) or use
+    attention kinds the decoder's masks do not express.
     """
-    batch = len(trees)
-    width = 1 + max(len(t) for t in trees)
-    cache_len = valid.shape[1]
-    device = valid.device
-    input_ids = torch.zeros(batch, width, dtype=torch.long)
-    position_ids = torch.zeros(batch, width, dtype=torch.long)
-    local = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # padding sees itself only
-    for b, (tree, root, pos) in enumerate(zip(trees, roots, positions)):
-        n = len(tree)
-        input_ids[b, 0] = root
-        input_ids[b, 1:1 + n] = torch.tensor(tree.tokens, dtype=torch.long)
-        position_ids[b, 0] = pos
-        position_ids[b, 1:1 + n] = pos + torch.from_numpy(tree.depths)
-        local[b, 1:1 + n, 0] = True  # every node sees the root
-        local[b, 1:1 + n, 1:1 + n] = torch.from_numpy(tree.ancestor_mask)
-    prefix = valid[:, None, :].expand(batch, width, cache_len).to(device)
-    allowed = torch.cat([prefix, local.to(device)], dim=-1)[:, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return TreeBatch(input_ids.to(device), position_ids.to(device), mask)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
+        else config
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds:  # no per-layer types: a set window applies to every layer (Mistral)
+        return int(window) if window else None
+    unknown = kinds - set(_SUPPORTED_LAYERS)
+    if unknown or len(kinds) > 1:
+        msg = (f"{type(config).__name__} mixes or uses attention layer kinds rag-spec cannot "
+               f"mask yet ({', '.join(sorted(kinds))}); rag-spec supports models whose layers "
+               "all use full attention (Llama, Qwen2, SmolLM2, ...) or all use one sliding "
+               "window (Mistral). Use model.generate for this model.")
+        raise RagSpecError(msg)
+    return int(window) if kinds == {"sliding_attention"} and window else None
 
 
-def keep_accepted(cache: object, start: int, keep: Sequence[Sequence[int]],
-                  valid: torch.Tensor) -> torch.Tensor:
-    """Compact each row's accepted slots to the front of the step's slots; return the new valid.
+def layers(cache: Any) -> list:
+    """The per-layer key/value holders of ``cache``, refusing layers that evict entries."""
+    from transformers.cache_utils import DynamicLayer
 
-    Args:
-        cache: DynamicCache holding ``start`` old slots plus the step's slots.
-        start: cache length before the step.
-        keep: per row, the step-local slot indices to keep in order (0 = the root).
-        valid: [B, start] validity before the step.
-    """
-    width = max(len(k) for k in keep)
-    index = torch.tensor([list(k) + [k[-1]] * (width - len(k)) for k in keep],
-                         dtype=torch.long, device=valid.device) + start  # [B, width]
-    for layer in _layers(cache):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)  # [B, heads, slots, head_dim]
-            gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-            tail = tensor.gather(2, gather)
-            tensor[:, :, start:start + width] = tail
-            setattr(layer, name, tensor[:, :, :start + width])
-    lengths = torch.tensor([len(k) for k in keep], device=valid.device)
-    new_valid = torch.arange(width, device=valid.device)[None, :] < lengths[:, None]
-    return torch.cat([valid, new_valid], dim=1)
+    found = getattr(cache, "layers", None)
+    if found is None or not all(type(layer) is DynamicLayer for layer in found):
+        kinds = sorted({type(layer).__name__ for layer in found or ()}) or [type(cache).__name__]
+        msg = (f"rag-spec needs a transformers DynamicCache of full-length layers (got "
+               f"{', '.join(kinds)}); create it with rag_spec.decoding.kv_cache.new_cache() "
+               "(sliding windows are applied by the masks).")
+        raise RagSpecError(msg)
+    return found
 
 
 def fill_only(model: Any) -> dict[str, Any]:
-    """Forward options for a pass that only fills the cache: no logits where the model can skip
-    them (a prompt's logits cost 49k x 576 multiply-adds per token for the default model)."""
-    return {"logits_to_keep": 1} if _skips_logits(type(model)) else {}
+    """Forward options for a pass that only fills the cache: no logits where the model (or the
+    runner's copy of it) can skip them (a prompt's logits cost 49k x 576 multiply-adds per
+    token for the default model)."""
+    module = getattr(model, "module", model)
+    return {"logits_to_keep": 1} if _skips_logits(type(module)) else {}
 
 
 @functools.cache
@@ -100,18 +81,9 @@ def fill(model: Any, cache: Any, tokens: list[int]) -> None:
           use_cache=True, **fill_only(model))
 
 
-def crop(cache: object, length: int) -> None:
+def crop(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of every layer (``DynamicCache.crop``, whose
     argument conventions changed across transformers releases)."""
-    for layer in _layers(cache):
+    for layer in layers(cache):
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
-
-
-def _layers(cache: object) -> list:
-    layers = getattr(cache, "layers", None)
-    if layers is None or not all(hasattr(layer, "keys") for layer in layers):
-        msg = ("rag-spec needs a transformers DynamicCache (transformers >= 5), with per-layer "
-               "keys and values tensors; upgrade transformers.")
-        raise TypeError(msg)
-    return layers

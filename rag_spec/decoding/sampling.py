@@ -44,6 +44,44 @@ class SamplingParams:
             raise RagSpecError(msg)
 
 
+class RowSampler:
+    """One row's token choices: argmax for greedy decoding (which draws no random numbers), or
+    samples driven by the row's own generator (torch's global RNG is never touched).
+
+    Uniform numbers are indexed by output position and drawn in fixed blocks, so a seed fixes
+    the output whatever the drafts were.
+    """
+
+    _BLOCK = 256
+
+    def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
+        if params.do_sample and seed is None:
+            msg = "sampling needs a seed for its row's generator"
+            raise ValueError(msg)
+        self.params = params
+        self._generator = torch.Generator().manual_seed(seed) if params.do_sample else None
+        self._uniforms = torch.empty(0)
+
+    def choices(self, logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                position: int) -> list[int]:
+        """The target's token after the root and after each node.
+
+        Args:
+            logits: [1 + n, vocab] logits for the root then the n tree nodes.
+            context: committed token ids (prompt and output so far, the root token last).
+            tree: the draft the logits were computed for.
+            position: output position of the token after the root (tokens generated so far).
+        """
+        uniforms = None
+        if self._generator is not None:
+            needed = position + 1 + (int(tree.depths.max()) if len(tree) else 0)
+            while len(self._uniforms) < needed:
+                block = torch.rand(self._BLOCK, generator=self._generator)
+                self._uniforms = torch.cat([self._uniforms, block])
+            uniforms = self._uniforms[position:needed]
+        return target_choices(logits, context, tree, self.params, uniforms)
+
+
 def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
                    params: SamplingParams, uniforms: torch.Tensor | None = None) -> list[int]:
     """The target's token after the root and after each node.
@@ -65,7 +103,9 @@ def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree
         logits = _top_k(logits, params.top_k)
     if params.top_p < 1.0:
         logits = _top_p(logits, params.top_p)
-    assert uniforms is not None, "sampling needs one uniform number per output position"
+    if uniforms is None:
+        msg = "sampling needs one uniform number per output position"
+        raise ValueError(msg)
     depth = torch.zeros(1 + len(tree), dtype=torch.long)
     depth[1:] = torch.from_numpy(tree.depths)
     cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)

@@ -8,10 +8,14 @@ parents always come before their children, so a tree is a prefix-closed list of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -26,10 +30,17 @@ class TokenTree:
 
     tokens: tuple[int, ...]  # [n] draft token ids
     parents: tuple[int, ...]  # [n] parent node index, -1 for a child of the root
+    # [n, vocab] the draft distribution each node's token was drawn from (siblings share their
+    # parent's); None for drafts without probabilities (the trie)
+    draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             msg = "a TokenTree needs one parent per token"
+            raise ValueError(msg)
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2
+                                             or self.draft_probs.shape[0] != len(self.tokens)):
+            msg = "draft_probs needs one row per token: shape [n, vocab]"
             raise ValueError(msg)
         if any(not -1 <= p < i for i, p in enumerate(self.parents)):
             msg = "every parent must come before its child (parents[i] in [-1, i))"

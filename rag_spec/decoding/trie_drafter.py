@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
+from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
 
@@ -15,6 +17,15 @@ TrieMode = Literal["tree", "chains"]
 
 # How much a continuation seen in this request counts against one remembered from earlier ones.
 REQUEST_WEIGHT, MEMORY_WEIGHT = 4.0, 1.0
+
+
+@dataclass(frozen=True)
+class TrieConfig:
+    """The trie drafter's settings (``LookaheadConfig`` carries them for the default drafter)."""
+
+    branch_length: int = 8  # longest drafted continuation
+    mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
+    memory_mb: float = 64.0  # bound on the memory of earlier outputs
 
 
 class TrieDrafter:
@@ -35,7 +46,17 @@ class TrieDrafter:
         max_nodes = int(memory_mb * 2**20 / BYTES_PER_NODE)
         self.memory = NGramTrie(branch_length=branch_length, max_key=max_key,
                                 max_nodes=max_nodes)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards ``memory``: remembered into, read by proposals
+
+    @classmethod
+    def from_config(cls, config: TrieConfig) -> TrieDrafter:
+        return cls(branch_length=config.branch_length, mode=config.mode,
+                   memory_mb=config.memory_mb)
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        """Each row's tree from its own session (tries need nothing from the target)."""
+        return propose_each(requests)
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> TrieSession:
@@ -62,18 +83,20 @@ class TrieSession:
     def propose(self, context: Sequence[int], budget: int) -> TokenTree:
         if budget <= 0:
             return TokenTree.empty()
-        tries: list[tuple[Children, float]] = []
-        for trie, weight in ((self.request, REQUEST_WEIGHT), (self.drafter.memory, MEMORY_WEIGHT)):
-            found = trie.continuations(context)
-            if found:
-                tries.append((found, weight))
-        if not tries:
-            return TokenTree.empty()
-        depth = self.drafter.branch_length
-        if self.drafter.mode == "chains":
-            return _chains(tries, budget, depth)
-        tokens, parents = best_nodes(tries, budget, depth)
-        return TokenTree(tuple(tokens), tuple(parents))
+        with self.drafter._lock:  # the shared memory must not change while it is walked
+            tries: list[tuple[Children, float]] = []
+            for trie, weight in ((self.request, REQUEST_WEIGHT),
+                                 (self.drafter.memory, MEMORY_WEIGHT)):
+                found = trie.continuations(context)
+                if found:
+                    tries.append((found, weight))
+            if not tries:
+                return TokenTree.empty()
+            depth = self.drafter.branch_length
+            if self.drafter.mode == "chains":
+                return _chains(tries, budget, depth)
+            tokens, parents = best_nodes(tries, budget, depth)
+            return TokenTree(tuple(tokens), tuple(parents))
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
         # The output's own n-grams: answers often repeat themselves.

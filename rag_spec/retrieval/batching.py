@@ -7,7 +7,7 @@ from typing import Any
 
 from rag_spec.coalesce import Coalescer
 from rag_spec.retrieval.types import Hit, Retriever
-from rag_spec.threads import run_in_compute_thread
+from rag_spec.threads import run_in_io_thread
 
 
 class BatchingRetriever:
@@ -28,9 +28,10 @@ class BatchingRetriever:
         return self._batcher(list(queries), key=k)
 
     async def asearch(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
-        """``search`` for event loops: concurrent calls share a search on the compute thread."""
+        """``search`` for event loops: concurrent calls share a search, on rag-spec's I/O pool
+        (a generation on the compute thread never holds a retrieval up)."""
         requests = self._batcher.submit(list(queries), key=k)
-        return await run_in_compute_thread(self._batcher.complete, requests)
+        return await run_in_io_thread(self._batcher.complete, requests)
 
     def _run(self, k: Any, queries: Sequence[str]) -> list[list[Hit]]:
         return self.retriever.search(list(queries), k)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +30,8 @@ class Embedder:
         self.name = DEFAULT_EMBEDDER if model_dir is None else self.model_dir.name
         self._device = device
         self._model: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # loading
+        self._encode_lock = threading.Lock()
 
     @classmethod
     def default(cls) -> Embedder:
@@ -46,10 +46,11 @@ class Embedder:
         """The sentence-transformers model, loaded on first use, from local files only."""
         with self._lock:
             if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(str(self.model_dir), device=self._device)
+                # local files only, for this load alone: the process environment is the user's
+                self._model = SentenceTransformer(str(self.model_dir), device=self._device,
+                                                  local_files_only=True)
             return self._model
 
     @property
@@ -58,7 +59,13 @@ class Embedder:
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 64,
                progress: bool = False) -> np.ndarray:
-        """Embeddings of ``texts``: float32 array of shape (len(texts), dim), unit length."""
-        vectors = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                                    convert_to_numpy=True, show_progress_bar=progress)
+        """Embeddings of ``texts``: float32 array of shape (len(texts), dim), unit length.
+
+        Calls are serialised: guesses (the caller's thread) and verifications (workers) share
+        the model, and its fast tokenizer is not thread-safe.
+        """
+        model = self.model
+        with self._encode_lock:
+            vectors = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                                   convert_to_numpy=True, show_progress_bar=progress)
         return np.ascontiguousarray(vectors, dtype=np.float32)

@@ -17,10 +17,12 @@ from typing import Any
 from rag_spec.coalesce import Coalescer
 from rag_spec.decoding.decoder import DecodeStats, LookaheadConfig, LookaheadDecoder
 from rag_spec.errors import RagSpecError
+from rag_spec.models.limits import context_window
 from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.serving.prompts import chat_input_ids, merge_turns
 from rag_spec.threads import run_in_compute_thread
+from rag_spec.tokenizing import serial
 
 Messages = Sequence[Mapping[str, str]]  # [{"role": ..., "content": ...}, ...]
 Prompt = str | Messages  # text is completed as is; messages get the chat template
@@ -105,6 +107,7 @@ class LocalLM:
                  batch_wait_ms: float = 5.0, max_batch: int = 8) -> None:
         self.lm = lm
         self.decoder = LookaheadDecoder(lm.model, lm.tokenizer, config)
+        self._tokens = serial(lm.tokenizer)  # callers encode on their own threads
         self._batcher: Coalescer[list[int], Completion] = Coalescer(
             self._run, wait_ms=batch_wait_ms, max_batch=max_batch)
 
@@ -125,8 +128,9 @@ class LocalLM:
         return self.lm.name
 
     @property
-    def context_window(self) -> int:
-        return int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+    def context_window(self) -> int | None:
+        """Longest prompt plus output the model takes (None: its config does not say)."""
+        return context_window(self.lm.model.config, self.lm.tokenizer)
 
     def exclusive(self) -> Any:
         """A context manager that holds the model for other work (e.g. an iterative RaLM loop)."""
@@ -135,11 +139,11 @@ class LocalLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or of chat messages with the generation prompt added."""
         if isinstance(prompt, str):
-            return list(self.lm.tokenizer(prompt)["input_ids"])
+            return list(self._tokens(prompt)["input_ids"])
         if not prompt:
             msg = "No messages to answer; pass at least one user message."
             raise RagSpecError(msg)
-        return chat_input_ids(self.lm.tokenizer, merge_turns(prompt))
+        return chat_input_ids(self._tokens, merge_turns(prompt))
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:

@@ -30,6 +30,7 @@ from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.prompts import chat_input_ids, rag_messages
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
 from rag_spec.threads import use_one_openmp_thread
+from rag_spec.tokenizing import serial
 
 
 @dataclass
@@ -45,7 +46,6 @@ class RalmStats:
     retrieval_seconds: float = 0.0  # inside knowledge-base calls
     generation_seconds: float = 0.0  # prefills and decoding
     waiting_seconds: float = 0.0  # blocked on an asynchronous verification
-    last_verify_seconds: float = 0.0  # the latest call's, for the stride scheduler
 
 
 @dataclass
@@ -95,6 +95,10 @@ class IterativeRaLM:
                  asynchronous: bool = True, speculation_stride: int = 3,
                  max_speculation_stride: int = 8, max_in_flight: int = 2,
                  lookahead: LookaheadDecoder | None = None) -> None:
+        if lookahead is not None and lookahead.model is not lm.model:
+            msg = ("IterativeRaLM(lookahead=...) needs a LookaheadDecoder on the loop's own model: "
+                   "LookaheadDecoder(lm.model, lm.tokenizer).")
+            raise RagSpecError(msg)
         for name, value in (("stride", stride), ("query_tokens", query_tokens), ("k", k),
                             ("speculation_stride", speculation_stride),
                             ("max_in_flight", max_in_flight)):
@@ -112,6 +116,7 @@ class IterativeRaLM:
         self.max_speculation_stride = max_speculation_stride
         self.max_in_flight = max_in_flight
         self.lookahead = lookahead
+        self._tokens = serial(lm.tokenizer)  # guesses and verifications run on several threads
         self._learned: StrideScheduler | None = None  # the latest request's, finished
         self._learned_lock = threading.Lock()
 
@@ -123,7 +128,7 @@ class IterativeRaLM:
         if max_new_tokens < 1:
             msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
             raise RagSpecError(msg)
-        tokenizer = self.lm.tokenizer
+        tokenizer = self._tokens
         question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
         eos = self.lm.model.generation_config.eos_token_id
         session, extend = self._drafting(question) if self.lookahead else (None, None)
@@ -134,7 +139,8 @@ class IterativeRaLM:
         stats = RalmStats()
         with torch.inference_mode():
             if isinstance(self.retriever, SpecRetriever):
-                self._speculative(state, question, question_ids, max_new_tokens, stats)
+                self._speculative(state, self.retriever.session(), question, question_ids,
+                                  max_new_tokens, stats)
             else:
                 self._naive(state, question, question_ids, max_new_tokens, stats)
         if session is not None:
@@ -145,12 +151,14 @@ class IterativeRaLM:
 
     def _drafting(self, question: str) -> tuple[DraftSession, Extend]:
         """A draft session for this request and the RalmState hook that decodes with it."""
-        decoder, tokenizer = self.lookahead, self.lm.tokenizer
-        assert decoder is not None
+        decoder, tokenizer = self.lookahead, self._tokens
+        if decoder is None:
+            msg = "drafting needs the loop's lookahead decoder"
+            raise ValueError(msg)
         # Drafting context: this prompt plus the output. Every segment's prompt ends like it
         # (the chat template's assistant header), and drafts only read the last few tokens.
         base = chat_input_ids(tokenizer, rag_messages(question, []))
-        session = decoder.drafter.session(base)
+        session = decoder.drafter.session(base)  # rows draft one by one: no batch cache
         budget = AdaptiveBudget(decoder.config.budget, adaptive=decoder.config.adaptive)
         seen: set[int] = set()
 
@@ -166,40 +174,41 @@ class IterativeRaLM:
 
     def _query(self, question_ids: list[int], output: list[int]) -> str:
         tail = (question_ids + output)[-self.query_tokens:]
-        return self.lm.tokenizer.decode(tail, skip_special_tokens=True)
+        return self._tokens.decode(tail, skip_special_tokens=True)
 
-    def _search(self, search: Any, queries: list[str], stats: RalmStats) -> list[list[Hit]]:
-        """One knowledge-base call through ``search``, timed and counted."""
+    def _search(self, search: Any, queries: list[str], stats: RalmStats
+                ) -> tuple[list[list[Hit]], float]:
+        """One knowledge-base call through ``search``, counted; its hits and its own latency
+        (each round in flight is timed by itself)."""
         started = time.perf_counter()
         hits = search(queries, self.k)
         elapsed = time.perf_counter() - started
         with _STATS_LOCK:  # rounds in flight finish on different workers
             stats.retrieval_seconds += elapsed
-            stats.last_verify_seconds = elapsed
             stats.kb_calls += 1
             stats.queries_verified += len(queries)
-        return hits
+        return hits, elapsed
 
     def _generate(self, state: RalmState, limit: int) -> None:
         state.step(min(self.stride, limit - len(state.output)))
 
     def _naive(self, state: RalmState, question: str, question_ids: list[int], limit: int,
                stats: RalmStats) -> None:
-        state.use(self._search(self.retriever.search, [question], stats)[0], -1)
+        state.use(self._search(self.retriever.search, [question], stats)[0][0], -1)
         point = 0
         while True:
             self._generate(state, limit)
             if state.finished or len(state.output) >= limit:
                 return
             query = self._query(question_ids, state.output)
-            state.use(self._search(self.retriever.search, [query], stats)[0], point)
+            state.use(self._search(self.retriever.search, [query], stats)[0][0], point)
             point += 1
 
-    def _speculative(self, state: RalmState, question: str, question_ids: list[int],
-                     limit: int, stats: RalmStats) -> None:
+    def _speculative(self, state: RalmState, session: SpecSession, question: str,
+                     question_ids: list[int], limit: int, stats: RalmStats) -> None:
         scheduler = self._scheduler()
         try:
-            self._speculate(state, question, question_ids, limit, stats, scheduler)
+            self._speculate(state, session, question, question_ids, limit, stats, scheduler)
         finally:
             with self._learned_lock:
                 self._learned = scheduler
@@ -214,11 +223,10 @@ class IterativeRaLM:
                 scheduler.resume(self._learned)
         return scheduler
 
-    def _speculate(self, state: RalmState, question: str, question_ids: list[int], limit: int,
-                   stats: RalmStats, scheduler: StrideScheduler) -> None:
-        assert isinstance(self.retriever, SpecRetriever)
-        session = self.retriever.session()
-        state.use(self._verify(session, [question], stats, scheduler)[0], -1)
+    def _speculate(self, state: RalmState, session: SpecSession, question: str,
+                   question_ids: list[int], limit: int, stats: RalmStats,
+                   scheduler: StrideScheduler) -> None:
+        state.use(self._verify(session, [question], stats, scheduler)[0][0], -1)
         pending: list[_Pending] = []  # guessed points of the round being built
         in_flight: deque[tuple[Future, list[_Pending]]] = deque()  # rounds under verification
         point = 0
@@ -251,9 +259,9 @@ class IterativeRaLM:
                 while in_flight and (settled or len(in_flight) >= self.max_in_flight):
                     future, verified = in_flight.popleft()
                     waited = time.perf_counter()
-                    truths = future.result()  # a retriever's error surfaces here
+                    truths, seconds = future.result()  # a retriever's error surfaces here
                     stats.waiting_seconds += time.perf_counter() - waited
-                    resume = self._settle(state, verified, truths, scheduler, stats)
+                    resume = self._settle(state, verified, truths, seconds, scheduler, stats)
                     if resume is not None:
                         in_flight.clear()  # younger rounds speculated past the wrong guess
                         break
@@ -272,8 +280,8 @@ class IterativeRaLM:
                     state.use(pending[-1].guess, pending[-1].point)
                     pending = []  # the next stride generates on the guess while it is checked
                     continue
-                truths = self._verify(session, queries, stats, scheduler)
-                resume = self._settle(state, pending, truths, scheduler, stats)
+                truths, seconds = self._verify(session, queries, stats, scheduler)
+                resume = self._settle(state, pending, truths, seconds, scheduler, stats)
                 if resume is None:
                     if done:
                         return
@@ -285,15 +293,16 @@ class IterativeRaLM:
 
     @staticmethod
     def _settle(state: RalmState, points: list[_Pending], truths: list[list[Hit]],
-                scheduler: StrideScheduler, stats: RalmStats) -> int | None:
-        """Check a round's guesses; at the first wrong one, roll back, use the truth and return
-        the retrieval point to resume from (None: every guess was right)."""
+                seconds: float, scheduler: StrideScheduler, stats: RalmStats) -> int | None:
+        """Check a round's guesses (verified by a call of ``seconds``); at the first wrong one,
+        roll back, use the truth and return the retrieval point to resume from (None: every
+        guess was right)."""
         wrong = next((i for i, (p, t) in enumerate(zip(points, truths))
                       if p.guess is not None and not same_passages(p.guess, t)), None)
         matched = len(points) if wrong is None else wrong
         guessed = sum(p.guess is not None for p in points[:matched])
         stats.speculation_hits += guessed
-        scheduler.record_verification(stats.last_verify_seconds, len(points), matched)
+        scheduler.record_verification(seconds, len(points), matched)
         if wrong is None:
             state.forget_before(points[-1].point)
             return None
@@ -304,11 +313,12 @@ class IterativeRaLM:
         return points[wrong].point + 1
 
     def _verify(self, session: SpecSession, queries: list[str], stats: RalmStats,
-                scheduler: StrideScheduler | None = None) -> list[list[Hit]]:
-        """One knowledge-base call; given the ``scheduler``, it runs in the foreground and its
-        CPU share is measured (a worker's would include the decoding running beside it)."""
+                scheduler: StrideScheduler | None = None) -> tuple[list[list[Hit]], float]:
+        """One knowledge-base call, its truths and latency; given the ``scheduler``, it runs in
+        the foreground and its CPU share is measured (a worker's would include the decoding
+        running beside it)."""
         cpu = time.process_time()
-        truths = self._search(session.verify, queries, stats)
+        truths, seconds = self._search(session.verify, queries, stats)
         if scheduler is not None:
-            scheduler.record_cpu_share(time.process_time() - cpu, stats.last_verify_seconds)
-        return truths
+            scheduler.record_cpu_share(time.process_time() - cpu, seconds)
+        return truths, seconds

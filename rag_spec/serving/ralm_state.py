@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.kv_cache import crop
+from rag_spec.decoding.kv_cache import crop, new_cache
 from rag_spec.decoding.kv_cache import fill as fill_cache
+from rag_spec.errors import RagSpecError
+from rag_spec.models.limits import context_window
 from rag_spec.retrieval.types import Hit
 
 Extend = Callable[["Segment", list[int], int], list[int]]
@@ -51,6 +53,7 @@ class RalmState:
         self.fill = fill or functools.partial(fill_cache, model)
         self.build_prompt = build_prompt
         self.eos_ids = frozenset(eos_ids)
+        self.window = context_window(model.config)
         self.output: list[int] = []
         self.segments: list[Segment] = []
         self.compute_seconds = 0.0  # prefills and decoding steps
@@ -67,12 +70,15 @@ class RalmState:
         """Continue under ``passages``: the same ones keep the cache, others open a segment."""
         if self.segments and [h.doc_id for h in passages] == [h.doc_id for h in self.passages]:
             return
-        from transformers import DynamicCache
-
         started = time.perf_counter()
         prompt = self.build_prompt(passages)
         sequence = prompt + self.output
-        cache = DynamicCache(config=self.model.config)
+        if self.window is not None and len(sequence) >= self.window:
+            msg = (f"The RaLM prompt (passages, question and answer so far) is {len(sequence)} "
+                   f"tokens but the model's context window is {self.window}; retrieve fewer or "
+                   "shorter passages (k, passage size) or generate fewer tokens.")
+            raise RagSpecError(msg)
+        cache = new_cache()
         if len(sequence) > 1:
             self.fill(cache, sequence[:-1])
         self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
@@ -82,6 +88,8 @@ class RalmState:
         """Greedily decode up to ``n`` tokens (fewer at EOS); returns how many were added."""
         started = time.perf_counter()
         segment = self.segments[-1]
+        if self.window is not None:  # the next retrieval reports the full window
+            n = min(n, self.window - segment.prompt_len - len(self.output))
         added = 0  # the cache holds prompt + output but the newest token, which goes in next
         if self.extend is not None and not self.finished:
             tokens = self.extend(segment, self.output, n)

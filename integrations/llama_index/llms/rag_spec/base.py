@@ -21,6 +21,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 
 from rag_spec.decoding.decoder import LookaheadConfig
+from rag_spec.errors import RagSpecError
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.serving.local_lm import Completion, GenerateOptions, LocalLM, Prompt
 
@@ -50,6 +51,8 @@ class LookaheadLLM(LLM):
     repetition_penalty: float = 1.0
     stop: list[str] = Field(default_factory=list, description="Strings that end an answer.")
     seed: int | None = None
+    context_window: int | None = Field(
+        default=None, description="Tokens the model takes; None reads it from the model.")
 
     @classmethod
     def class_name(cls) -> str:
@@ -57,9 +60,13 @@ class LookaheadLLM(LLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self._lm().context_window,
-                           num_output=self.max_new_tokens, is_chat_model=True,
-                           model_name=self.model)
+        window = self.context_window or self._lm().context_window
+        if window is None:
+            msg = (f"The context window of {self.model} is not in its config; pass it: "
+                   "LookaheadLLM(context_window=...).")
+            raise RagSpecError(msg)
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
+                           is_chat_model=True, model_name=self.model)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:

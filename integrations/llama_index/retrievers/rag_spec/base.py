@@ -35,7 +35,8 @@ class SpecRetriever(BaseRetriever):
     def backend(self) -> BatchingRetriever:
         """The rag_spec Retriever that answers (opened on first use)."""
         if self._backend is None:
-            source = self._source or KnowledgeBase.load_default(self._kind)
+            source = KnowledgeBase.load_default(self._kind) if self._source is None \
+                else self._source  # an empty knowledge base is falsy, and still the user's
             self._backend = BatchingRetriever(source)
         return self._backend
 

@@ -1,0 +1,155 @@
+"""The decoder's fast path over a user's model, on a private copy: the user's modules and config
+are never written.
+
+A ``Runner`` holds a copy of the model's module tree that shares every parameter (a shallow
+copy per module: its own child, parameter and hook tables, the same tensors). In that copy:
+
+- attention configs are private copies selecting ``tree_attention`` (through transformers'
+  public attention registry), which reads each KV head once for a whole token tree;
+- on the CPU, plain ``nn.Linear`` layers become oneDNN layers over a reordered weight copy,
+  which keeps few-token verification steps cheap. The copy is as large as the linear weights,
+  so by default ("auto") it is made only while it fits ``onednn_memory_share`` of the memory
+  available when the runner is built (on the machine DESIGN.md describes: yes for models up to
+  ~1.5B parameters in fp32); ``Runner.extra_bytes`` says what was spent.
+
+Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
+not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
+stock kernels. Runners are built once per (model, settings) and held weakly by the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rag_spec_kernels import linear_stacks, onednn_available, register_tree_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Kernel settings of the fast path (drafting settings live with the drafter)."""
+
+    onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
+    onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
+
+
+class Runner:
+    """Forward passes of ``model`` through the fast path; call it like the model.
+
+    Examples:
+        >>> runner = Runner.of(model)                                    # doctest: +SKIP
+        >>> runner(input_ids=ids, past_key_values=cache).logits          # doctest: +SKIP
+    """
+
+    _cache: weakref.WeakKeyDictionary[Any, dict[RunnerSettings, Runner]] = (
+        weakref.WeakKeyDictionary())
+    _cache_lock = threading.Lock()
+
+    def __init__(self, model: Any, settings: RunnerSettings) -> None:
+        self.settings = settings
+        self.module, own = _private_tree(model)
+        self.config = self.module.config  # the private copy
+        self.extra_bytes = 0  # memory of weight copies the fast path made
+        if _wants_onednn(model, settings):
+            for parent, name, stack, index in linear_stacks(self.module, own):
+                parent._modules[name] = stack.modules()[index]
+                if index == 0:
+                    self.extra_bytes += stack.nbytes
+
+    @classmethod
+    def of(cls, model: Any, settings: RunnerSettings | None = None) -> Runner:
+        """The runner for ``model`` with ``settings``, built on first use and kept while the
+        model lives."""
+        settings = settings or RunnerSettings()
+        with cls._cache_lock:
+            runners = cls._cache.setdefault(model, {})
+            if settings not in runners:
+                runners[settings] = cls(model, settings)
+            return runners[settings]
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    def __call__(self, **inputs: Any) -> Any:
+        with torch.inference_mode():
+            return self.module(**inputs)
+
+
+def _private_tree(model: Any) -> tuple[Any, set[int]]:
+    """A copy of ``model``'s module tree sharing its parameters, with private attention configs;
+    also the ids of the copied modules (the ones the runner may change)."""
+    implementation = register_tree_attention()
+    memo: dict[int, Any] = {}
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = vars(module).get("config")
+        if hasattr(config, "_attn_implementation") and id(config) not in configs:
+            configs[id(config)] = copy.deepcopy(config, memo)  # sub-configs copied once
+    for config in configs.values():
+        config._attn_implementation = implementation  # also sets it on its sub-configs
+    own: set[int] = set()
+
+    def clone(module: torch.nn.Module) -> torch.nn.Module:
+        if "forward" in vars(module):  # someone's wrapper: call it as it is
+            return module
+        twin = copy.copy(module)
+        for name, value in vars(twin).items():  # own tables, shared tensors
+            if isinstance(value, dict | set):
+                vars(twin)[name] = copy.copy(value)
+        twin._modules = {name: None if child is None else clone(child)
+                         for name, child in module._modules.items()}
+        config = vars(module).get("config")
+        if id(config) in configs:
+            vars(twin)["config"] = configs[id(config)]
+        own.add(id(twin))
+        return twin
+
+    if "forward" in vars(model):
+        log.info("rag-spec: %s.forward is wrapped; decoding through the wrapper on the stock "
+                 "kernels.", type(model).__name__)
+    return clone(model), own
+
+
+def _wants_onednn(model: Any, settings: RunnerSettings) -> bool:
+    if settings.onednn_linear is False or not onednn_available(model):
+        return False
+    if settings.onednn_linear is True:
+        return True
+    size = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
+    free = available_memory()
+    if free is not None and size > settings.onednn_memory_share * free:
+        log.info("rag-spec: oneDNN weight copy (%.1f GB) skipped: over %.0f%% of the %.1f GB "
+                 "available; LookaheadConfig(onednn_linear=True) forces it.", size / 1e9,
+                 100 * settings.onednn_memory_share, free / 1e9)
+        return False
+    return True
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), if known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,167 @@
+"""The KV cache of a batch under speculative decoding: which slots hold committed tokens, each
+row's pending token and position, the inputs of a tree step, and compaction to accepted paths.
+
+The cache's layers are ``length`` slots long for every row. Rows accept different numbers of
+tokens, so a row's slots can hold stale entries ("holes"); ``valid[b, s]`` says whether slot
+``s`` of row ``b`` holds a committed token. Holes are masked out of attention and never shift
+position ids, which count committed tokens only. A row's *root* is its newest committed token,
+not yet in the cache: every step feeds it first, then the row's draft tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rag_spec.decoding.kv_cache import attention_window, fill_only, layers, new_cache
+from rag_spec.decoding.tree import TokenTree
+
+# Padded prefills run in chunks whose additive mask stays under this many elements (a single
+# pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
+_MASK_ELEMENTS = 2**24
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """One forward pass over a root token plus a tree per row."""
+
+    input_ids: torch.Tensor  # [B, N] root token, then the tree's tokens, then padding
+    position_ids: torch.Tensor  # [B, N] committed length + depth
+    attention_mask: torch.Tensor  # [B, 1, N, cache_len + N] additive float mask
+
+
+class TreeKVCache:
+    """A DynamicCache of full-length layers plus the bookkeeping that makes it a tree cache.
+
+    Args:
+        cache: the transformers cache holding ``valid.shape[1]`` slots per row.
+        valid: [B, slots] bool, which slots hold committed tokens.
+        roots: [B] each row's pending token.
+        window: sliding attention window of the model (None: full attention).
+    """
+
+    def __init__(self, cache: Any, valid: torch.Tensor, roots: Sequence[int],
+                 window: int | None) -> None:
+        layers(cache)  # refuses caches whose layers evict entries
+        self.cache = cache
+        self.valid = valid
+        self.roots = list(roots)
+        self.positions = valid.sum(dim=1).tolist()  # [B] position id of each root
+        self.window = window
+
+    @classmethod
+    def prefill(cls, model: Any, prompts: Sequence[Sequence[int]]) -> TreeKVCache:
+        """Run every prompt but its last token (left-padded); the last tokens become roots."""
+        prefixes = [list(p[:-1]) for p in prompts]
+        device = model.device
+        width = max(len(p) for p in prefixes)
+        valid = torch.zeros(len(prefixes), width, dtype=torch.bool, device=device)
+        ids = torch.zeros(len(prefixes), width, dtype=torch.long)
+        for b, p in enumerate(prefixes):
+            if p:
+                ids[b, width - len(p):] = torch.tensor(p)
+                valid[b, width - len(p):] = True
+        tree = cls(new_cache(), valid, [p[-1] for p in prompts],
+                   attention_window(model.config))
+        if width:
+            tree._fill(model, ids.to(device))
+        return tree
+
+    @classmethod
+    def of_row(cls, cache: Any, root: int, window: int | None) -> TreeKVCache:
+        """A view of a one-row cache a caller manages, every slot committed."""
+        length = cache.get_seq_length()
+        return cls(cache, torch.ones(1, length, dtype=torch.bool), [root], window)
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def _fill(self, model: Any, ids: torch.Tensor) -> None:
+        positions = (self.valid.long().cumsum(-1) - 1).clamp(min=0)
+        if self.valid.all():  # no padding: the model's own causal (and sliding-window) mask
+            model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
+                  use_cache=True, **fill_only(model))
+            return
+        batch, width = ids.shape
+        chunk = max(1, _MASK_ELEMENTS // (batch * width))
+        slot_positions = self._slot_positions()
+        for start in range(0, width, chunk):
+            end = min(width, start + chunk)
+            keys = torch.arange(end, device=ids.device)[None, :]
+            queries = torch.arange(start, end, device=ids.device)[:, None]
+            allowed = (keys <= queries)[None] & self.valid[:, None, :end]
+            allowed &= self._in_window(slot_positions[:, start:end], slot_positions[:, :end])
+            allowed |= (keys == queries)[None]  # padding sees itself: no NaN rows
+            model(input_ids=ids[:, start:end], position_ids=positions[:, start:end],
+                  attention_mask=_additive(allowed, model.dtype), past_key_values=self.cache,
+                  use_cache=True, **fill_only(model))
+
+    def step(self, trees: Sequence[TokenTree], dtype: torch.dtype) -> TreeBatch:
+        """Inputs for verifying ``trees`` (one per row, empty for none) below each root."""
+        batch = len(trees)
+        width = 1 + max(len(t) for t in trees)
+        device = self.valid.device
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        position_ids = torch.zeros(batch, width, dtype=torch.long)
+        local = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # padding sees itself
+        for b, (tree, root, pos) in enumerate(zip(trees, self.roots, self.positions)):
+            n = len(tree)
+            input_ids[b, 0] = root
+            input_ids[b, 1:1 + n] = torch.tensor(tree.tokens, dtype=torch.long)
+            position_ids[b, 0] = pos
+            position_ids[b, 1:1 + n] = pos + torch.from_numpy(tree.depths)
+            local[b, 1:1 + n, 0] = True  # every node sees the root
+            local[b, 1:1 + n, 1:1 + n] = torch.from_numpy(tree.ancestor_mask)
+        position_ids = position_ids.to(device)
+        prefix = self.valid[:, None, :].expand(batch, width, self.length)
+        allowed = torch.cat([prefix, local.to(device)], dim=-1)
+        kv_positions = torch.cat([self._slot_positions(), position_ids], dim=1)
+        allowed &= self._in_window(position_ids, kv_positions)
+        return TreeBatch(input_ids.to(device), position_ids, _additive(allowed, dtype))
+
+    def keep(self, paths: Sequence[Sequence[int]], next_roots: Sequence[int]) -> None:
+        """After a step: keep each row's root and accepted path ``paths[b]`` (node indices of
+        its tree), compacted to the front of the step's slots; ``next_roots`` become pending."""
+        start = self.length
+        keep = [[0] + [1 + node for node in path] for path in paths]
+        width = max(len(k) for k in keep)
+        index = torch.tensor([k + [k[-1]] * (width - len(k)) for k in keep],
+                             dtype=torch.long, device=self.valid.device) + start  # [B, width]
+        for layer in layers(self.cache):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)  # [B, heads, slots, head_dim]
+                gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1,
+                                                        tensor.shape[3])
+                tail = tensor.gather(2, gather)
+                tensor[:, :, start:start + width] = tail
+                setattr(layer, name, tensor[:, :, :start + width])
+        lengths = torch.tensor([len(k) for k in keep], device=self.valid.device)
+        new_valid = torch.arange(width, device=self.valid.device)[None, :] < lengths[:, None]
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        self.positions = [p + len(k) for p, k in zip(self.positions, keep)]
+        self.roots = list(next_roots)
+
+    def _slot_positions(self) -> torch.Tensor:
+        """[B, slots] position id of each slot's token (-1 for holes and padding)."""
+        positions = self.valid.long().cumsum(-1) - 1
+        return positions.masked_fill(~self.valid, -1)
+
+    def _in_window(self, query_positions: torch.Tensor, key_positions: torch.Tensor
+                   ) -> torch.Tensor:
+        """[B, q, kv] whether each key lies within the sliding window of each query (all True
+        for full attention): the key's position is greater than the query's minus the window,
+        transformers' rule."""
+        if self.window is None:
+            return torch.ones((), dtype=torch.bool, device=key_positions.device)
+        return key_positions[:, None, :] > query_positions[:, :, None] - self.window
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, q, kv] bool -> [B, 1, q, kv] additive float mask (0 or the dtype's minimum)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

@@ -1,0 +1,127 @@
+"""The runner computes on a private copy: the user's model is never written, concurrent decoders
+with different settings do not disturb each other, and the weight copy is bounded."""
+
+import copy
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec_kernels import OneDNNLinear, onednn_available
+
+
+def module_state(model):
+    """Every module's attribute names and child ids, and the config's full dict."""
+    return ({name: (sorted(vars(m)), [id(c) for c in m.children()])
+             for name, m in model.named_modules()}, copy.deepcopy(model.config.to_dict()),
+            model.config._attn_implementation)
+
+
+def test_decoders_leave_the_users_model_as_it_was():
+    model = tiny_llama(seed=2)
+    before = module_state(model)
+    prompt = repetitive_prompt(0)
+    for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False)):
+        LookaheadDecoder(model, config=config).generate(prompt, 20)
+    assert module_state(model) == before
+
+
+def test_two_decoders_and_plain_generate_in_three_threads_match_their_solo_runs():
+    model = tiny_llama(seed=3)
+    before = module_state(model)
+    prompts = [repetitive_prompt(s) for s in range(3)]
+    decoders = [LookaheadDecoder(model, config=LookaheadConfig(budget=16, onednn_linear=True)),
+                LookaheadDecoder(model, config=LookaheadConfig(budget=4, mode="chains",
+                                                               onednn_linear=False))]
+    jobs = [lambda p: decoders[0].generate(p, 30).token_ids,
+            lambda p: decoders[1].generate(p, 30).token_ids,
+            lambda p: hf_greedy(model, p, 30)]
+    alone = [[job(p) for p in prompts] for job in jobs]
+    assert alone[0] == alone[1] == alone[2]  # all three are greedy decoding of one model
+    together: list[list] = [[] for _ in jobs]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i):
+        try:
+            start.wait()
+            for _ in range(3):
+                together[i].append([jobs[i](p) for p in prompts])
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert together == [[alone[i]] * 3 for i in range(len(jobs))]
+    assert module_state(model) == before
+
+
+def test_a_users_linear_wrapper_is_kept_and_still_runs():
+    model = tiny_llama(seed=4)
+    prompt = repetitive_prompt(1)
+    expected = hf_greedy(model, prompt, 20)
+    layer = model.model.layers[0].mlp.down_proj
+    calls = []
+    original = layer.forward
+
+    def wrapper(x):
+        calls.append(x.shape)
+        return original(x)
+
+    layer.forward = wrapper
+    result = LookaheadDecoder(model, config=LookaheadConfig(onednn_linear=True)).generate(
+        prompt, 20)
+    assert result.token_ids == expected
+    assert calls  # the wrapper ran inside rag-spec's decoding too
+    assert vars(layer)["forward"] is wrapper
+
+
+def test_runner_shares_weights_and_its_attention_config_is_private():
+    model = tiny_llama(seed=5)
+    runner = Runner.of(model, RunnerSettings(onednn_linear=False))
+    assert runner.module is not model
+    assert runner.config is not model.config
+    assert runner.config._attn_implementation == "rag_spec_tree"
+    assert model.config._attn_implementation != "rag_spec_tree"
+    ours = dict(runner.module.named_parameters())
+    for name, param in model.named_parameters():
+        assert ours[name] is param  # shared, not copied
+    assert Runner.of(model, RunnerSettings(onednn_linear=False)) is runner  # built once
+
+
+def test_runner_does_not_keep_the_model_alive():
+    model = tiny_llama(seed=6)
+    LookaheadDecoder(model).generate(repetitive_prompt(2), 5)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_onednn_copy_is_bounded_by_the_memory_policy(monkeypatch):
+    model = tiny_llama(seed=7)
+    if not onednn_available(model):
+        pytest.skip("oneDNN is not available in this torch build")
+    linear_bytes = sum(m.weight.numel() * 4 for m in model.modules()
+                       if isinstance(m, torch.nn.Linear))
+    import rag_spec.decoding.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "available_memory", lambda: 3 * linear_bytes)
+    small = Runner(model, RunnerSettings(onednn_memory_share=0.25))  # needs 4x the copy
+    assert small.extra_bytes == 0
+    assert not any(isinstance(m, OneDNNLinear) for m in small.module.modules())
+    roomy = Runner(model, RunnerSettings(onednn_memory_share=0.5))
+    assert roomy.extra_bytes == linear_bytes
+    forced = Runner(model, RunnerSettings(onednn_linear=True, onednn_memory_share=0.01))
+    assert forced.extra_bytes == linear_bytes
+    assert not any(isinstance(m, OneDNNLinear) for m in model.modules())  # the user's tree

@@ -1,0 +1,118 @@
+"""The tree KV cache: sliding-window models, bounded prefill masks, and refusals that name the
+fix for caches and attention kinds it cannot handle."""
+
+import pytest
+import torch
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+import rag_spec.decoding.tree_cache as tree_cache
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadDecoder
+from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.errors import RagSpecError
+
+
+def tiny_mistral(window: int = 8):
+    """Two layers that attend within a sliding window shorter than the prompts below."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(11)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, sliding_window=window,
+                           initializer_range=0.3, pad_token_id=0)
+    model = MistralForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("window", [4, 8])
+def test_sliding_window_model_matches_generate(window):
+    model = tiny_mistral(window)
+    decoder = LookaheadDecoder(model)
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        expected = hf_greedy(model, prompt, 30)
+        assert decoder.generate(prompt, 30).token_ids == expected
+    # and the window really matters: full attention would decode something else
+    full = tiny_mistral(window)
+    full.config.sliding_window = None
+    assert any(hf_greedy(full, repetitive_prompt(s), 30) != hf_greedy(model, repetitive_prompt(s),
+                                                                     30) for s in range(3))
+
+
+def test_padded_batch_with_a_window_matches_each_prompt_alone():
+    model = tiny_mistral(6)
+    prompts = [repetitive_prompt(s, length=15 + 9 * s) for s in range(3)]
+    results = LookaheadDecoder(model).generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_padded_prefill_runs_in_chunks_with_bounded_masks(monkeypatch):
+    model = tiny_llama(seed=1)
+    prompts = [repetitive_prompt(1, length=12), repetitive_prompt(2, length=40)]
+    expected = [hf_greedy(model, p, 15) for p in prompts]
+    shapes = []
+    forward = tree_cache.TreeKVCache._fill
+
+    def spy(self, runner, ids):
+        original = runner.module.forward
+
+        def record(*args, **kwargs):
+            mask = kwargs.get("attention_mask")
+            shapes.append(None if mask is None else tuple(mask.shape))
+            return original(*args, **kwargs)
+
+        runner.module.forward = record  # the runner's private copy, not the user's model
+        try:
+            forward(self, runner, ids)
+        finally:
+            del runner.module.forward
+
+    width = max(len(p) for p in prompts) - 1  # prompt slots before the roots
+    monkeypatch.setattr(tree_cache, "_MASK_ELEMENTS", 2 * width * 10)  # 10 query rows a chunk
+    monkeypatch.setattr(tree_cache.TreeKVCache, "_fill", spy)
+    results = LookaheadDecoder(model).generate(prompts, 15)
+    assert [r.token_ids for r in results] == expected
+    assert len(shapes) == -(-width // 10)
+    assert all(s is not None and s[2] <= 10 for s in shapes), shapes
+
+
+def test_models_with_mixed_attention_layers_are_refused_clearly():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(RagSpecError, match="full attention .* or all use one sliding window"):
+        LookaheadDecoder(Qwen2ForCausalLM(config).eval())
+
+
+def test_a_cache_whose_layers_evict_entries_is_refused_with_the_fix():
+    from transformers import DynamicCache
+
+    model = tiny_mistral(8)
+    decoder = LookaheadDecoder(model)
+    evicting = DynamicCache(config=model.config)  # sliding-window layers drop old entries
+    model(input_ids=torch.tensor([repetitive_prompt(0)[:-1]]), past_key_values=evicting)
+    with pytest.raises(RagSpecError, match="new_cache"):
+        decoder.extend(evicting, repetitive_prompt(0), 5, decoder.drafter.session([]),
+                       AdaptiveBudget(4))
+
+
+def test_keep_compacts_each_rows_accepted_path():
+    from rag_spec.decoding.kv_cache import new_cache
+
+    cache = new_cache()
+    layer_keys = torch.arange(2 * 6, dtype=torch.float).reshape(2, 1, 6, 1)  # 2 rows, 6 slots
+    cache.update(layer_keys.clone(), layer_keys.clone(), 0)
+    tree = TreeKVCache(cache, torch.ones(2, 2, dtype=torch.bool), [7, 8], None)
+    # slots 2..5 are a step: root plus a 3-node chain; row 0 keeps 2 nodes, row 1 none
+    tree.keep([[0, 1], []], [9, 10])
+    keys = cache.layers[0].keys[:, 0, :, 0]
+    assert keys[0].tolist() == [0, 1, 2, 3, 4]  # root and nodes 0, 1
+    assert keys[1, :3].tolist() == [6, 7, 8]  # root only (then a repeat, masked as a hole)
+    assert tree.valid.tolist() == [[True] * 5, [True, True, True, False, False]]
+    assert tree.positions == [5, 3] and tree.roots == [9, 10]
