@@ -51,3 +51,27 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["ask", "--k"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("content", [
+    '["How do I sort?", "How do I join paths?"]',
+    '"How do I sort?"\n"How do I join paths?"\n',
+    '{"question": "How do I sort?"}\n\n{"question": "How do I join paths?"}\n',
+])
+def test_question_files_as_json_or_json_lines(tmp_path, content):
+    from rag_spec.bench.prompts import load_questions
+
+    path = tmp_path / "questions.jsonl"
+    path.write_text(content)
+    assert load_questions(str(path)) == ["How do I sort?", "How do I join paths?"]
+
+
+@pytest.mark.parametrize("content, match", [("not json at all\n", "line 1: not JSON"),
+                                            ('{"q": "x"}\n', "item 1 holds no question"),
+                                            ("[]", "the file holds no question")])
+def test_a_bad_questions_file_is_one_paragraph(capsys, tmp_path, content, match):
+    path = tmp_path / "questions.jsonl"
+    path.write_text(content)
+    code, _, err = run(capsys, "bench", "ralm", "--questions", str(path))
+    assert code == 2
+    assert match in err and "Traceback" not in err

@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
-from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 from rag_spec.decoding import LookaheadDecoder, TokenTree
 from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
 from rag_spec.decoding.sampling import RowSampler, SamplingParams
 from rag_spec.decoding.verify import verify
+from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
 class OracleSession:

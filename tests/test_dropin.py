@@ -3,8 +3,8 @@
 
 import pytest
 
-from rag_spec.bench.chain import langchain_chains, llamaindex_engines
 from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec_chain_bench.chain import langchain_chains, llamaindex_engines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("user_cache")]
 

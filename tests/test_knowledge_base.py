@@ -119,3 +119,11 @@ def test_interrupted_build_leaves_the_previous_index(tmp_path, passages, monkeyp
     monkeypatch.undo()
     assert json.loads(meta.read_text()) == before
     assert KnowledgeBase.open([str(folder)], "bm25", progress=False).search(["x"], 1)
+
+
+def test_loading_the_embedder_leaves_the_process_environment_alone(monkeypatch):
+    import os
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert Embedder().dim > 0  # a new instance: its model loads now
+    assert "HF_HUB_OFFLINE" not in os.environ

@@ -90,3 +90,22 @@ def test_vector_store_index_works_offline_with_our_embeddings():
     assert "Paris" in nodes[0].node.get_content()
     engine = index.as_query_engine(llm=LookaheadLLM(max_new_tokens=24), similarity_top_k=1)
     assert str(engine.query("What is the capital of France?")).strip()
+
+
+def test_an_empty_knowledge_base_is_searched_not_swapped_for_the_default():
+    class Empty(HashRetriever):
+        def __len__(self):  # falsy, as an empty KnowledgeBase is
+            return 0
+
+    source = Empty()
+    assert SpecRetriever(source).backend().retriever is source
+
+
+def test_metadata_names_the_fix_when_the_window_is_unknown(llm, tiny_model_dir, monkeypatch):
+    import rag_spec.serving.local_lm as local_lm
+    from rag_spec.errors import RagSpecError
+
+    assert LookaheadLLM(model=tiny_model_dir, context_window=99).metadata.context_window == 99
+    monkeypatch.setattr(local_lm, "context_window", lambda config, tokenizer: None)
+    with pytest.raises(RagSpecError, match="context_window="):
+        _ = llm.metadata

@@ -23,7 +23,8 @@ def service(retriever: HashRetriever, latency_ms: float = 3) -> DelayedRetriever
 @pytest.fixture(scope="module")
 def lm():
     tokenizer = char_tokenizer()
-    model = tiny_llama(seed=5, vocab_size=len(tokenizer))
+    # a character model: prompts with two passages run past 256 tokens
+    model = tiny_llama(seed=5, vocab_size=len(tokenizer), window=1024)
     return LoadedModel(model, tokenizer, "tiny", torch.device("cpu"), torch.float32)
 
 
@@ -124,17 +125,93 @@ def test_cheap_knowledge_base_is_asked_directly(lm):
     assert result.stats.speculation_hits + result.stats.rollbacks < expected.stats.kb_calls // 3
 
 
-def test_asynchronous_verification_overlaps_generation(lm):
-    slow = DelayedRetriever(HashRetriever(stable=True), latency_ms=150)
-    spec = IterativeRaLM(lm, SpecRetriever(slow), stride=2, query_tokens=12, os3=False,
+class WaitsForGeneration:
+    """A service whose calls return once the model has run another forward pass (or after
+    ``patience`` seconds): a call made while generation goes on sees it move."""
+
+    def __init__(self, retriever, model, patience=0.5):
+        self.retriever, self.patience, self.moved = retriever, patience, []
+        self.forwards = 0
+        model.register_forward_hook(self._count)
+
+    def _count(self, *_):
+        self.forwards += 1
+
+    def search(self, queries, k=1):
+        start, deadline = self.forwards, time.monotonic() + self.patience
+        while self.forwards == start and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.moved.append(self.forwards > start)
+        return self.retriever.search(queries, k)
+
+
+def test_asynchronous_verification_overlaps_generation():
+    tokenizer = char_tokenizer()
+    own = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer)), tokenizer, "tiny",
+                      torch.device("cpu"), torch.float32)
+    expected = naive(own, HashRetriever(stable=True), stride=2, query_tokens=12)
+    service = WaitsForGeneration(HashRetriever(stable=True), own.model)
+    spec = IterativeRaLM(own, SpecRetriever(service), stride=2, query_tokens=12, os3=False,
                          speculation_stride=1, asynchronous=True)
-    started = time.perf_counter()
-    result = spec.generate(QUESTION, max_new_tokens=30)
-    wall = time.perf_counter() - started
-    stats = result.stats
-    # Waiting on verification took less than the verifications themselves: they overlapped.
-    assert stats.waiting_seconds < stats.retrieval_seconds - 0.1
-    assert wall < stats.retrieval_seconds + stats.generation_seconds
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    assert not service.moved[0]  # the first retrieval comes before any generation
+    assert sum(service.moved[1:]) >= len(service.moved[1:]) // 2  # the rest mostly overlapped
+
+
+def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
+    from rag_spec.retrieval.os3 import StrideScheduler
+
+    class Alternating:
+        """Slow and fast calls in turn, each call's duration recorded in call order."""
+
+        def __init__(self):
+            self.retriever, self.durations = HashRetriever(stable=True), []
+
+        def search(self, queries, k=1):
+            delay = 0.25 if len(self.durations) % 2 else 0.01
+            self.durations.append(delay)
+            time.sleep(delay)
+            return self.retriever.search(queries, k)
+
+    recorded = []
+    original = StrideScheduler.record_verification
+
+    def spy(self, seconds, speculated, matched):
+        recorded.append(seconds)
+        original(self, seconds, speculated, matched)
+
+    monkeypatch.setattr(StrideScheduler, "record_verification", spy)
+    service = Alternating()
+    spec = IterativeRaLM(lm, SpecRetriever(service), stride=1, query_tokens=12, os3=False,
+                         speculation_stride=1, asynchronous=True, max_in_flight=2)
+    spec.generate(QUESTION, max_new_tokens=30)
+    # Every guess is right (one stable passage), so rounds settle in call order, after the
+    # first (unguessed) call; each round's latency must be its own call's.
+    calls = service.durations[1:1 + len(recorded)]
+    assert len(recorded) >= 4
+    for seconds, delay in zip(recorded, calls):
+        assert delay <= seconds < delay + 0.2
+
+
+def test_lookahead_must_decode_the_loops_own_model(lm):
+    from rag_spec.decoding import LookaheadDecoder
+
+    other = LookaheadDecoder(tiny_llama(seed=9, vocab_size=len(lm.tokenizer)), lm.tokenizer)
+    with pytest.raises(RagSpecError, match="same model|own model"):
+        IterativeRaLM(lm, HashRetriever(), lookahead=other)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_prompt_longer_than_the_context_window_is_a_clear_error(speculative):
+    tokenizer = char_tokenizer()
+    own = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer)), tokenizer, "tiny",
+                      torch.device("cpu"), torch.float32)  # a 256-token window
+    source = HashRetriever()
+    source.texts = [text * 30 for text in source.texts]  # passages of ~900 characters
+    retriever = SpecRetriever(source) if speculative else source
+    with pytest.raises(RagSpecError, match="context window is 256"):
+        IterativeRaLM(own, retriever).generate(QUESTION, max_new_tokens=10)
 
 
 class Concurrency:

@@ -8,12 +8,12 @@ import weakref
 
 import pytest
 import torch
-from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec_kernels import OneDNNLinear, onednn_available
+from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
 def module_state(model):

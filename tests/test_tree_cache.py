@@ -3,7 +3,6 @@ fix for caches and attention kinds it cannot handle."""
 
 import pytest
 import torch
-from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 import rag_spec.decoding.tree_cache as tree_cache
 from conftest import tiny_llama
@@ -11,6 +10,7 @@ from rag_spec.decoding import LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.errors import RagSpecError
+from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
 def tiny_mistral(window: int = 8):

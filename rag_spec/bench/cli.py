@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import entry_points
 from typing import Any
 
 from rag_spec.errors import RagSpecError
@@ -31,11 +32,8 @@ def add_bench_commands(commands: Any) -> None:
     ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
     ralm.add_argument("--max-new-tokens", type=int, default=64)
     ralm.set_defaults(run=_ralm)
-    chain = kinds.add_parser("chain", help="LangChain / LlamaIndex RAG: stock vs rag-spec classes")
-    chain.add_argument("--json", dest="json_out", help="write the report here")
-    chain.add_argument("--limit", type=int, default=12, help="use the first N questions")
-    chain.add_argument("--max-new-tokens", type=int, default=128)
-    chain.set_defaults(run=_chain)
+    for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
+        plugin.load()(kinds)
 
 
 def _lookahead(args: argparse.Namespace) -> int:
@@ -56,11 +54,4 @@ def _ralm(args: argparse.Namespace) -> int:
     run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
         packed=args.packed, questions_file=args.questions, json_out=args.json_out,
         limit=args.limit, max_new_tokens=args.max_new_tokens)
-    return 0
-
-
-def _chain(args: argparse.Namespace) -> int:
-    from rag_spec.bench.chain import run
-
-    run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
     return 0

@@ -7,14 +7,13 @@ position and the baseline's top-2 logit margin there, so a real bug never hides 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS
+from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
     figure,
@@ -36,8 +35,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
 
+    questions = (load_questions(prompts_file) if prompts_file else RAG_QUESTIONS)[:limit]
     lm = load_model(model_name)
-    rag, open_ended = _prompt_sets(lm.tokenizer, prompts_file, limit)
+    rag, open_ended = _prompt_sets(lm.tokenizer, questions, limit)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)
     # The same decoder on the stock linear kernels: what speculation alone buys.
     stock = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
@@ -59,15 +59,11 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     return report
 
 
-def _prompt_sets(tokenizer: Any, prompts_file: str | None,
+def _prompt_sets(tokenizer: Any, questions: list[str],
                  limit: int | None) -> tuple[list[list[int]], list[list[int]]]:
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
-    questions = RAG_QUESTIONS
-    if prompts_file:
-        questions = json.loads(Path(prompts_file).read_text())
-    questions = questions[:limit]
     kb = KnowledgeBase.load_default("flat")
     hits = kb.search(questions, k=3)
     rag = [chat_input_ids(tokenizer, rag_messages(q, h)) for q, h in zip(questions, hits)]

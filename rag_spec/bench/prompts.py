@@ -41,3 +41,39 @@ OPEN_PROMPTS = [
     "Explain recursion to a beginner.",
     "What are the benefits of unit testing?",
 ]
+
+
+def load_questions(path: str) -> list[str]:
+    """Questions from a file: a JSON list, or JSON lines; each item a string or an object with
+    a "question" (or "prompt") string."""
+    import json
+    from pathlib import Path
+
+    from rag_spec.errors import RagSpecError
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        msg = f"Cannot read the questions file {path}: {error.strerror or error}."
+        raise RagSpecError(msg) from error
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list):
+            items = [items]
+    except json.JSONDecodeError:
+        try:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as error:
+            msg = (f"{path} line {error.lineno}: not JSON. Give a JSON list of questions, or "
+                   'JSON lines: one "question" string or {"question": "..."} object per line.')
+            raise RagSpecError(msg) from error
+    questions = [item.get("question", item.get("prompt")) if isinstance(item, dict) else item
+                 for item in items]
+    bad = next((i for i, q in enumerate(questions) if not isinstance(q, str) or not q.strip()),
+               None)
+    if bad is not None or not questions:
+        where = f"item {bad + 1}" if bad is not None else "the file"
+        msg = (f"{path}: {where} holds no question. Each item must be a non-empty string or an "
+               'object like {"question": "..."}.')
+        raise RagSpecError(msg)
+    return questions

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.prompts import RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
     figure,
@@ -38,7 +38,6 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         packed: bool = False, questions_file: str | None = None, json_out: str | None = None,
         limit: int | None = 6, max_new_tokens: int = 64, stride: int = 4) -> dict[str, Any]:
     """Run the benchmark; print a table; write JSON and a PNG; return the report."""
-    import json
 
     from rag_spec.decoding import LookaheadDecoder
     from rag_spec.models import load_model
@@ -46,6 +45,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
     from rag_spec.serving.ralm import IterativeRaLM
 
+    questions = load_questions(questions_file) if questions_file else RAG_QUESTIONS
+    questions = questions[:limit]
     lm = load_model()
     kb = KnowledgeBase.load_default(RETRIEVERS[retriever])
     real = len(kb)
@@ -56,8 +57,6 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         kb.pack()
         print(f"packed {len(kb)} vectors in {time.perf_counter() - started:.0f} s")
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
-    questions = json.loads(Path(questions_file).read_text()) if questions_file else RAG_QUESTIONS
-    questions = questions[:limit]
     distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
 
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)

@@ -7,7 +7,8 @@ Stock LangChain: ``ChatHuggingFace`` over a ``HuggingFacePipeline`` and an
 Both stock stores hold the default corpus with the same MiniLM vectors as our knowledge base,
 so all four systems see the same passages, model object, dtype and prompt; all decode greedily.
 
-This module imports the frameworks (they are the peers measured); the library does not.
+This module imports the frameworks (they are the peers measured), which is why it lives
+beside the adapters and not in the library.
 """
 
 from __future__ import annotations

@@ -1,0 +1,22 @@
+"""The ``chain`` subcommand of ``rag-spec bench`` (registered as a ``rag_spec.benchmarks``
+entry point)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_command(kinds: Any) -> None:
+    chain = kinds.add_parser("chain", help="LangChain / LlamaIndex RAG: stock vs rag-spec classes")
+    chain.add_argument("--json", dest="json_out", help="write the report here")
+    chain.add_argument("--limit", type=int, default=12, help="use the first N questions")
+    chain.add_argument("--max-new-tokens", type=int, default=128)
+    chain.set_defaults(run=_chain)
+
+
+def _chain(args: argparse.Namespace) -> int:
+    from rag_spec_chain_bench.chain import run
+
+    run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    return 0
