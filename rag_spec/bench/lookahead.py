@@ -20,7 +20,9 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
+    peak_rss_mb,
     publish,
+    reset_peak_rss,
     rss_mb,
     save_figure,
     setting,
@@ -55,6 +57,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
             report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
         report[name] = summary
     report["trie_memory_nodes"] = decoder.drafter.memory.nodes
+    report["onednn_copy_mb"] = round(decoder.runner.extra_bytes / 2**20, 1)
     publish(report, json_out, "lookahead", _plot, _print_table)
     return report
 
@@ -75,14 +78,17 @@ def _prompt_sets(tokenizer: Any, questions: list[str],
 def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     def hf(prompt: list[int], **kwargs: Any) -> Run:
         ids = torch.tensor([prompt], device=model.device)
+        reset_peak_rss()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, **kwargs)
-        return Run(0.0, out[0, len(prompt):].tolist(), {"rss_mb": rss_mb()})
+        return Run(0.0, out[0, len(prompt):].tolist(), {"rss_mb": rss_mb(),
+                                                          "peak_rss_mb": peak_rss_mb()})
 
     def ours(decoder: Any, prompt: list[int]) -> Run:
+        reset_peak_rss()
         result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
         return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step,
-                                           "rss_mb": rss_mb()})
+                                           "rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()})
 
     systems: dict[str, Any] = {"hf": hf,
                                "pld4": lambda p: hf(p, prompt_lookup_num_tokens=4),
@@ -112,8 +118,10 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
                  "identical_to_hf": len(prompts) - len(divergences),
                  "per_prompt_speedup": [round(s, 3) for s in speedups],
                  "divergences": divergences}
-        # The process's resident memory after each of the system's runs, at most.
+        # The process's resident memory after each of the system's runs, and its peak during
+        # them (one process holds every system: the model and each runner's copies count).
         entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
+        entry["peak_rss_mb"] = round(max(r.extra["peak_rss_mb"] for r in system_runs), 1)
         steps = [r.extra["tokens_per_step"] for r in system_runs if "tokens_per_step" in r.extra]
         if steps:
             entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
@@ -150,7 +158,9 @@ def _print_table(report: dict[str, Any]) -> None:
     for name in ("rag", "open_ended"):
         n = report[name]["prompts"]
         print(f"\n{name} ({n} prompts)")
-        print(f"{'system':10} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10}")
+        print(f"{'system':22} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10} "
+              f"{'peak RSS':>9}")
         for system, s in report[name]["systems"].items():
-            print(f"{system:10} {s['tok_per_s']:7.1f} {s['speedup_vs_hf']:7.2f}x "
-                  f"{s['min_speedup_vs_hf']:5.2f}x {s['identical_to_hf']:>5}/{n}")
+            print(f"{system:22} {s['tok_per_s']:7.1f} {s['speedup_vs_hf']:7.2f}x "
+                  f"{s['min_speedup_vs_hf']:5.2f}x {s['identical_to_hf']:>5}/{n} "
+                  f"{s['peak_rss_mb'] / 1024:8.2f}G")

@@ -47,10 +47,28 @@ def median(values: Sequence[float]) -> float:
 
 def rss_mb() -> float:
     """Resident memory of this process now, in MB (Linux; NaN elsewhere)."""
+    return _status_mb("VmRSS:")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process since the last ``reset_peak_rss``, in MB."""
+    return _status_mb("VmHWM:")
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak (Linux: writing 5 to clear_refs resets the high-water mark)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+def _status_mb(field: str) -> float:
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass

@@ -6,10 +6,15 @@ from rag_spec.decoding.decoder import (
     LookaheadConfig,
     LookaheadDecoder,
 )
-from rag_spec.decoding.drafter import Drafter, DraftSession
+from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView
+from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.decoding.sampling import SamplingParams
 from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.trie_drafter import TrieDrafter
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter
+from rag_spec.decoding.verify import Verdict, verify
 
-__all__ = ["DecodeStats", "DraftSession", "Drafter", "GenerationResult", "LookaheadConfig",
-           "LookaheadDecoder", "SamplingParams", "TokenTree", "TrieDrafter"]
+__all__ = ["DecodeStats", "DraftRequest", "DraftSession", "Drafter", "GenerationResult",
+           "LookaheadConfig", "LookaheadDecoder", "Runner", "RunnerSettings", "SamplingParams",
+           "TargetView", "TokenTree", "TreeKVCache", "TrieConfig", "TrieDrafter", "Verdict",
+           "verify"]
