@@ -125,3 +125,15 @@ def test_onednn_copy_is_bounded_by_the_memory_policy(monkeypatch):
     forced = Runner(model, RunnerSettings(onednn_linear=True, onednn_memory_share=0.01))
     assert forced.extra_bytes == linear_bytes
     assert not any(isinstance(m, OneDNNLinear) for m in model.modules())  # the user's tree
+
+
+def test_a_replaced_layer_is_seen_by_the_next_generation():
+    model = tiny_llama(seed=9)
+    decoder = LookaheadDecoder(model)
+    prompt = repetitive_prompt(3)
+    decoder.generate(prompt, 10)
+    torch.manual_seed(1)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    head.weight.data.normal_(0, 0.5)
+    model.lm_head = head  # a new module: the runner's copy must be rebuilt
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)

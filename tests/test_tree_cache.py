@@ -3,11 +3,14 @@ fix for caches and attention kinds it cannot handle."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rag_spec.decoding.tree_cache as tree_cache
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.errors import RagSpecError
 from test_decoder_greedy import hf_greedy, repetitive_prompt
@@ -116,3 +119,50 @@ def test_keep_compacts_each_rows_accepted_path():
     assert keys[1, :3].tolist() == [6, 7, 8]  # root only (then a repeat, masked as a hole)
     assert tree.valid.tolist() == [[True] * 5, [True, True, True, False, False]]
     assert tree.positions == [5, 3] and tree.roots == [9, 10]
+
+
+@st.composite
+def steps(draw):
+    """A batch's old slots, a tree per row and an accepted path per row (root to some node)."""
+    batch = draw(st.integers(1, 4))
+    old = draw(st.integers(0, 5))
+    valid = [draw(st.lists(st.booleans(), min_size=old, max_size=old)) for _ in range(batch)]
+    trees, paths = [], []
+    for _ in range(batch):
+        size = draw(st.integers(0, 6))
+        parents = [draw(st.integers(-1, i - 1)) for i in range(size)]
+        tree = TokenTree(tuple(range(size)), tuple(parents))
+        node = draw(st.integers(-1, size - 1))
+        path = []
+        while node >= 0:
+            path.insert(0, node)
+            node = tree.parents[node]
+        trees.append(tree)
+        paths.append(path)
+    return valid, trees, paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps())
+def test_keep_matches_a_row_by_row_reference(case):
+    from rag_spec.decoding.kv_cache import new_cache
+
+    valid_rows, trees, paths = case
+    batch, old = len(trees), len(valid_rows[0])
+    width = 1 + max(len(t) for t in trees)
+    values = torch.arange(batch * (old + width), dtype=torch.float).reshape(batch, 1, -1, 1)
+    cache = new_cache()
+    cache.update(values.clone(), values.clone(), 0)
+    valid = torch.tensor(valid_rows, dtype=torch.bool).reshape(batch, old)
+    tree = TreeKVCache(cache, valid, [0] * batch, None)
+    before = list(tree.positions)
+    tree.keep(paths, list(range(batch)))
+    keys = cache.layers[0].keys[:, 0, :, 0]
+    for b, path in enumerate(paths):
+        kept = [0] + [1 + n for n in path]
+        assert keys[b, :old].tolist() == values[b, 0, :old, 0].tolist()  # old slots untouched
+        assert keys[b, old:old + len(kept)].tolist() == [values[b, 0, old + k, 0].item()
+                                                         for k in kept]
+        assert tree.valid[b, old:].tolist() == [i < len(kept) for i in range(tree.length - old)]
+        assert tree.positions[b] == before[b] + len(kept)
+    assert tree.length == old + max(1 + len(p) for p in paths)

@@ -161,11 +161,16 @@ class LookaheadDecoder:
         self.tokenizer = tokenizer
         self.config = config or LookaheadConfig()
         self.drafter: Drafter = drafter or TrieDrafter.from_config(self.config.trie)
-        self.runner = Runner.of(model, self.config.runner)
+        Runner.of(model, self.config.runner)  # built now: the first generation stays fast
         self._window = attention_window(model.config)  # refuses attention it cannot mask
         self._tokens = serial(tokenizer)
         self._pending = threading.local()  # add_context documents, per calling thread
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
+
+    @property
+    def runner(self) -> Runner:
+        """The fast path over the model as it is now (rebuilt if its modules were replaced)."""
+        return Runner.of(self.model, self.config.runner)
 
     def add_context(self, texts: Sequence[str]) -> None:
         """Documents the next ``generate`` call on this thread may copy from (e.g. retrieved
@@ -280,9 +285,10 @@ class LookaheadDecoder:
         row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
         tree_cache = TreeKVCache.of_row(cache, context[-1], self._window)
         length = tree_cache.length
+        runner = self.runner
         with self._lock:
             while row.finish_reason is None:
-                self._step([row], [rule], tree_cache)
+                self._step([row], [rule], tree_cache, runner)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
         return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
 
@@ -295,18 +301,20 @@ class LookaheadDecoder:
     def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None
                 ) -> Iterator[None]:
         started = time.perf_counter()
+        runner = self.runner
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
-            cache = TreeKVCache.prefill(self.runner, [r.prompt for r in rows])
+            cache = TreeKVCache.prefill(runner, [r.prompt for r in rows])
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
         while any(r.finish_reason is None for r in rows):
-            self._step(rows, rules, cache)
+            self._step(rows, rules, cache, runner)
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
 
     @torch.inference_mode()
-    def _step(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache) -> None:
+    def _step(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache,
+              runner: Runner) -> None:
         """One step for every row: draft, verify in one forward pass, accept, compact."""
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
@@ -314,11 +322,11 @@ class LookaheadDecoder:
         requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0)
                     for r, on in zip(rows, active)]
         trees = [tree if on else TokenTree.empty() for tree, on in zip(
-            propose(self.drafter, requests, TargetView(self.runner, cache)), active)]
+            propose(self.drafter, requests, TargetView(runner, cache)), active)]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        batch = cache.step(trees, self.runner.dtype)
-        logits = self.runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
+        batch = cache.step(trees, runner.dtype)
+        logits = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
                              attention_mask=batch.attention_mask,
                              past_key_values=cache.cache, use_cache=True).logits
         t2 = time.perf_counter()

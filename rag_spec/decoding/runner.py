@@ -56,6 +56,7 @@ class Runner:
 
     def __init__(self, model: Any, settings: RunnerSettings) -> None:
         self.settings = settings
+        self.source = _structure(model)
         self.module, own = _private_tree(model)
         self.config = self.module.config  # the private copy
         self.extra_bytes = 0  # memory of weight copies the fast path made
@@ -68,13 +69,14 @@ class Runner:
     @classmethod
     def of(cls, model: Any, settings: RunnerSettings | None = None) -> Runner:
         """The runner for ``model`` with ``settings``, built on first use and kept while the
-        model lives."""
+        model lives; built again if the model's modules or parameters were replaced since."""
         settings = settings or RunnerSettings()
         with cls._cache_lock:
             runners = cls._cache.setdefault(model, {})
-            if settings not in runners:
-                runners[settings] = cls(model, settings)
-            return runners[settings]
+            runner = runners.get(settings)
+            if runner is None or runner.source != _structure(model):
+                runner = runners[settings] = cls(model, settings)
+            return runner
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +89,12 @@ class Runner:
     def __call__(self, **inputs: Any) -> Any:
         with torch.inference_mode():
             return self.module(**inputs)
+
+
+def _structure(model: Any) -> tuple[int, ...]:
+    """Identities of the model's modules and parameters: what the private copy was built from
+    (weights changed in place are seen through the shared tensors; replaced objects are not)."""
+    return (*map(id, model.modules()), *map(id, model.parameters()))
 
 
 def _private_tree(model: Any) -> tuple[Any, set[int]]:

@@ -185,9 +185,11 @@ class _Store:
                    f"{self.fingerprint}/{expected_embedder}), so its ids would point at the wrong "
                    f"text; {rebuild}.")
             raise RagSpecError(msg)
+        if kind in DENSE_KINDS and embedder is None:
+            msg = f"A {kind} index searches by embeddings: give the knowledge base an Embedder."
+            raise RagSpecError(msg)
         try:
             if kind in DENSE_KINDS:
-                assert embedder is not None
                 return DenseIndex.load(kind, folder, embedder)
             return BM25Index.load(folder)
         except Exception as err:  # faiss raises RuntimeError, bm25s ValueError/OSError
