@@ -27,12 +27,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _ask(args: argparse.Namespace) -> int:
     from rag_spec.models import load_model
+    from rag_spec.models.loader import resolve_device
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.serving.ask import ask
 
     if not args.question.strip():
         msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
         raise RagSpecError(msg)
+    for flag, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    resolve_device(args.device)  # a bad --device fails before anything loads
     started = time.perf_counter()
     lm = load_model(args.model, device=args.device)
     kb = KnowledgeBase.open(args.source or ["stdlib"], args.kind)

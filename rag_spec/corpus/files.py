@@ -1,21 +1,51 @@
-"""A folder of text files as a corpus: .txt, .md, .rst and .py, read recursively."""
+"""A folder of text files as a corpus: .txt, .md, .rst and .py, read recursively.
+
+Files that are not text (a NUL byte, invalid UTF-8, or mostly unprintable characters) are
+skipped with a warning that counts them: indexing them would fill the knowledge base with
+noise that retrieval then cites.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 from rag_spec.errors import RagSpecError
 
 SUFFIXES = (".txt", ".md", ".rst", ".py")
+_MAX_UNPRINTABLE = 0.05  # share of characters that are neither printable nor whitespace
+
+log = logging.getLogger(__name__)
 
 
 def folder_documents(folder: str | Path) -> Iterator[tuple[str, str]]:
-    """(relative path, text) for every readable text file below ``folder``."""
+    """(relative path, text) for every text file below ``folder``."""
     root = Path(folder).expanduser()
     if not root.is_dir():
         msg = f"{str(folder)!r} is not a folder. Pass a folder of {'/'.join(SUFFIXES)} files."
         raise RagSpecError(msg)
+    skipped: list[str] = []
     for path in sorted(root.rglob("*")):
         if path.suffix.lower() in SUFFIXES and path.is_file():
-            yield str(path.relative_to(root)), path.read_text(encoding="utf-8", errors="replace")
+            text = read_text(path)
+            if text is None:
+                skipped.append(str(path.relative_to(root)))
+            else:
+                yield str(path.relative_to(root)), text
+    if skipped:
+        log.warning("rag-spec: skipped %d file(s) in %s that are not text (e.g. %s).",
+                    len(skipped), root, skipped[0])
+
+
+def read_text(path: Path) -> str | None:
+    """The file's text, or None when it is not a text file."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    unprintable = sum(not (c.isprintable() or c.isspace()) for c in text)
+    return None if unprintable > _MAX_UNPRINTABLE * max(len(text), 1) else text

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 PASSAGE_WORDS = 100
+PASSAGE_CHARS = 2000  # bound for text with few spaces (tables, URLs, minified code)
 MIN_WORDS = 8  # shorter documents ("Return self.") carry no retrievable content
 
 
@@ -19,15 +20,27 @@ class Passage:
     text: str
 
 
-def chunk(title: str, text: str, words: int = PASSAGE_WORDS) -> list[Passage]:
-    """Split ``text`` into passages of at most ``words`` words (whitespace folded).
+def chunk(title: str, text: str, words: int = PASSAGE_WORDS,
+          chars: int = PASSAGE_CHARS) -> list[Passage]:
+    """Split ``text`` into passages of at most ``words`` words and about ``chars`` characters
+    (whitespace folded; a longer "word" is cut into pieces).
 
     Examples:
         >>> [p.text for p in chunk("t", "a b c d e f g h i j", words=4)]
         ['a b c d', 'e f g h', 'i j']
+        >>> [p.text for p in chunk("t", "abcdefgh ij", chars=4)]
+        ['abcd', 'efgh', 'ij']
     """
-    tokens = text.split()
-    return [Passage(title, " ".join(tokens[i:i + words])) for i in range(0, len(tokens), words)]
+    tokens = [word[i:i + chars] for word in text.split() for i in range(0, len(word), chars)]
+    passages: list[list[str]] = []
+    size = 0
+    for token in tokens:
+        if not passages or len(passages[-1]) >= words or size + len(token) > chars:
+            passages.append([])
+            size = 0
+        passages[-1].append(token)
+        size += len(token) + 1
+    return [Passage(title, " ".join(p)) for p in passages]
 
 
 def passages_from(documents: Iterable[tuple[str, str]],

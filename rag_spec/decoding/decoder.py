@@ -327,8 +327,8 @@ class LookaheadDecoder:
         t1 = time.perf_counter()
         batch = cache.step(trees, runner.dtype)
         logits = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                             attention_mask=batch.attention_mask,
-                             past_key_values=cache.cache, use_cache=True).logits
+                        attention_mask=batch.attention_mask, past_key_values=cache.cache,
+                        use_cache=True).logits
         t2 = time.perf_counter()
         # 3. Verify: each row's accepted path and the target's next token after it.
         verdicts = [verify(logits[b, :1 + len(tree)], tree, row.sampler, row.context,

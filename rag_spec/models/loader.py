@@ -28,12 +28,31 @@ _lock = threading.Lock()
 
 
 def resolve_device(device: str | None = None) -> Any:
-    """``None`` or ``"auto"``: CUDA when present, else CPU."""
+    """``None`` or ``"auto"``: CUDA when present, else CPU. A device this machine or this torch
+    build cannot use is a RagSpecError that names the alternatives."""
     import torch
 
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        msg = f"Unknown device {device!r}; use cpu, cuda, cuda:N, mps or auto."
+        raise RagSpecError(msg) from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        msg = (f"Device {device!r} asked for CUDA, but this torch ({torch.__version__}) sees no "
+               "CUDA GPU; use --device cpu (or auto), or install a CUDA build of torch on a GPU "
+               "machine.")
+        raise RagSpecError(msg)
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        msg = (f"Device {device!r} does not exist: this machine has "
+               f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+               f"cuda:{torch.cuda.device_count() - 1}.")
+        raise RagSpecError(msg)
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        msg = f"Device {device!r}: MPS (Apple GPUs) is not available here; use --device cpu."
+        raise RagSpecError(msg)
+    return resolved
 
 
 def resolve_dtype(dtype: Any, device: Any) -> Any:
@@ -88,14 +107,28 @@ def _resolve_folder(name_or_path: str) -> Path:
 def _load_folder(folder: Path, name: str, device: Any, dtype: Any) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    embedded = name in EMBEDDED_MODELS
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError) as err:
-        msg = (f"Could not load the model in {folder}: {err}. If this is a cached embedded "
-               f"model, run `rag-spec models pull --force {name}` to rebuild it.")
+        # rag-spec writes embedded models as safetensors: anything else there is not ours
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                     use_safetensors=True if embedded else None)
+    except Exception as err:  # safetensors, unpickling refusals, configs: all mean unreadable
+        fix = (f"run `rag-spec models pull --force {name}` to fetch and convert it again"
+               if embedded else
+               "check that it holds config.json, the tokenizer files and the weights "
+               "(*.safetensors)")
+        msg = f"Could not load the model in {folder} ({_reason(err)}); {fix}."
         raise RagSpecError(msg) from err
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype)
+
+
+def _reason(err: Exception) -> str:
+    """The first line of a loading error, without advice that would load untrusted pickles."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if "weights_only" in str(err) or "pickle" in str(err).lower():
+        return f"{type(err).__name__}: the weights are not a readable safetensors file"
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__

