@@ -137,3 +137,16 @@ def test_a_replaced_layer_is_seen_by_the_next_generation():
     head.weight.data.normal_(0, 0.5)
     model.lm_head = head  # a new module: the runner's copy must be rebuilt
     assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_weights_changed_in_place_are_seen_by_the_next_generation():
+    model = tiny_llama(seed=10)
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(onednn_linear=True))
+    prompt = repetitive_prompt(4)
+    before = decoder.generate(prompt, 20).token_ids
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(-3)
+        model.model.layers[1].self_attn.q_proj.weight.mul_(2)
+    expected = hf_greedy(model, prompt, 20)
+    assert expected != before  # the change matters
+    assert decoder.generate(prompt, 20).token_ids == expected

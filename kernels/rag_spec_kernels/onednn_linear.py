@@ -6,9 +6,9 @@ blocked weight layout make the same step cost 1.6x its own 1-token step and 1.35
 which is what lets a verified tree pay for itself. Layers that read the same input (q/k/v,
 gate/up) multiply as one stacked weight: one call and one weight pass, bit-identical results.
 
-The reordered weights are a copy (as large as the layers' weights), made on first use and
-redone if a layer's weight changes. ``OneDNNLinear`` modules are built for a private copy of a
-model's module tree: the caller's own layers are never modified.
+The reordered weights are a copy (as large as the layers' weights), made when a stack is built
+and redone by ``LinearStack.refresh`` if a layer's weight changed. ``OneDNNLinear`` modules are
+built for a private copy of a model's module tree: the caller's own layers are never modified.
 """
 
 from __future__ import annotations
@@ -62,16 +62,19 @@ class LinearStack:
     """Sibling linear layers that read one input, multiplied through one stacked weight.
 
     The first layer's product computes every sibling's output; the others take their slice when
-    handed that same input tensor on the same thread, and compute alone otherwise.
+    handed that same input tensor on the same thread, and compute alone otherwise. The weights
+    are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
+    (checking costs ~2 us a layer, so it is done once per generation, not per product).
     """
 
     def __init__(self, linears: list[torch.nn.Linear]) -> None:
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
-        self._packed: tuple[Any, Any, torch.Tensor | None] | None = None  # (version, w, b)
         self._alone: dict[int, LinearStack] = {}
         self._pending = threading.local()  # index -> (input, output), per thread
         self._lock = threading.Lock()
+        self._version: tuple = ()
+        self.refresh()
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +86,23 @@ class LinearStack:
         """One module per layer, to put in place of the layers in a private module tree."""
         return [OneDNNLinear(self, i) for i in range(len(self.linears))]
 
+    def refresh(self) -> None:
+        """Reorder the weights again if one of them changed (in place or replaced) since."""
+        version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
+        with self._lock:
+            if version == self._version:
+                return
+            weight = torch.cat([g.weight.detach() for g in self.linears])
+            biases = [g.bias for g in self.linears]
+            bias = None if all(b is None for b in biases) else torch.cat([
+                torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
+                if g.bias is None else g.bias.detach() for g in self.linears])
+            self._packed = (pack_weight(weight), bias)
+            self._version = version
+            alone = list(self._alone.values())
+        for stack in alone:
+            stack.refresh()
+
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         pending = self._pending.__dict__.setdefault("outputs", {})
         if index == 0:
@@ -93,27 +113,17 @@ class LinearStack:
         if held is not None and held[0] is x:
             return held[1]
         with self._lock:
-            alone = self._alone.setdefault(index, LinearStack([self.linears[index]]))
+            alone = self._alone.get(index)
+        if alone is None:
+            alone = LinearStack([self.linears[index]])
+            with self._lock:
+                alone = self._alone.setdefault(index, alone)
         return alone._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        _, weight, bias = self._reordered()
+        weight, bias = self._packed
         y = packed_linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return y.reshape(*x.shape[:-1], sum(self.sizes))
-
-    def _reordered(self) -> tuple[Any, Any, torch.Tensor | None]:
-        """The stacked weights in oneDNN's layout (reordered again if one changed) and the
-        stacked biases (zeros for a layer without one)."""
-        version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
-        with self._lock:
-            if self._packed is None or self._packed[0] != version:
-                weight = torch.cat([g.weight.detach() for g in self.linears])
-                biases = [g.bias for g in self.linears]
-                bias = None if all(b is None for b in biases) else torch.cat([
-                    torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
-                    if g.bias is None else g.bias.detach() for g in self.linears])
-                self._packed = (version, pack_weight(weight), bias)
-            return self._packed
 
 
 class OneDNNLinear(torch.nn.Module):

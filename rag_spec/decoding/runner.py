@@ -29,7 +29,12 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec_kernels import linear_stacks, onednn_available, register_tree_attention
+from rag_spec_kernels import (
+    LinearStack,
+    linear_stacks,
+    onednn_available,
+    register_tree_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +65,28 @@ class Runner:
         self.module, own = _private_tree(model)
         self.config = self.module.config  # the private copy
         self.extra_bytes = 0  # memory of weight copies the fast path made
+        self.stacks: list[LinearStack] = []
         if _wants_onednn(model, settings):
             for parent, name, stack, index in linear_stacks(self.module, own):
                 parent._modules[name] = stack.modules()[index]
                 if index == 0:
+                    self.stacks.append(stack)
                     self.extra_bytes += stack.nbytes
 
     @classmethod
     def of(cls, model: Any, settings: RunnerSettings | None = None) -> Runner:
         """The runner for ``model`` with ``settings``, built on first use and kept while the
-        model lives; built again if the model's modules or parameters were replaced since."""
+        model lives; built again if the model's modules or parameters were replaced since, its
+        weight copies refreshed if weights changed in place. Call it once per generation."""
         settings = settings or RunnerSettings()
         with cls._cache_lock:
             runners = cls._cache.setdefault(model, {})
             runner = runners.get(settings)
             if runner is None or runner.source != _structure(model):
                 runner = runners[settings] = cls(model, settings)
-            return runner
+        for stack in runner.stacks:  # weights changed in place since: reorder them again
+            stack.refresh()
+        return runner
 
     @property
     def device(self) -> torch.device:
