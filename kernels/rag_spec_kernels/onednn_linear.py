@@ -112,12 +112,10 @@ class LinearStack:
         held = pending.pop(index, None)
         if held is not None and held[0] is x:
             return held[1]
-        with self._lock:
-            alone = self._alone.get(index)
-        if alone is None:
-            alone = LinearStack([self.linears[index]])
-            with self._lock:
-                alone = self._alone.setdefault(index, alone)
+        with self._lock:  # rare (an input the siblings do not share): built once, packed
+            if index not in self._alone:
+                self._alone[index] = LinearStack([self.linears[index]])
+            alone = self._alone[index]
         return alone._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,6 @@ class Runner:
         self.settings = settings
         self.source = _structure(model)
         self.module, own = _private_tree(model)
-        self.config = self.module.config  # the private copy
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
         if _wants_onednn(model, settings):
@@ -87,6 +86,11 @@ class Runner:
         for stack in runner.stacks:  # weights changed in place since: reorder them again
             stack.refresh()
         return runner
+
+    @property
+    def config(self) -> Any:
+        """The private copy of the model's config (its attention selects tree attention)."""
+        return self.module.config
 
     @property
     def device(self) -> torch.device:
