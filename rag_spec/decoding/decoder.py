@@ -319,7 +319,7 @@ class LookaheadDecoder:
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
-        requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0)
+        requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0, r.sampler)
                     for r, on in zip(rows, active)]
         trees = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, TargetView(runner, cache)), active)]

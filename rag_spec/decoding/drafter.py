@@ -18,6 +18,7 @@ from rag_spec.decoding.tree import TokenTree
 
 if TYPE_CHECKING:
     from rag_spec.decoding.runner import Runner
+    from rag_spec.decoding.sampling import RowSampler
     from rag_spec.decoding.tree_cache import TreeKVCache
 
 
@@ -48,6 +49,9 @@ class DraftRequest:
     session: DraftSession
     context: Sequence[int]  # committed tokens (prompt and output so far), the root last
     budget: int  # most nodes the tree may have (0: draft nothing)
+    # the row's sampler: drafters that compute read its params (to process q as p is processed)
+    # and draw from its draft_generator; None: greedy
+    sampler: RowSampler | None = None
 
 
 @dataclass(frozen=True)

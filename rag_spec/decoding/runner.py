@@ -47,7 +47,31 @@ class RunnerSettings:
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
 
 
-class Runner:
+class ModuleRunner:
+    """Forward passes of a module tree the fast path owns; call it like the model."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    @property
+    def config(self) -> Any:
+        """The private copy of the model's config (its attention selects tree attention)."""
+        return self.module.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    def __call__(self, **inputs: Any) -> Any:
+        with torch.inference_mode():
+            return self.module(**inputs)
+
+
+class Runner(ModuleRunner):
     """Forward passes of ``model`` through the fast path; call it like the model.
 
     Examples:
@@ -62,7 +86,8 @@ class Runner:
     def __init__(self, model: Any, settings: RunnerSettings) -> None:
         self.settings = settings
         self.source = _structure(model)
-        self.module, own = _private_tree(model)
+        module, own = _private_tree(model)
+        super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
         if _wants_onednn(model, settings):
@@ -86,23 +111,6 @@ class Runner:
         for stack in runner.stacks:  # weights changed in place since: reorder them again
             stack.refresh()
         return runner
-
-    @property
-    def config(self) -> Any:
-        """The private copy of the model's config (its attention selects tree attention)."""
-        return self.module.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.module.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.module.dtype
-
-    def __call__(self, **inputs: Any) -> Any:
-        with torch.inference_mode():
-            return self.module(**inputs)
 
 
 def _structure(model: Any) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ whatever the drafts were, which is what makes sampled speculation testable token
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,10 +46,12 @@ class SamplingParams:
 
 class RowSampler:
     """One row's token choices: argmax for greedy decoding (which draws no random numbers), or
-    samples driven by the row's own generator (torch's global RNG is never touched).
+    samples driven by the row's own generators (torch's global RNG is never touched).
 
     Uniform numbers are indexed by output position and drawn in fixed blocks, so a seed fixes
-    the output whatever the drafts were.
+    the output whatever the drafts were (for drafts without probabilities). Drafters that sample
+    draw from ``draft_generator``, and multi-step speculative sampling from ``fresh``, two other
+    streams of the same seed.
     """
 
     _BLOCK = 256
@@ -59,7 +61,9 @@ class RowSampler:
             msg = "sampling needs a seed for its row's generator"
             raise ValueError(msg)
         self.params = params
-        self._generator = torch.Generator().manual_seed(seed) if params.do_sample else None
+        self._generator = _generator(seed, 0) if params.do_sample else None
+        self.draft_generator = _generator(seed, 1) if params.do_sample else None
+        self._fresh = _generator(seed, 2) if params.do_sample else None
         self._uniforms = torch.empty(0)
 
     def choices(self, logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
@@ -81,6 +85,46 @@ class RowSampler:
             uniforms = self._uniforms[position:needed]
         return target_choices(logits, context, tree, self.params, uniforms)
 
+    def fresh(self) -> float:
+        """A uniform number in [0, 1) that no other decision used (sampling only)."""
+        if self._fresh is None:
+            msg = "greedy decoding draws no random numbers"
+            raise ValueError(msg)
+        return float(torch.rand((), generator=self._fresh, dtype=torch.float64))
+
+
+def _generator(seed: int | None, stream: int) -> torch.Generator:
+    """Stream ``stream`` of a row's seed: independent generators for independent decisions."""
+    return torch.Generator().manual_seed((int(seed or 0) + stream * 0x9E3779B97F4A7C15) % 2**63)
+
+
+def processed_logits(logits: torch.Tensor, seen: Sequence[Sequence[int]],
+                     params: SamplingParams) -> torch.Tensor:
+    """[rows, vocab] logits as the sampler sees them: repetition penalty (``seen[i]``: the
+    tokens before row i's next token), then, when sampling, temperature, top-k and top-p.
+    Drafters process their own logits with this too, so p and q are alike."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and any(len(s) for s in seen):
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        rows = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seen)])
+        columns = torch.cat([torch.as_tensor(list(s), dtype=torch.long) for s in seen])
+        mask[rows, columns] = True
+        logits = _penalise(logits, mask, params.repetition_penalty)
+    if not params.do_sample:
+        return logits
+    logits = logits / params.temperature
+    if params.top_k:
+        logits = _top_k(logits, params.top_k)
+    if params.top_p < 1.0:
+        logits = _top_p(logits, params.top_p)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                 params: SamplingParams) -> torch.Tensor:
+    """[1 + n, vocab] the target's sampling distribution after the root and after each node."""
+    return torch.softmax(_processed_tree(logits, context, tree, params), dim=-1)
+
 
 def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
                    params: SamplingParams, uniforms: torch.Tensor | None = None) -> list[int]:
@@ -93,16 +137,9 @@ def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree
         uniforms: [>= 1 + depth] uniform numbers in [0, 1) for the next output positions
             (sampling only).
     """
-    logits = logits.float()
-    if params.repetition_penalty != 1.0:
-        logits = _repetition_penalty(logits, context, tree, params.repetition_penalty)
+    logits = _processed_tree(logits, context, tree, params)
     if not params.do_sample:
         return logits.argmax(dim=-1).tolist()
-    logits = logits / params.temperature
-    if params.top_k:
-        logits = _top_k(logits, params.top_k)
-    if params.top_p < 1.0:
-        logits = _top_p(logits, params.top_p)
     if uniforms is None:
         msg = "sampling needs one uniform number per output position"
         raise ValueError(msg)
@@ -115,15 +152,24 @@ def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).tolist()
 
 
-def _repetition_penalty(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
-                        penalty: float) -> torch.Tensor:
-    """Penalise tokens seen in each row's context (CTRL's rule, as transformers applies it)."""
+def _processed_tree(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                    params: SamplingParams) -> torch.Tensor:
+    """``processed_logits`` for the root and every node, each with its own context."""
+    if params.repetition_penalty == 1.0:
+        return processed_logits(logits, (), params)
+    logits = logits.float()
     seen = torch.zeros_like(logits, dtype=torch.bool)
     seen[:, torch.as_tensor(list(context), dtype=torch.long)] = True
     if len(tree):
         node, ancestor = tree.ancestor_mask.nonzero()
         tokens = torch.as_tensor(tree.tokens, dtype=torch.long)
         seen[torch.as_tensor(node + 1), tokens[torch.as_tensor(ancestor)]] = True
+    penalised = _penalise(logits, seen, params.repetition_penalty)
+    return processed_logits(penalised, (), replace(params, repetition_penalty=1.0))
+
+
+def _penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Penalise the ``seen`` tokens (CTRL's rule, as transformers applies it)."""
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
 

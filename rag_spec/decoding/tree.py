@@ -10,12 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 @dataclass(frozen=True)
@@ -67,6 +64,41 @@ class TokenTree:
                     parents.append(parent)
                 parent = node_of[key]
         return cls(tuple(tokens), tuple(parents))
+
+    def merged(self, other: TokenTree, budget: int) -> TokenTree:
+        """This tree plus ``other``'s nodes (in ``other``'s order, shared prefixes once) while
+        the total stays within ``budget``. ``other`` must carry no probabilities: where this
+        tree has them, ``other``'s nodes get one-hot rows (deterministic children), listed
+        after this tree's children of the same parent.
+
+        Examples:
+            >>> a, b = TokenTree.from_paths([[5, 6]]), TokenTree.from_paths([[5, 7], [8]])
+            >>> a.merged(b, budget=3).tokens  # 5 is shared; 8 does not fit
+            (5, 6, 7)
+        """
+        if other.draft_probs is not None:
+            msg = "only the first tree of a merge may carry draft probabilities"
+            raise ValueError(msg)
+        tokens, parents = list(self.tokens), list(self.parents)
+        node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        mapped: dict[int, int] = {-1: -1}
+        for i, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+            if parent not in mapped:
+                continue
+            key = (mapped[parent], token)
+            if key not in node_of:
+                if len(tokens) >= budget:
+                    continue
+                node_of[key] = len(tokens)
+                tokens.append(token)
+                parents.append(key[0])
+            mapped[i] = node_of[key]
+        probs = self.draft_probs
+        if probs is not None and len(tokens) > len(self):
+            extra = torch.zeros(len(tokens) - len(self), probs.shape[1], dtype=probs.dtype)
+            extra[torch.arange(len(extra)), torch.tensor(tokens[len(self):])] = 1.0
+            probs = torch.cat([probs, extra])
+        return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -51,6 +51,9 @@ class TreeKVCache:
         self.roots = list(roots)
         self.positions = valid.sum(dim=1).tolist()  # [B] position id of each root
         self.window = window
+        # [B, round] position ids of the slots written since the last keep (-1: padding)
+        self._round_positions = torch.zeros(valid.shape[0], 0, dtype=torch.long,
+                                            device=valid.device)
 
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]]) -> TreeKVCache:
@@ -104,7 +107,6 @@ class TreeKVCache:
         """Inputs for verifying ``trees`` (one per row, empty for none) below each root."""
         batch = len(trees)
         width = 1 + max(len(t) for t in trees)
-        device = self.valid.device
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         position_ids = torch.zeros(batch, width, dtype=torch.long)
         local = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # padding sees itself
@@ -116,20 +118,51 @@ class TreeKVCache:
             position_ids[b, 1:1 + n] = pos + torch.from_numpy(tree.depths)
             local[b, 1:1 + n, 0] = True  # every node sees the root
             local[b, 1:1 + n, 1:1 + n] = torch.from_numpy(tree.ancestor_mask)
+        return self.grow(input_ids, position_ids, local, dtype)
+
+    def grow(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sees: torch.Tensor,
+             dtype: torch.dtype) -> TreeBatch:
+        """Inputs for one more pass of the current round: ``W`` uncommitted tokens per row that
+        see every committed slot plus what ``sees`` marks.
+
+        A round is every pass since the last ``keep`` (a verification step is one pass; a draft
+        model's round is one pass per tree depth); its slots follow the committed ones, in the
+        order the passes wrote them.
+
+        Args:
+            input_ids: [B, W] tokens (padding where a row has fewer).
+            position_ids: [B, W] their position ids.
+            sees: [B, W, round + W] bool, which of the round's slots (those written by earlier
+                passes, then this pass's tokens) each token attends to.
+        """
+        device = self.valid.device
+        batch, width = input_ids.shape
         position_ids = position_ids.to(device)
         prefix = self.valid[:, None, :].expand(batch, width, self.length)
-        allowed = torch.cat([prefix, local.to(device)], dim=-1)
-        kv_positions = torch.cat([self._slot_positions(), position_ids], dim=1)
+        allowed = torch.cat([prefix, sees.to(device)], dim=-1)
+        kv_positions = torch.cat([self._slot_positions(), self._round_positions, position_ids],
+                                 dim=1)
         allowed &= self._in_window(position_ids, kv_positions)
+        self._round_positions = torch.cat([self._round_positions, position_ids], dim=1)
         return TreeBatch(input_ids.to(device), position_ids, _additive(allowed, dtype))
+
+    @property
+    def round_length(self) -> int:
+        """Slots written by the current round's passes so far."""
+        return self._round_positions.shape[1]
 
     def keep(self, paths: Sequence[Sequence[int]], next_roots: Sequence[int]) -> None:
         """After a step: keep each row's root and accepted path ``paths[b]`` (node indices of
         its tree), compacted to the front of the step's slots; ``next_roots`` become pending."""
+        self.keep_slots([[0] + [1 + node for node in path] for path in paths], next_roots)
+
+    def keep_slots(self, slots: Sequence[Sequence[int]], next_roots: Sequence[int]) -> None:
+        """End the round: commit ``slots[b]`` (indices into the round's slots, in sequence
+        order) of each row, compacted to the front of the round; ``next_roots`` become pending.
+        """
         start = self.length
-        keep = [[0] + [1 + node for node in path] for path in paths]
-        width = max(len(k) for k in keep)
-        index = torch.tensor([k + [k[-1]] * (width - len(k)) for k in keep],
+        width = max(len(k) for k in slots)
+        index = torch.tensor([list(k) + [k[-1] if k else 0] * (width - len(k)) for k in slots],
                              dtype=torch.long, device=self.valid.device) + start  # [B, width]
         for layer in layers(self.cache):
             for name in ("keys", "values"):
@@ -139,11 +172,12 @@ class TreeKVCache:
                 tail = tensor.gather(2, gather)
                 tensor[:, :, start:start + width] = tail
                 setattr(layer, name, tensor[:, :, :start + width])
-        lengths = torch.tensor([len(k) for k in keep], device=self.valid.device)
+        lengths = torch.tensor([len(k) for k in slots], device=self.valid.device)
         new_valid = torch.arange(width, device=self.valid.device)[None, :] < lengths[:, None]
         self.valid = torch.cat([self.valid, new_valid], dim=1)
-        self.positions = [p + len(k) for p, k in zip(self.positions, keep)]
+        self.positions = [p + len(k) for p, k in zip(self.positions, slots)]
         self.roots = list(next_roots)
+        self._round_positions = self._round_positions[:, :0]
 
     def _slot_positions(self) -> torch.Tensor:
         """[B, slots] position id of each slot's token (-1 for holes and padding)."""

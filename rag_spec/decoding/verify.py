@@ -5,9 +5,8 @@
 - sampling, drafts without probabilities (the trie): sample-and-match, the longest path of the
   target's own samples (one uniform number per output position), which has plain sampling's
   distribution whatever the draft was;
-- sampling, drafts with ``draft_probs``: sample-and-match as well for now. It is exact for any
-  draft; the draft-model work adds multi-step speculative sampling (SpecInfer), which accepts
-  more of a probabilistic draft at the same distribution.
+- sampling, drafts with ``draft_probs`` (draft models): multi-step speculative sampling
+  (SpecInfer), which accepts more of a probabilistic draft at the same distribution.
 
 Vocabulary: the *accepted* tokens are draft nodes the target agreed with; then one more token
 comes from the target itself: *recovered* where it disagreed with every child of the last
@@ -22,8 +21,8 @@ from typing import Literal
 
 import torch
 
-from rag_spec.decoding.acceptance import accept
-from rag_spec.decoding.sampling import RowSampler
+from rag_spec.decoding.acceptance import accept, accept_speculative
+from rag_spec.decoding.sampling import RowSampler, target_probs
 from rag_spec.decoding.tree import TokenTree
 
 
@@ -52,8 +51,11 @@ def verify(logits: torch.Tensor, tree: TokenTree, sampler: RowSampler, context: 
         context: committed tokens, the root last (repetition penalty reads them).
         position: how many tokens the row has generated (indexes the sampler's uniforms).
     """
-    choices = sampler.choices(logits, context, tree, position)
-    path, next_token = accept(tree, choices)
+    if sampler.params.do_sample and tree.draft_probs is not None:
+        probs = target_probs(logits, context, tree, sampler.params)
+        path, next_token = accept_speculative(tree, probs, sampler.fresh)
+    else:
+        path, next_token = accept(tree, sampler.choices(logits, context, tree, position))
     last = path[-1] if path else -1
     kind: Literal["recovered", "bonus"] = "recovered" if tree.children(last) else "bonus"
     return Verdict(path, tree.path_tokens(path), next_token, kind)

@@ -1,0 +1,77 @@
+"""One tree from two drafters: a model's guesses and the trie's copies of the prompt, the
+retrieved passages and earlier answers, under one node budget, shared prefixes verified once.
+
+How their children mix under one parent: the model's come first, in the order it drew them
+(drawn without replacement from its distribution when sampling), then the trie's, as one-hot
+rows (deterministic children). Multi-step speculative sampling tries them in that order, so
+each child is either a draw from the distribution its row says or a fixed token: both keep the
+target's distribution (greedy decoding just follows the argmax).
+
+The budget: the trie proposes first (it is cheap); when it already offers a path as deep as the
+model would draft, the model drafts nothing this step (its passes would cost more than they
+add). Otherwise the model gets what the trie left, and at least half the budget; the trie's
+nodes fill the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from rag_spec.decoding.drafter import DraftRequest, DraftSession, TargetView, propose
+from rag_spec.decoding.model_drafter import DraftModelDrafter
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.trie_drafter import TrieDrafter
+
+
+class _Both:
+    """A request's sessions with both drafters."""
+
+    def __init__(self, model: DraftSession, trie: DraftSession) -> None:
+        self.model, self.trie = model, trie
+
+    def propose(self, context: Sequence[int], budget: int) -> TokenTree:
+        return self.trie.propose(context, budget)
+
+    def observe(self, context: Sequence[int], new_from: int) -> None:
+        self.model.observe(context, new_from)
+        self.trie.observe(context, new_from)
+
+    def finish(self, output: Sequence[int]) -> None:
+        self.model.finish(output)
+        self.trie.finish(output)
+
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
+        self.model.add_documents(documents)
+        self.trie.add_documents(documents)
+
+
+class MergedDrafter:
+    """A draft model's trees merged with the trie's.
+
+    Examples:
+        >>> drafter = MergedDrafter(EarlyExitDrafter(layers=8))             # doctest: +SKIP
+        >>> LookaheadDecoder(model, tokenizer, drafter=drafter)             # doctest: +SKIP
+    """
+
+    def __init__(self, model: DraftModelDrafter, trie: TrieDrafter | None = None) -> None:
+        self.model = model
+        self.trie = trie or TrieDrafter()
+
+    def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
+                ) -> _Both:
+        return _Both(self.model.session(prompt, extra_context),
+                     self.trie.session(prompt, extra_context))
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        copies = propose(self.trie, [replace(r, session=r.session.trie) for r in requests],
+                         target)
+        deep = self.model.expansion.max_depth
+        guesses = propose(self.model, [
+            replace(r, session=r.session.model,
+                    budget=0 if len(t) and t.depths.max() >= deep
+                    else max(r.budget // 2, r.budget - len(t)))
+            for r, t in zip(requests, copies)], target)
+        return [guess.merged(copy, r.budget) if len(guess) else copy
+                for r, guess, copy in zip(requests, guesses, copies)]

@@ -1,0 +1,358 @@
+"""Drafters that compute: a smaller model of the same vocabulary (SpecInfer's SSM), or the
+target's own first layers (``assistant_early_exit``), growing token trees with probabilities.
+
+Each keeps a KV cache of its own per batch, in step with what the target committed: after a
+step it keeps the slots of the draft tokens the target accepted and feeds only what it has not
+seen (at least the newest token), never the whole context again. A round is one forward pass
+for the pending tokens and one per further depth, for every row of the batch at once.
+
+Greedy decoding: each node's children are its likeliest tokens. Sampling: they are drawn
+without replacement from the node's draft distribution (processed like the target's:
+repetition penalty, temperature, top-k, top-p) with the row's ``draft_generator``, in draw
+order; multi-step speculative sampling then verifies them against ``draft_probs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from rag_spec.decoding.drafter import DraftRequest, TargetView
+from rag_spec.decoding.runner import ModuleRunner, Runner, RunnerSettings
+from rag_spec.decoding.sampling import SamplingParams, processed_logits
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.errors import RagSpecError
+
+_GREEDY = SamplingParams()
+
+
+class _Stateless:
+    """A request's session: a computing drafter reads everything from the committed context."""
+
+    def propose(self, context: Sequence[int], budget: int) -> TokenTree:
+        msg = "model drafters propose a batch at a time: call DraftModelDrafter.propose"
+        raise RagSpecError(msg)
+
+    def observe(self, context: Sequence[int], new_from: int) -> None:
+        pass
+
+    def finish(self, output: Sequence[int]) -> None:
+        pass
+
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
+        pass
+
+
+@dataclass
+class _Row:
+    """One row's draft round: what was fed, what was drafted, and where it lies in the cache."""
+
+    chain: list[int] = field(default_factory=list)  # pending tokens fed first (the root last)
+    tokens: list[int] = field(default_factory=list)  # draft nodes
+    parents: list[int] = field(default_factory=list)
+    slots: list[int | None] = field(default_factory=list)  # round slot of each node (None: leaf)
+    mean_accepted: float = 1e9  # draft tokens the target kept per step (smoothed); starts high
+
+    def kept(self, context: Sequence[int], base: int) -> list[int]:
+        """Round slots to commit: the chain, then the drafted nodes the target accepted (not the
+        newest token, which the next round feeds)."""
+        slots = list(range(len(self.chain)))
+        node, accepted = -1, 0
+        for token in context[base + len(self.chain):len(context) - 1]:
+            node = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents))
+                         if p == node and t == token), -2)
+            if node == -2:
+                break
+            accepted += 1
+            if self.slots[node] is None:
+                break
+            slots.append(self.slots[node])
+        if self.chain:
+            self.mean_accepted = accepted if self.mean_accepted > 1e8 else (
+                0.7 * self.mean_accepted + 0.3 * accepted)
+        self.chain, self.tokens, self.parents, self.slots = [], [], [], []
+        return slots
+
+
+class _Batch:
+    """A draft KV cache for one batch of the target (one row per target row)."""
+
+    def __init__(self, runner: ModuleRunner, contexts: Sequence[Sequence[int]]) -> None:
+        self.cache = TreeKVCache.prefill(runner, contexts)
+        self.rows = [_Row() for _ in contexts]
+
+
+class DraftModelDrafter:
+    """Token trees from a draft model that shares the target's vocabulary.
+
+    Args:
+        draft_model: a transformers causal LM (e.g. Llama-3.2-1B for Llama-3.1-8B); only read.
+        expansion: the trees' shape (dynamic by default).
+        onednn_linear: the draft's own fast path (see ``LookaheadConfig.onednn_linear``).
+
+    Examples:
+        >>> drafter = DraftModelDrafter(small.model)                         # doctest: +SKIP
+        >>> LookaheadDecoder(big.model, big.tokenizer, drafter=drafter)     # doctest: +SKIP
+    """
+
+    def __init__(self, draft_model: Any, *, expansion: Expansion | None = None,
+                 onednn_linear: bool | Literal["auto"] = "auto") -> None:
+        if getattr(draft_model, "config", None) is None or not callable(draft_model):
+            msg = "DraftModelDrafter needs a transformers causal LM (AutoModelForCausalLM)."
+            raise RagSpecError(msg)
+        self.draft_model = draft_model
+        self.expansion = expansion or Expansion()
+        self.settings = RunnerSettings(onednn_linear=onednn_linear)
+        self._batches: weakref.WeakKeyDictionary[TreeKVCache, _Batch] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
+                ) -> _Stateless:
+        return _Stateless()
+
+    def draft_runner(self, target: TargetView) -> ModuleRunner:
+        """The forward passes that draft: the draft model's own fast path."""
+        return Runner.of(self.draft_model, self.settings)
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        if target is None or not any(r.budget > 0 for r in requests):
+            return [TokenTree.empty() for _ in requests]
+        runner = self.draft_runner(target)
+        _check_vocabularies(runner.config, target.runner.config)
+        with self._lock:
+            batch = self._batches.get(target.cache)
+            if batch is None:
+                batch = self._batches[target.cache] = _Batch(runner, [r.context
+                                                                      for r in requests])
+        return _draft(batch, runner, requests, self.expansion)
+
+
+class EarlyExitDrafter(DraftModelDrafter):
+    """Drafts with the target's own first ``layers`` layers, final norm and LM head: the weights
+    are shared (no copy), the draft keeps a KV cache of those layers only. The same draft as
+    transformers' ``generate(assistant_early_exit=layers)``.
+
+    Untrained, an early exit agrees with the full model far less often than a trained draft;
+    the budget throttles it while it keeps missing.
+    """
+
+    def __init__(self, layers: int, *, expansion: Expansion | None = None) -> None:
+        if layers < 1:
+            msg = f"EarlyExitDrafter needs layers >= 1 (got {layers})."
+            raise RagSpecError(msg)
+        self.layers = layers
+        self.expansion = expansion or Expansion()
+        self._views: weakref.WeakKeyDictionary[Runner, ModuleRunner] = (
+            weakref.WeakKeyDictionary())
+        self._batches = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def draft_runner(self, target: TargetView) -> ModuleRunner:
+        with self._lock:
+            view = self._views.get(target.runner)
+            if view is None:
+                view = self._views[target.runner] = ModuleRunner(
+                    first_layers(target.runner.module, self.layers))
+        return view
+
+
+def first_layers(module: Any, count: int) -> Any:
+    """A view of a causal LM that runs only its first ``count`` decoder layers, then its final
+    norm and LM head; modules and weights are shared, the config is a private copy."""
+    decoder = module.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        msg = (f"{type(module).__name__} keeps its decoder layers elsewhere than .layers; "
+               "use DraftModelDrafter with a separate draft model.")
+        raise RagSpecError(msg)
+    if not 1 <= count < len(layers):
+        msg = f"An early exit needs 1 <= layers < {len(layers)} (got {count})."
+        raise RagSpecError(msg)
+    config = copy.copy(decoder.config)
+    config.num_hidden_layers = count
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[:count])
+
+    def shallow(original: Any) -> Any:
+        twin = copy.copy(original)
+        twin._modules = dict(original._modules)
+        if "config" in vars(original):
+            vars(twin)["config"] = config
+        return twin
+
+    top = shallow(module)
+    for name, child in module._modules.items():
+        if child is decoder:
+            base = shallow(decoder)
+            base._modules["layers"] = torch.nn.ModuleList(list(layers)[:count])
+            top._modules[name] = base
+            return top
+    msg = f"{type(module).__name__}'s decoder is not a direct child; use a separate draft model."
+    raise RagSpecError(msg)
+
+
+def _check_vocabularies(draft: Any, target: Any) -> None:
+    draft_size, target_size = draft.vocab_size, target.vocab_size
+    if draft_size != target_size:
+        msg = (f"The draft model's vocabulary ({draft_size} tokens) differs from the target's "
+               f"({target_size}): drafts must use the target's token ids. Pick a draft of the "
+               "same family and tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B).")
+        raise RagSpecError(msg)
+
+
+@torch.inference_mode()
+def _draft(batch: _Batch, runner: ModuleRunner, requests: Sequence[DraftRequest],
+           expansion: Expansion) -> list[TokenTree]:
+    """One round for every row: commit what the target accepted, feed the pending tokens, then
+    one pass per depth."""
+    cache = batch.cache
+    kept = [row.kept(r.context, base)
+            for row, r, base in zip(batch.rows, requests, cache.positions)]
+    cache.keep_slots(kept, [r.context[-1] for r in requests])
+    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], expansion)
+               for b, r in enumerate(requests) if r.budget > 0}
+    # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
+    logits, _ = _forward(runner, cache, len(requests), {
+        b: [(token, g.base + i, list(range(i))) for i, token in enumerate(g.row.chain)]
+        for b, g in growing.items()})
+    for b, g in growing.items():
+        g.set_q([-1], logits[b, len(g.row.chain) - 1:len(g.row.chain)])
+    # Then one pass per depth, for the rows whose trees still grow.
+    for depth in range(1, expansion.max_depth + 1):
+        feeds = {b: new for b, g in growing.items() if (new := g.expand(depth)) and g.grows(depth)}
+        if not feeds:
+            break
+        logits, first = _forward(runner, cache, len(requests), {
+            b: [(growing[b].row.tokens[n], growing[b].position(depth), growing[b].sees(n))
+                for n in new] for b, new in feeds.items()})
+        for b, new in feeds.items():
+            for j, node in enumerate(new):
+                growing[b].row.slots[node] = first + j
+            growing[b].set_q(new, logits[b, :len(new)])
+    return [growing[b].tree() if b in growing else TokenTree.empty()
+            for b in range(len(requests))]
+
+
+class _Growth:
+    """One row's tree as it grows this round, with each frontier node's draft distribution."""
+
+    def __init__(self, request: DraftRequest, row: _Row, base: int,
+                 expansion: Expansion) -> None:
+        self.row = row
+        self.base = base  # position of the first pending token
+        row.chain = list(request.context[base:])
+        self.context = list(request.context)
+        self.budget = request.budget
+        sampler = request.sampler
+        self.params = sampler.params if sampler is not None else _GREEDY
+        self.generator = sampler.draft_generator if sampler is not None else None
+        self.expansion = expansion
+        limit = expansion.max_depth if row.mean_accepted > 1e8 else round(row.mean_accepted) + 2
+        self.depth_limit = max(1, min(expansion.max_depth, limit))
+        self.frontier: list[int] = []  # nodes (-1: the root) whose children come next
+        self.q: dict[int, torch.Tensor] = {}  # node -> [vocab] draft distribution after it
+        self.cumulative: dict[int, float] = {-1: 1.0}
+        self.draft_rows: list[torch.Tensor] = []  # per node: the distribution it was drawn from
+
+    def position(self, depth: int) -> int:
+        return self.base + len(self.row.chain) - 1 + depth
+
+    def grows(self, depth: int) -> bool:
+        """Whether nodes just added at ``depth`` get a pass (their children come next)."""
+        return depth < self.depth_limit and len(self.row.tokens) < self.budget
+
+    def sees(self, node: int) -> list[int]:
+        """Round slots ``node`` attends to: the pending tokens and its ancestors."""
+        slots = list(range(len(self.row.chain)))
+        ancestors = []
+        parent = self.row.parents[node]
+        while parent >= 0:
+            ancestors.append(self.row.slots[parent])
+            parent = self.row.parents[parent]
+        return slots + ancestors[::-1]
+
+    def set_q(self, nodes: list[int], logits: torch.Tensor) -> None:
+        """The draft distributions after ``nodes`` (processed like the target's)."""
+        seen = [self.context + self._path(node) for node in nodes]
+        probs = torch.softmax(processed_logits(logits, seen, self.params), dim=-1)
+        self.q.update(zip(nodes, probs))
+        self.frontier = list(nodes)
+
+    def expand(self, depth: int) -> list[int]:
+        """Add the frontier's children at ``depth`` as the expansion plans them."""
+        room = self.budget - len(self.row.tokens)
+        frontier, self.frontier = self.frontier, []
+        if not frontier or room <= 0:
+            return []
+        k = self.expansion.children_per_node
+        ranked = [self.q[node].topk(k).values.tolist() for node in frontier]
+        counts = self.expansion.plan([self.cumulative[n] for n in frontier], ranked, room, depth)
+        new = []
+        for node, count in zip(frontier, counts):
+            q = self.q[node]
+            count = min(count, int((q > 0).sum()))
+            if count <= 0:
+                continue
+            for token in self._children(q, count):
+                index = len(self.row.tokens)
+                self.row.tokens.append(token)
+                self.row.parents.append(node)
+                self.row.slots.append(None)
+                self.draft_rows.append(q)
+                self.cumulative[index] = self.cumulative[node] * float(q[token])
+                new.append(index)
+        return new
+
+    def tree(self) -> TokenTree:
+        sampled = self.params.do_sample and self.draft_rows
+        probs = torch.stack(self.draft_rows) if sampled else None
+        return TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs)
+
+    def _children(self, q: torch.Tensor, count: int) -> list[int]:
+        """The likeliest tokens (greedy), or ``count`` draws without replacement from q in draw
+        order (Gumbel top-k with the row's draft generator)."""
+        if self.generator is None:
+            return q.topk(count).indices.tolist()
+        uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64)
+        keys = q.double().log() - (-uniform.clamp(min=1e-300).log()).log()
+        return keys.topk(count).indices.tolist()
+
+    def _path(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(self.row.tokens[node])
+            node = self.row.parents[node]
+        return path[::-1]
+
+
+def _forward(runner: ModuleRunner, cache: TreeKVCache, batch: int,
+             feeds: dict[int, list[tuple[int, int, list[int]]]]) -> tuple[torch.Tensor, int]:
+    """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other rows
+    ride along as padding. Returns the logits [B, W, vocab] and the round slot of each row's
+    first token (its j-th token lands at that slot + j)."""
+    first = cache.round_length
+    width = max(len(f) for f in feeds.values())
+    input_ids = torch.zeros(batch, width, dtype=torch.long)
+    position_ids = torch.zeros(batch, width, dtype=torch.long)
+    sees = torch.zeros(batch, width, first + width, dtype=torch.bool)
+    sees[:, torch.arange(width), first + torch.arange(width)] = True  # each token sees itself
+    for b, fed in feeds.items():
+        for j, (token, position, slots) in enumerate(fed):
+            input_ids[b, j] = token
+            position_ids[b, j] = position
+            sees[b, j, slots] = True
+    step = cache.grow(input_ids, position_ids, sees, runner.dtype)
+    logits = runner(input_ids=step.input_ids, position_ids=step.position_ids,
+                    attention_mask=step.attention_mask, past_key_values=cache.cache,
+                    use_cache=True).logits
+    return logits, first
