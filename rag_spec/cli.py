@@ -45,7 +45,7 @@ def _ask(args: argparse.Namespace) -> int:
     print(f"(model and {args.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
     print(f"Q: {args.question}\nA: ", end="", flush=True)
     answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                 on_text=lambda piece: print(piece, end="", flush=True))
+                 on_text=lambda piece: print(piece, end="", flush=True), draft=args.draft)
     print("\n\nSources:")
     for i, hit in enumerate(answer.hits, 1):
         preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
     ask.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
     ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.add_argument("--draft", default=None,
+                     help="also draft with a model of the same vocabulary (embedded name or "
+                     "folder) or early-exit:L (the model's first L layers); default: the trie")
     ask.set_defaults(run=_ask)
 
     index = commands.add_parser("index", help="build knowledge-base indexes")

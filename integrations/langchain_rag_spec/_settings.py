@@ -25,6 +25,10 @@ class LookaheadSettings(BaseModel):
     """Passed to ``rag_spec.load_model``: ``device`` ("cpu", "cuda", "auto"), ``dtype``."""
     lookahead: dict[str, Any] = Field(default_factory=dict)
     """``rag_spec.LookaheadConfig`` fields, e.g. ``{"budget": 16}``."""
+    draft_model: Any = None
+    """A draft model of the same vocabulary (embedded name, folder, or model object), or
+    ``"early-exit:L"`` (the model's own first L layers); merged with the trie's drafts. None:
+    the trie alone (best for answers that copy the retrieved passages)."""
     max_tokens: int = 256
     temperature: float = 0.0
     """0 decodes greedily; above 0 samples (losslessly, from the model's own distribution)."""
@@ -47,7 +51,7 @@ class LookaheadSettings(BaseModel):
     def local_lm(self) -> LocalLM:
         """The process-wide model behind this object (loaded on first use)."""
         return LocalLM.shared(self.model, config=LookaheadConfig(**self.lookahead),
-                              **self.model_kwargs)
+                              draft=self.draft_model, **self.model_kwargs)
 
     def options(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> GenerateOptions:
         """This object's settings, with per-call ``stop`` and keyword overrides applied."""

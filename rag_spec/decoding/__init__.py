@@ -7,14 +7,18 @@ from rag_spec.decoding.decoder import (
     LookaheadDecoder,
 )
 from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView
+from rag_spec.decoding.merged_drafter import MergedDrafter
+from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.decoding.sampling import SamplingParams
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter
 from rag_spec.decoding.verify import Verdict, verify
 
-__all__ = ["DecodeStats", "DraftRequest", "DraftSession", "Drafter", "GenerationResult",
-           "LookaheadConfig", "LookaheadDecoder", "Runner", "RunnerSettings", "SamplingParams",
+__all__ = ["DecodeStats", "DraftModelDrafter", "DraftRequest", "DraftSession", "Drafter",
+           "EarlyExitDrafter", "Expansion", "GenerationResult", "LookaheadConfig",
+           "LookaheadDecoder", "MergedDrafter", "Runner", "RunnerSettings", "SamplingParams",
            "TargetView", "TokenTree", "TreeKVCache", "TrieConfig", "TrieDrafter", "Verdict",
            "verify"]

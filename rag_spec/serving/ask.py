@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
 from rag_spec.retrieval.types import Hit, Retriever
+from rag_spec.serving.drafts import drafter_for
 from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
 
@@ -29,8 +31,10 @@ class Answer:
 
 
 def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
-        max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None) -> Answer:
-    """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``."""
+        max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
+        draft: Any = None) -> Answer:
+    """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
+    (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None drafts from the trie)."""
     from rag_spec.decoding.decoder import LookaheadDecoder
 
     if not question.strip():
@@ -39,7 +43,7 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
     started = time.perf_counter()
     hits = retriever.search([question], k=k)[0]
     retrieved = time.perf_counter()
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter_for(draft, lm))
     decoder.add_context([hit.text for hit in hits])
     prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
     result = decoder.generate(prompt, max_new_tokens=max_new_tokens, streamer=on_text)

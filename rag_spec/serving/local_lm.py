@@ -20,6 +20,7 @@ from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
+from rag_spec.serving.drafts import draft_key, drafter_for
 from rag_spec.serving.prompts import chat_input_ids, merge_turns
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
@@ -100,27 +101,29 @@ class LocalLM:
         >>> lm.generate([[{"role": "user", "content": "Hi"}]])[0].text    # doctest: +SKIP
     """
 
-    _instances: dict[tuple[int, LookaheadConfig], LocalLM] = {}
+    _instances: dict[tuple[int, LookaheadConfig, Any], LocalLM] = {}
     _instances_lock = threading.Lock()
 
     def __init__(self, lm: LoadedModel, config: LookaheadConfig | None = None, *,
-                 batch_wait_ms: float = 5.0, max_batch: int = 8) -> None:
+                 draft: Any = None, batch_wait_ms: float = 5.0, max_batch: int = 8) -> None:
         self.lm = lm
-        self.decoder = LookaheadDecoder(lm.model, lm.tokenizer, config)
+        self.decoder = LookaheadDecoder(lm.model, lm.tokenizer, config,
+                                        drafter=drafter_for(draft, lm))
         self._tokens = serial(lm.tokenizer)  # callers encode on their own threads
         self._batcher: Coalescer[list[int], Completion] = Coalescer(
             self._run, wait_ms=batch_wait_ms, max_batch=max_batch)
 
     @classmethod
     def shared(cls, model: str | LoadedModel | None = None, *, config: LookaheadConfig | None
-               = None, **load_kwargs: Any) -> LocalLM:
-        """The process-wide LocalLM for ``model`` (a name, a folder, or a loaded model)."""
+               = None, draft: Any = None, **load_kwargs: Any) -> LocalLM:
+        """The process-wide LocalLM for ``model`` (a name, a folder, or a loaded model) and
+        ``draft`` (see ``rag_spec.serving.drafts.drafter_for``; None: the trie alone)."""
         lm = model if isinstance(model, LoadedModel) else load_model(
             model or DEFAULT_MODEL, **load_kwargs)
-        key = (id(lm), config or LookaheadConfig())
+        key = (id(lm), config or LookaheadConfig(), draft_key(draft))
         with cls._instances_lock:
             if key not in cls._instances:
-                cls._instances[key] = cls(lm, config)
+                cls._instances[key] = cls(lm, config, draft=draft)
             return cls._instances[key]
 
     @property

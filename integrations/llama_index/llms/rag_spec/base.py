@@ -44,6 +44,10 @@ class LookaheadLLM(LLM):
         default_factory=dict, description="rag_spec.load_model arguments: device, dtype.")
     lookahead: dict[str, Any] = Field(
         default_factory=dict, description="rag_spec.LookaheadConfig fields.")
+    draft_model: Any = Field(
+        default=None, description="A draft model of the same vocabulary (embedded name, folder "
+        "or model object) or 'early-exit:L' (the model's first L layers), merged with the "
+        "trie's drafts; None: the trie alone.")
     max_new_tokens: int = Field(default=256, description="Most tokens per answer.")
     temperature: float = Field(default=0.0, description="0 decodes greedily.")
     top_p: float = 1.0
@@ -112,7 +116,7 @@ class LookaheadLLM(LLM):
 
     def _lm(self) -> LocalLM:
         return LocalLM.shared(self.model, config=LookaheadConfig(**self.lookahead),
-                              **self.model_kwargs)
+                              draft=self.draft_model, **self.model_kwargs)
 
     def _text(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)

@@ -1,0 +1,49 @@
+"""What users pass as a draft (a name, a folder, a model, a layer count) turned into a drafter.
+
+A draft model is merged with the trie: copies of the retrieved passages keep being drafted, the
+model adds its guesses where there is nothing to copy.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rag_spec.decoding.drafter import Drafter
+from rag_spec.errors import RagSpecError
+from rag_spec.models.loader import LoadedModel, load_model
+
+# "early-exit:8": the target's own first 8 layers
+_EARLY_EXIT = re.compile(r"early[-_]exit:(\d+)")
+
+DRAFT_HELP = ("a draft model of the target's vocabulary: an embedded name, a model folder, or "
+              "early-exit:L (the target's own first L layers)")
+
+
+def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
+    """The drafter for ``draft``: None (the trie alone), a Drafter (as given), an int or
+    ``"early-exit:L"`` (the target's first L layers), a name or folder (loaded on the target's
+    device and dtype), a ``LoadedModel`` or a transformers model."""
+    from rag_spec.decoding.merged_drafter import MergedDrafter
+    from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
+
+    if draft is None or isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, int) and not isinstance(draft, bool):
+        return MergedDrafter(EarlyExitDrafter(draft))
+    if isinstance(draft, str):
+        match = _EARLY_EXIT.fullmatch(draft.strip())
+        if match:
+            return MergedDrafter(EarlyExitDrafter(int(match.group(1))))
+        draft = load_model(draft, device=str(target.device), dtype=target.dtype)
+    if isinstance(draft, LoadedModel):
+        draft = draft.model
+    if getattr(draft, "config", None) is None:
+        msg = f"Cannot draft with {type(draft).__name__}: pass {DRAFT_HELP}."
+        raise RagSpecError(msg)
+    return MergedDrafter(DraftModelDrafter(draft))
+
+
+def draft_key(draft: Any) -> Any:
+    """What identifies a draft among shared instances (names by value, objects by identity)."""
+    return draft if draft is None or isinstance(draft, (str, int)) else id(draft)

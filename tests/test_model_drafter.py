@@ -1,0 +1,173 @@
+"""Drafts from models (a separate draft model, the target's early exit, merged with the trie):
+greedy output equals generate's, sampled output keeps plain sampling's distribution, and the
+draft's KV cache follows the target without re-reading the context."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, TrieDrafter
+from rag_spec.decoding.acceptance import accept, accept_speculative
+from rag_spec.decoding.merged_drafter import MergedDrafter
+from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from rag_spec.decoding.runner import ModuleRunner
+from rag_spec.decoding.sampling import SamplingParams, target_choices, target_probs
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.errors import RagSpecError
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+from test_sampling import KNOBS, PROMPT, chi_square_ok, exact_marginals
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0, layers=4)
+
+
+DRAFTERS = {
+    "draft model": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2)),
+    "early exit": lambda: EarlyExitDrafter(2),
+    "fixed widths": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2),
+                                              expansion=Expansion(widths=(2, 1, 3), max_depth=4)),
+    "merged": lambda: MergedDrafter(EarlyExitDrafter(1)),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_greedy_matches_generate(target, name, budget):
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=budget),
+                               drafter=DRAFTERS[name]())
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_a_batch_gives_each_row_its_tokens_alone(target, name):
+    decoder = LookaheadDecoder(target, drafter=DRAFTERS[name]())
+    prompts = [repetitive_prompt(s, length=10 + 7 * s) for s in range(4)]
+    results = decoder.generate(prompts, 25)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 25) for p in prompts]
+    # Sampled output depends on the drafts, so the trie remembers no answers here (in a batch,
+    # a finished row's answer would feed the others' drafts); row b samples with seed + b.
+    make = (lambda: MergedDrafter(EarlyExitDrafter(1), TrieDrafter(memory_mb=0))) \
+        if name == "merged" else DRAFTERS[name]
+    sampled = LookaheadDecoder(target, drafter=make()).generate(
+        prompts, 25, do_sample=True, temperature=0.8, seed=5)
+    alone = [LookaheadDecoder(target, drafter=make()).generate(
+        p, 25, do_sample=True, temperature=0.8, seed=5 + b).token_ids
+        for b, p in enumerate(prompts)]
+    assert [r.token_ids for r in sampled] == alone
+
+
+def test_a_perfect_draft_is_accepted_whole(target):
+    # The target drafting for itself agrees everywhere: every step keeps a full-depth path.
+    decoder = LookaheadDecoder(target, drafter=DraftModelDrafter(
+        target, expansion=Expansion(widths=(1,), max_depth=5)))
+    result = decoder.generate(repetitive_prompt(1), 30)
+    assert result.token_ids == hf_greedy(target, repetitive_prompt(1), 30)
+    assert result.stats.accepted_per_step[:-1] == [5] * (len(result.stats.accepted_per_step) - 1)
+
+
+class Counting(DraftModelDrafter):
+    """Counts the tokens the draft model is fed in each round's first pass."""
+
+    fed: list[int]
+
+    def draft_runner(self, target):
+        runner = super().draft_runner(target)
+        outer = self
+
+        class Spy(ModuleRunner):
+            def __call__(self, **inputs):
+                if inputs["input_ids"].shape[1] and outer.first_pass:
+                    outer.fed.append(int((inputs["input_ids"] != 0).sum()))
+                return runner(**inputs)
+
+        return Spy(runner.module)
+
+
+def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch):
+    import rag_spec.decoding.model_drafter as module
+
+    drafter = Counting(tiny_llama(seed=0, layers=2), expansion=Expansion(widths=(1,)))
+    drafter.fed, drafter.first_pass = [], False
+    original = module._Growth.__init__
+
+    def mark(self, *args):
+        original(self, *args)
+        drafter.first_pass = True  # the next pass is this round's pending tokens
+
+    monkeypatch.setattr(module._Growth, "__init__", mark)
+    real_forward = module._forward
+
+    def forward(*args):
+        out = real_forward(*args)
+        drafter.first_pass = False
+        return out
+
+    monkeypatch.setattr(module, "_forward", forward)
+    prompt = repetitive_prompt(2)
+    result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 30)
+    # Each committed token reaches the draft at most once, after the prefill of the prompt;
+    # accepted drafts are never fed again.
+    assert sum(drafter.fed) <= len(result.token_ids) + 1
+    assert sum(result.stats.accepted_per_step) > 0
+
+
+def test_the_early_exit_shares_weights_and_leaves_the_model_alone(target):
+    layers, config = len(target.model.layers), target.config.to_dict()
+    decoder = LookaheadDecoder(target, drafter=EarlyExitDrafter(1))
+    decoder.generate(repetitive_prompt(0), 10)
+    assert len(target.model.layers) == layers and target.config.to_dict() == config
+    view = decoder.drafter.draft_runner(type("T", (), {"runner": decoder.runner})())
+    assert view.module.model.layers[0].self_attn.q_proj is \
+        decoder.runner.module.model.layers[0].self_attn.q_proj  # shared, not copied
+    with pytest.raises(RagSpecError, match="layers < 4"):
+        LookaheadDecoder(target, drafter=EarlyExitDrafter(4)).generate([5, 6], 3)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(target):
+    decoder = LookaheadDecoder(target, drafter=DraftModelDrafter(tiny_llama(vocab_size=50)))
+    with pytest.raises(RagSpecError, match="vocabulary \\(50 tokens\\) differs.*64"):
+        decoder.generate([5, 6, 7], 5)
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+@pytest.mark.parametrize("drafter", ["draft model", "merged"])
+def test_sampling_keeps_the_distribution(model, name, drafter):
+    knobs = KNOBS[name]
+    make = {"draft model": lambda: DraftModelDrafter(tiny_llama(seed=3)),
+            "merged": lambda: MergedDrafter(DraftModelDrafter(tiny_llama(seed=3)))}[drafter]
+    decoder = LookaheadDecoder(model, drafter=make())
+    results = decoder.generate([PROMPT] * 4000, max_new_tokens=2, do_sample=True, seed=99,
+                               **knobs)
+    assert sum(sum(r.stats.accepted_per_step) for r in results) > 400  # drafts were kept
+    first, second = exact_marginals(model, knobs)
+    for position, probs in ((0, first), (1, second)):
+        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
+        assert stat < bound, (position, stat, bound)
+    colder, _ = exact_marginals(model, {**knobs, "temperature": knobs["temperature"] / 2})
+    stat, bound = chi_square_ok([r.token_ids[0] for r in results], colder)
+    assert stat > bound  # the test tells a wrong temperature apart
+
+
+def test_speculative_sampling_accepts_at_least_sample_and_match():
+    # One tree of draws from q; the target's p is close to q. On the same trees and logits,
+    # multi-step speculative sampling keeps more tokens than matching the target's own samples.
+    g = torch.Generator().manual_seed(0)
+    vocab, params = 12, SamplingParams(do_sample=True)
+    mss = sam = 0
+    for _ in range(400):
+        logits = torch.randn(4, vocab, generator=g) * 2
+        q = torch.softmax(logits + 0.3 * torch.randn(4, vocab, generator=g), -1)
+        first = torch.multinomial(q[0], 2, generator=g).tolist()  # two children of the root
+        second = int(torch.multinomial(q[1], 1, generator=g))  # a grandchild below the first
+        tree = TokenTree((first[0], first[1], second), (-1, -1, 0),
+                         draft_probs=torch.stack([q[0], q[0], q[1]]))
+        p = target_probs(logits, [], tree, params)
+        mss += len(accept_speculative(tree, p, lambda: float(torch.rand((), generator=g)))[0])
+        uniforms = torch.rand(3, generator=g)
+        sam += len(accept(tree, target_choices(logits, [], tree, params, uniforms))[0])
+    assert mss > 1.2 * sam
