@@ -27,8 +27,8 @@ def target():
 DRAFTERS = {
     "draft model": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2)),
     "early exit": lambda: EarlyExitDrafter(2),
-    "fixed widths": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2),
-                                              expansion=Expansion(widths=(2, 1, 3), max_depth=4)),
+    "fixed widths": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2), expansion=Expansion(
+        widths=(2, 1, 3), max_depth=4, adaptive_depth=False)),
     "merged": lambda: MergedDrafter(EarlyExitDrafter(1)),
 }
 
@@ -64,7 +64,7 @@ def test_a_batch_gives_each_row_its_tokens_alone(target, name):
 def test_a_perfect_draft_is_accepted_whole(target):
     # The target drafting for itself agrees everywhere: every step keeps a full-depth path.
     decoder = LookaheadDecoder(target, drafter=DraftModelDrafter(
-        target, expansion=Expansion(widths=(1,), max_depth=5)))
+        target, expansion=Expansion(widths=(1,), max_depth=5, adaptive_depth=False)))
     result = decoder.generate(repetitive_prompt(1), 30)
     assert result.token_ids == hf_greedy(target, repetitive_prompt(1), 30)
     assert result.stats.accepted_per_step[:-1] == [5] * (len(result.stats.accepted_per_step) - 1)
@@ -91,7 +91,8 @@ class Counting(DraftModelDrafter):
 def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch):
     import rag_spec.decoding.model_drafter as module
 
-    drafter = Counting(tiny_llama(seed=0, layers=2), expansion=Expansion(widths=(1,)))
+    drafter = Counting(tiny_llama(seed=0, layers=2),
+                       expansion=Expansion(widths=(1,), adaptive_depth=False))
     drafter.fed, drafter.first_pass = [], False
     original = module._Growth.__init__
 

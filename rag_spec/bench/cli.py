@@ -18,6 +18,14 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--max-new-tokens", type=int, default=128)
     lookahead.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     lookahead.set_defaults(run=_lookahead)
+    draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
+    draft.add_argument("--layers", type=int, default=8,
+                       help="the draft: the model's first N layers (default 8)")
+    draft.add_argument("--limit", type=int, default=6, help="prompts per set (default 6)")
+    draft.add_argument("--batch", type=int, default=4, help="batch size of the batch runs")
+    draft.add_argument("--max-new-tokens", type=int, default=64)
+    draft.add_argument("--json", dest="json_out", help="write the report here")
+    draft.set_defaults(run=_draft)
     ralm = kinds.add_parser("ralm", help="speculative retrieval vs the naive RaLM loop")
     ralm.add_argument("--retriever", default="exact", choices=["exact", "hnsw", "ivf", "bm25"])
     ralm.add_argument("--kb-size", type=int, default=None,
@@ -41,6 +49,19 @@ def _lookahead(args: argparse.Namespace) -> int:
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
         limit=args.limit)
+    return 0
+
+
+def _draft(args: argparse.Namespace) -> int:
+    from rag_spec.bench.draft import run
+
+    for flag, value in (("--layers", args.layers), ("--limit", args.limit),
+                        ("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    run(json_out=args.json_out, max_new_tokens=args.max_new_tokens, limit=args.limit,
+        layers=args.layers, batch=args.batch)
     return 0
 
 

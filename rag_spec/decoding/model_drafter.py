@@ -59,7 +59,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # draft nodes
     parents: list[int] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)  # round slot of each node (None: leaf)
-    mean_accepted: float = 1e9  # draft tokens the target kept per step (smoothed); starts high
+    mean_accepted: float = 1.0  # draft tokens the target kept per round (smoothed)
 
     def kept(self, context: Sequence[int], base: int) -> list[int]:
         """Round slots to commit: the chain, then the drafted nodes the target accepted (not the
@@ -76,18 +76,20 @@ class _Row:
                 break
             slots.append(self.slots[node])
         if self.chain:
-            self.mean_accepted = accepted if self.mean_accepted > 1e8 else (
-                0.7 * self.mean_accepted + 0.3 * accepted)
+            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * accepted
         self.chain, self.tokens, self.parents, self.slots = [], [], [], []
         return slots
 
 
 class _Batch:
-    """A draft KV cache for one batch of the target (one row per target row)."""
+    """A draft KV cache for one batch of the target (one row per target row), and what a draft
+    pass costs in target steps (estimated by the weights each reads)."""
 
-    def __init__(self, runner: ModuleRunner, contexts: Sequence[Sequence[int]]) -> None:
+    def __init__(self, runner: ModuleRunner, target: ModuleRunner,
+                 contexts: Sequence[Sequence[int]]) -> None:
         self.cache = TreeKVCache.prefill(runner, contexts)
         self.rows = [_Row() for _ in contexts]
+        self.cost = _weights(runner.module) / _weights(target.module)
 
 
 class DraftModelDrafter:
@@ -132,8 +134,8 @@ class DraftModelDrafter:
         with self._lock:
             batch = self._batches.get(target.cache)
             if batch is None:
-                batch = self._batches[target.cache] = _Batch(runner, [r.context
-                                                                      for r in requests])
+                batch = self._batches[target.cache] = _Batch(
+                    runner, target.runner, [r.context for r in requests])
         return _draft(batch, runner, requests, self.expansion)
 
 
@@ -201,6 +203,11 @@ def first_layers(module: Any, count: int) -> Any:
     raise RagSpecError(msg)
 
 
+def _weights(module: Any) -> int:
+    """Parameters a forward pass reads (shared ones once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
 def _check_vocabularies(draft: Any, target: Any) -> None:
     draft_size, target_size = draft.vocab_size, target.vocab_size
     if draft_size != target_size:
@@ -219,7 +226,7 @@ def _draft(batch: _Batch, runner: ModuleRunner, requests: Sequence[DraftRequest]
     kept = [row.kept(r.context, base)
             for row, r, base in zip(batch.rows, requests, cache.positions)]
     cache.keep_slots(kept, [r.context[-1] for r in requests])
-    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], expansion)
+    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], expansion, batch.cost)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
     logits, _ = _forward(runner, cache, len(requests), {
@@ -246,8 +253,8 @@ def _draft(batch: _Batch, runner: ModuleRunner, requests: Sequence[DraftRequest]
 class _Growth:
     """One row's tree as it grows this round, with each frontier node's draft distribution."""
 
-    def __init__(self, request: DraftRequest, row: _Row, base: int,
-                 expansion: Expansion) -> None:
+    def __init__(self, request: DraftRequest, row: _Row, base: int, expansion: Expansion,
+                 cost: float) -> None:
         self.row = row
         self.base = base  # position of the first pending token
         row.chain = list(request.context[base:])
@@ -257,8 +264,12 @@ class _Growth:
         self.params = sampler.params if sampler is not None else _GREEDY
         self.generator = sampler.draft_generator if sampler is not None else None
         self.expansion = expansion
-        limit = expansion.max_depth if row.mean_accepted > 1e8 else round(row.mean_accepted) + 2
-        self.depth_limit = max(1, min(expansion.max_depth, limit))
+        # Each depth is accepted with about alpha = m / (1 + m) when m draft tokens are kept per
+        # round on average (a geometric run); a pass for depth d + 1 pays while the path to
+        # depth d is likelier to be accepted than the pass costs, in target steps.
+        alpha = row.mean_accepted / (1 + row.mean_accepted)
+        self.cost = cost
+        self.alpha = alpha
         self.frontier: list[int] = []  # nodes (-1: the root) whose children come next
         self.q: dict[int, torch.Tensor] = {}  # node -> [vocab] draft distribution after it
         self.cumulative: dict[int, float] = {-1: 1.0}
@@ -269,7 +280,8 @@ class _Growth:
 
     def grows(self, depth: int) -> bool:
         """Whether nodes just added at ``depth`` get a pass (their children come next)."""
-        return depth < self.depth_limit and len(self.row.tokens) < self.budget
+        return (depth < self.expansion.max_depth and len(self.row.tokens) < self.budget
+                and (not self.expansion.adaptive_depth or self.alpha ** depth >= self.cost))
 
     def sees(self, node: int) -> list[int]:
         """Round slots ``node`` attends to: the pending tokens and its ancestors."""

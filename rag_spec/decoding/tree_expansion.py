@@ -32,7 +32,10 @@ class Expansion:
     widths: tuple[int, ...] | None = None  # fixed: children per node at each depth; None: dynamic
     top: int = 4  # dynamic: most new nodes per depth (and children per node)
     min_prob: float = 0.02  # dynamic: slots whose cumulative draft probability is lower stay out
-    max_depth: int = 6  # deepest draft (depth adapts below it to the acceptance measured)
+    max_depth: int = 6  # deepest draft
+    # grow a depth only while the path there is likelier to be accepted (as measured) than the
+    # draft pass costs in target steps; False: always draft max_depth deep
+    adaptive_depth: bool = True
 
     def __post_init__(self) -> None:
         if self.widths is not None and (not self.widths or min(self.widths) < 1):
