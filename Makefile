@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 QUESTION ?= How do I join two path components with os.path?
 
-.PHONY: install pull demo test docs bench clean
+.PHONY: install pull demo test docs bench bench-draft gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ docs: pull  ## the documentation site, executing every tutorial notebook (warnin
 
 bench: pull
 	$(BIN)/rag-spec bench lookahead --json docs/benchmarks/lookahead.json
+
+bench-draft: pull  ## draft models and early exits vs transformers' assisted generation
+	$(BIN)/rag-spec bench draft --json docs/benchmarks/draft.json
+
+# On a machine with a GPU and torch + transformers installed (no venv, no network needed):
+# greedy identity, speculative sampling and step costs on a random Llama-3-8B-shaped model.
+gpu-check:
+	PYTHONPATH=.:kernels $(PYTHON) -m rag_spec.bench.gpu_check --json gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build

@@ -172,3 +172,32 @@ def test_speculative_sampling_accepts_at_least_sample_and_match():
         uniforms = torch.rand(3, generator=g)
         sam += len(accept(tree, target_choices(logits, [], tree, params, uniforms))[0])
     assert mss > 1.2 * sam
+
+
+def test_what_users_pass_as_a_draft_becomes_a_drafter(tiny_model_dir):
+    from rag_spec.models import load_model
+    from rag_spec.serving.drafts import drafter_for
+
+    lm = load_model(tiny_model_dir)
+    assert drafter_for(None, lm) is None  # the trie alone
+    exit_draft = drafter_for("early-exit:1", lm)
+    assert isinstance(exit_draft, MergedDrafter) and exit_draft.model.layers == 1
+    assert drafter_for(1, lm).model.layers == 1
+    folder = drafter_for(tiny_model_dir, lm)  # a folder: loaded, merged with the trie
+    assert folder.model.draft_model is lm.model  # the same folder, device and dtype: shared
+    mine = EarlyExitDrafter(1)
+    assert drafter_for(mine, lm) is mine
+    with pytest.raises(RagSpecError, match="neither an embedded model nor"):
+        drafter_for("no-such-draft", lm)
+    with pytest.raises(RagSpecError, match="Cannot draft with"):
+        drafter_for(3.5, lm)
+
+
+def test_the_gpu_check_runs_on_a_tiny_model():
+    from rag_spec.bench.gpu_check import main
+
+    report = main(["--tiny", "--layers", "3", "--draft-layers", "1", "--context", "64"])
+    for name, counts in report["greedy_identical"].items():
+        assert counts["batch1"] == counts["batch4"] == counts["of"], name
+    assert report["sampling"]["total_variation"] < 4 * report["sampling"]["noise_level"]
+    assert set(report["step_ms"]) == {"1_tokens", "8_tokens", "16_tokens", "32_tokens"}

@@ -10,7 +10,9 @@ target's distribution (greedy decoding just follows the argmax).
 The budget: the trie proposes first (it is cheap); when it already offers a path as deep as the
 model would draft, the model drafts nothing this step (its passes would cost more than they
 add). Otherwise the model gets what the trie left, and at least half the budget; the trie's
-nodes fill the rest.
+nodes fill the rest. The model also has an adaptive budget of its own, fed by the tokens of
+its own trees the target accepted: while its guesses keep missing it is asked only in probe
+steps, so a useless draft costs the merged drafter little over the trie alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import DraftRequest, DraftSession, TargetView, propose
 from rag_spec.decoding.model_drafter import DraftModelDrafter
 from rag_spec.decoding.tree import TokenTree
@@ -25,10 +28,30 @@ from rag_spec.decoding.trie_drafter import TrieDrafter
 
 
 class _Both:
-    """A request's sessions with both drafters."""
+    """A request's sessions with both drafters, and the model's own budget: it stops drafting
+    (and costing passes) while its guesses keep missing, even when the trie's keep the
+    request's overall budget up."""
 
     def __init__(self, model: DraftSession, trie: DraftSession) -> None:
         self.model, self.trie = model, trie
+        self.model_budget = AdaptiveBudget(1)
+        self._guess, self._asked_at = TokenTree.empty(), 0  # the model's last tree, and when
+
+    def model_share(self, context: Sequence[int], budget: int, copies: TokenTree,
+                    deep: int) -> int:
+        """Nodes the model may draft this step, after learning what its last tree earned."""
+        if self._asked_at:
+            accepted = len(_matched(self._guess, context[self._asked_at:]))
+            self.model_budget.update(max(len(self._guess), 1), accepted)
+            self._asked_at = 0
+        else:
+            self.model_budget.update(0, 0)  # an idle step: counts toward the next probe
+        if not self.model_budget.current or (len(copies) and copies.depths.max() >= deep):
+            return 0
+        return max(budget // 2, budget - len(copies))
+
+    def guessed(self, context: Sequence[int], guess: TokenTree) -> None:
+        self._guess, self._asked_at = guess, len(context)
 
     def propose(self, context: Sequence[int], budget: int) -> TokenTree:
         return self.trie.propose(context, budget)
@@ -68,10 +91,24 @@ class MergedDrafter:
         copies = propose(self.trie, [replace(r, session=r.session.trie) for r in requests],
                          target)
         deep = self.model.expansion.max_depth
-        guesses = propose(self.model, [
-            replace(r, session=r.session.model,
-                    budget=0 if len(t) and t.depths.max() >= deep
-                    else max(r.budget // 2, r.budget - len(t)))
-            for r, t in zip(requests, copies)], target)
+        shares = [r.session.model_share(r.context, r.budget, t, deep) if r.budget else 0
+                  for r, t in zip(requests, copies)]
+        guesses = propose(self.model, [replace(r, session=r.session.model, budget=share)
+                                       for r, share in zip(requests, shares)], target)
+        for r, share, guess in zip(requests, shares, guesses):
+            if share:
+                r.session.guessed(r.context, guess)
         return [guess.merged(copy, r.budget) if len(guess) else copy
                 for r, guess, copy in zip(requests, guesses, copies)]
+
+
+def _matched(tree: TokenTree, tokens: Sequence[int]) -> list[int]:
+    """The path of ``tree`` that ``tokens`` (committed after its root) followed."""
+    path: list[int] = []
+    node = -1
+    for token in tokens:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == token), -2)
+        if node == -2:
+            break
+        path.append(node)
+    return path
