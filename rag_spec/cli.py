@@ -87,6 +87,25 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_train(args: argparse.Namespace) -> int:
+    from rag_spec.decoding.exit_adapter import cached_exit
+    from rag_spec.models import load_model
+
+    for flag, value in (("--layers", args.layers), ("--texts", args.texts)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    started = time.perf_counter()
+    lm = load_model(args.model)
+    adapter = cached_exit(lm, args.layers, args.source or ["stdlib"], texts=args.texts)
+    agreement = adapter.agreement
+    print(f"exit after {args.layers} layers: the draft's greedy token is the model's "
+          f"{agreement['untrained']:.1%} of the time untrained, {agreement['trained']:.1%} "
+          f"trained ({len(adapter.subset)}-token head; {time.perf_counter() - started:.0f} s). "
+          f"Use it: rag-spec ask --draft trained-exit:{args.layers}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from rag_spec.models.registry import DEFAULT_MODEL
 
@@ -105,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--draft", default=None,
                      help="also draft with a model of the same vocabulary (embedded name or "
-                     "folder) or early-exit:L (the model's first L layers); default: the trie")
+                     "folder), early-exit:L (the model's first L layers) or trained-exit:L "
+                     "(with a trained adapter, see rag-spec draft train); default: the trie")
     ask.set_defaults(run=_ask)
 
     index = commands.add_parser("index", help="build knowledge-base indexes")
@@ -125,6 +145,16 @@ def _parser() -> argparse.ArgumentParser:
     pull.set_defaults(run=_models_pull)
     listing = model_commands.add_parser("list", help="list embedded models")
     listing.set_defaults(run=_models_list)
+
+    draft = commands.add_parser("draft", help="self-drafts")
+    draft_commands = draft.add_subparsers(required=True, metavar="ACTION")
+    train = draft_commands.add_parser("train", help="train an early-exit adapter (cached)")
+    train.add_argument("--source", action="append",
+                       help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
+    train.add_argument("--layers", type=int, default=8, help="exit after N layers (default 8)")
+    train.add_argument("--texts", type=int, default=160, help="passages to train on")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
+    train.set_defaults(run=_draft_train)
 
     from rag_spec.bench.cli import add_bench_commands
 

@@ -176,3 +176,13 @@ def test_iterative_ralm_runnable_speculative_equals_naive(chat):
     fast.stride = 2  # another setting, another loop
     fast.invoke(question)
     assert len(fast._loops) == 2
+
+
+@pytest.mark.parametrize("draft", ["early-exit:1", "folder"])
+def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir, draft):
+    prompt = "the cat sat on the mat. the cat"
+    ids = load_model(tiny_model_dir).tokenizer(prompt)["input_ids"]
+    drafted = LookaheadLLM(model=tiny_model_dir, max_tokens=MAX,
+                           draft_model=tiny_model_dir if draft == "folder" else draft)
+    assert drafted.invoke(prompt) == greedy(tiny_model_dir, ids)
+    assert "MergedDrafter" in type(drafted.local_lm().decoder.drafter).__name__

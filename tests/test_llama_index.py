@@ -109,3 +109,10 @@ def test_metadata_names_the_fix_when_the_window_is_unknown(llm, tiny_model_dir, 
     monkeypatch.setattr(local_lm, "context_window", lambda config, tokenizer: None)
     with pytest.raises(RagSpecError, match="context_window="):
         _ = llm.metadata
+
+
+def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir):
+    plain = LookaheadLLM(model=tiny_model_dir, max_new_tokens=24).complete("the cat sat")
+    drafted = LookaheadLLM(model=tiny_model_dir, max_new_tokens=24,
+                           draft_model="early-exit:1").complete("the cat sat")
+    assert drafted.text == plain.text

@@ -1,8 +1,9 @@
 """``rag-spec bench draft``: drafts that compute, against transformers' assisted generation.
 
-The draft on this CPU is the target's own first ``layers`` layers, two ways: saved as a model
-folder of its own (what ``assistant_model`` and ``DraftModelDrafter`` take) and as an early
-exit (``assistant_early_exit`` and ``EarlyExitDrafter``). Systems run interleaved on each
+The draft on this CPU is the target's own first ``layers`` layers, three ways: saved as a model
+folder of its own (what ``assistant_model`` and ``DraftModelDrafter`` take), as an early exit
+(``assistant_early_exit`` and ``EarlyExitDrafter``), and as an early exit with the adapter
+``rag-spec draft train`` trains (a decoder layer and a smaller head, on the default corpus). Systems run interleaved on each
 prompt; greedy runs are compared token for token with transformers greedy, sampled runs
 (temperature 0.7, top-p 0.9) report speed only (their outputs differ by design, not their
 distribution: the tests check that). ``rag_spec_no_drafts`` is our decoder drafting nothing:
@@ -24,7 +25,8 @@ from rag_spec.bench.report import setting as describe
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 GREEDY_SYSTEMS = ("hf", "hf_assisted", "hf_assisted_heuristic", "hf_early_exit",
                   "rag_spec_no_drafts", "rag_spec_trie", "rag_spec_draft_chain",
-                  "rag_spec_draft_tree", "rag_spec_early_exit", "rag_spec_merged")
+                  "rag_spec_draft_tree", "rag_spec_early_exit", "rag_spec_trained_exit",
+                  "rag_spec_merged", "rag_spec_merged_trained_exit")
 SAMPLED_SYSTEMS = ("hf", "hf_assisted", "rag_spec_no_drafts", "rag_spec_draft_tree",
                    "rag_spec_merged")
 BATCH_SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_draft_tree", "rag_spec_merged")
@@ -35,17 +37,20 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
         ) -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
     from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
     draft = load_model(str(first_layers_folder(lm, layers)))
+    adapter = cached_exit(lm, layers)  # trained on the default corpus once, then cached
     rag, open_ended = _prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     report: dict[str, Any] = {"benchmark": "draft", "model": model_name, "dtype": str(lm.dtype),
                               "draft": f"the model's first {layers} layers", "layers": layers,
+                              "exit_agreement": adapter.agreement,
                               "max_new_tokens": max_new_tokens, "machine": machine()}
     for mode, names, options in (("greedy", GREEDY_SYSTEMS, {}),
                                  ("sampling", SAMPLED_SYSTEMS, SAMPLING)):
-        systems = _systems(lm, draft.model, layers, max_new_tokens, options)
+        systems = _systems(lm, draft.model, adapter, max_new_tokens, options)
         systems = {name: systems[name] for name in names}
         for system in systems.values():  # warm up: runners built, kernels primed
             system([rag[0][:48]])
@@ -54,7 +59,7 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
             print(f"{mode}, {name}: {len(prompts)} prompts")
             runs = interleaved(systems, [[p] for p in prompts])
             report[mode][name] = _summarise(runs, check=not options)
-    systems = _systems(lm, draft.model, layers, max_new_tokens, {})
+    systems = _systems(lm, draft.model, adapter, max_new_tokens, {})
     batches = [rag[i:i + batch] for i in range(0, len(rag) - batch + 1, batch)] or [rag]
     print(f"greedy, batch {batch}: {len(batches)} batches")
     runs = interleaved({name: systems[name] for name in BATCH_SYSTEMS}, batches)
@@ -85,7 +90,7 @@ def first_layers_folder(lm: Any, layers: int) -> Path:
     return folder
 
 
-def _systems(lm: Any, draft: Any, layers: int, max_new_tokens: int,
+def _systems(lm: Any, draft: Any, adapter: Any, max_new_tokens: int,
              options: dict[str, Any]) -> dict[str, Callable[[list[list[int]]], Run]]:
     from rag_spec.decoding import (
         DraftModelDrafter,
@@ -96,7 +101,7 @@ def _systems(lm: Any, draft: Any, layers: int, max_new_tokens: int,
         MergedDrafter,
     )
 
-    model = lm.model
+    model, layers = lm.model, adapter.layers
 
     def hf(prompts: list[list[int]], **kwargs: Any) -> Run:
         width = max(map(len, prompts))
@@ -142,7 +147,10 @@ def _systems(lm: Any, draft: Any, layers: int, max_new_tokens: int,
             draft, expansion=Expansion(widths=(1,), max_depth=4))),
         "rag_spec_draft_tree": decoder(DraftModelDrafter(draft)),
         "rag_spec_early_exit": decoder(EarlyExitDrafter(layers)),
+        "rag_spec_trained_exit": decoder(EarlyExitDrafter(layers, adapter=adapter)),
         "rag_spec_merged": decoder(MergedDrafter(DraftModelDrafter(draft))),
+        "rag_spec_merged_trained_exit": decoder(MergedDrafter(
+            EarlyExitDrafter(layers, adapter=adapter))),
     }
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from rag_spec.decoding.drafter import DraftRequest, TargetView
+from rag_spec.decoding.exit_adapter import ExitAdapter
 from rag_spec.decoding.runner import ModuleRunner, Runner, RunnerSettings
 from rag_spec.decoding.sampling import SamplingParams, processed_logits
 from rag_spec.decoding.tree import TokenTree
@@ -145,14 +146,20 @@ class EarlyExitDrafter(DraftModelDrafter):
     transformers' ``generate(assistant_early_exit=layers)``.
 
     Untrained, an early exit agrees with the full model far less often than a trained draft;
-    the budget throttles it while it keeps missing.
+    the budget throttles it while it keeps missing. ``adapter`` (``rag-spec draft train``, or
+    ``exit_adapter.cached_exit``) adds a trained layer and a smaller head on the exit.
     """
 
-    def __init__(self, layers: int, *, expansion: Expansion | None = None) -> None:
+    def __init__(self, layers: int, *, expansion: Expansion | None = None,
+                 adapter: ExitAdapter | None = None) -> None:
         if layers < 1:
             msg = f"EarlyExitDrafter needs layers >= 1 (got {layers})."
             raise RagSpecError(msg)
+        if adapter is not None and adapter.layers != layers:
+            msg = f"The adapter exits after {adapter.layers} layers, not {layers}."
+            raise RagSpecError(msg)
         self.layers = layers
+        self.adapter = adapter
         self.expansion = expansion or Expansion()
         self._views: weakref.WeakKeyDictionary[Runner, ModuleRunner] = (
             weakref.WeakKeyDictionary())
@@ -163,8 +170,10 @@ class EarlyExitDrafter(DraftModelDrafter):
         with self._lock:
             view = self._views.get(target.runner)
             if view is None:
-                view = self._views[target.runner] = ModuleRunner(
-                    first_layers(target.runner.module, self.layers))
+                module = first_layers(target.runner.module, self.layers)
+                if self.adapter is not None:
+                    module = self.adapter.attach(module)
+                view = self._views[target.runner] = ModuleRunner(module)
         return view
 
 
@@ -204,8 +213,13 @@ def first_layers(module: Any, count: int) -> Any:
 
 
 def _weights(module: Any) -> int:
-    """Parameters a forward pass reads (shared ones once)."""
-    return sum(p.numel() for p in module.parameters())
+    """Weights a forward pass multiplies by (shared ones once; embedding tables are only
+    looked up, but a head tied to one counts)."""
+    seen: dict[int, int] = {}
+    for part in module.modules():
+        if not isinstance(part, torch.nn.Embedding):
+            seen.update((id(p), p.numel()) for p in part.parameters(recurse=False))
+    return sum(seen.values())
 
 
 def _check_vocabularies(draft: Any, target: Any) -> None:

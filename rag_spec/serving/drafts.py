@@ -13,17 +13,20 @@ from rag_spec.decoding.drafter import Drafter
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel, load_model
 
-# "early-exit:8": the target's own first 8 layers
-_EARLY_EXIT = re.compile(r"early[-_]exit:(\d+)")
+# "early-exit:8": the target's own first 8 layers; "trained-exit:8": with a trained adapter
+_EARLY_EXIT = re.compile(r"(early|trained)[-_]exit:(\d+)")
 
-DRAFT_HELP = ("a draft model of the target's vocabulary: an embedded name, a model folder, or "
-              "early-exit:L (the target's own first L layers)")
+DRAFT_HELP = ("a draft model of the target's vocabulary: an embedded name, a model folder, "
+              "early-exit:L (the target's own first L layers) or trained-exit:L (with an "
+              "adapter trained on the default corpus, see rag-spec draft train)")
 
 
 def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
     """The drafter for ``draft``: None (the trie alone), a Drafter (as given), an int or
-    ``"early-exit:L"`` (the target's first L layers), a name or folder (loaded on the target's
-    device and dtype), a ``LoadedModel`` or a transformers model."""
+    ``"early-exit:L"`` (the target's first L layers), ``"trained-exit:L"`` (with the adapter
+    trained on the default corpus: trained now if not cached), a name or folder (loaded on the
+    target's device and dtype), a ``LoadedModel`` or a transformers model."""
+    from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.decoding.merged_drafter import MergedDrafter
     from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 
@@ -34,7 +37,9 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
     if isinstance(draft, str):
         match = _EARLY_EXIT.fullmatch(draft.strip())
         if match:
-            return MergedDrafter(EarlyExitDrafter(int(match.group(1))))
+            layers = int(match.group(2))
+            adapter = cached_exit(target, layers) if match.group(1) == "trained" else None
+            return MergedDrafter(EarlyExitDrafter(layers, adapter=adapter))
         draft = load_model(draft, device=str(target.device), dtype=target.dtype)
     if isinstance(draft, LoadedModel):
         draft = draft.model
