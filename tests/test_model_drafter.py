@@ -29,7 +29,7 @@ DRAFTERS = {
     "early exit": lambda: EarlyExitDrafter(2),
     "fixed widths": lambda: DraftModelDrafter(tiny_llama(seed=0, layers=2), expansion=Expansion(
         widths=(2, 1, 3), max_depth=4, adaptive_depth=False)),
-    "merged": lambda: MergedDrafter(EarlyExitDrafter(1)),
+    "merged": lambda: MergedDrafter(EarlyExitDrafter(1), eager=True),
 }
 
 
@@ -51,7 +51,7 @@ def test_a_batch_gives_each_row_its_tokens_alone(target, name):
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 25) for p in prompts]
     # Sampled output depends on the drafts, so the trie remembers no answers here (in a batch,
     # a finished row's answer would feed the others' drafts); row b samples with seed + b.
-    make = (lambda: MergedDrafter(EarlyExitDrafter(1), TrieDrafter(memory_mb=0))) \
+    make = (lambda: MergedDrafter(EarlyExitDrafter(1), TrieDrafter(memory_mb=0), eager=True)) \
         if name == "merged" else DRAFTERS[name]
     sampled = LookaheadDecoder(target, drafter=make()).generate(
         prompts, 25, do_sample=True, temperature=0.8, seed=5)
@@ -140,7 +140,8 @@ def test_a_draft_of_another_vocabulary_is_refused(target):
 def test_sampling_keeps_the_distribution(model, name, drafter):
     knobs = KNOBS[name]
     make = {"draft model": lambda: DraftModelDrafter(tiny_llama(seed=3)),
-            "merged": lambda: MergedDrafter(DraftModelDrafter(tiny_llama(seed=3)))}[drafter]
+            "merged": lambda: MergedDrafter(DraftModelDrafter(tiny_llama(seed=3)),
+                                            eager=True)}[drafter]
     decoder = LookaheadDecoder(model, drafter=make())
     results = decoder.generate([PROMPT] * 4000, max_new_tokens=2, do_sample=True, seed=99,
                                **knobs)
@@ -233,3 +234,18 @@ def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
         assert stat < bound, (position, stat, bound)
     with pytest.raises(RagSpecError, match="exits after 1 layers, not 2"):
         EarlyExitDrafter(2, adapter=small)
+
+
+def test_the_merged_drafter_asks_the_model_from_the_fourth_step(target):
+    asked = []
+
+    class Spy(EarlyExitDrafter):
+        def propose(self, requests, view):
+            asked.append(sum(r.budget > 0 for r in requests))
+            return super().propose(requests, view)
+
+    prompt = list(range(3, 40))  # no repeats: the trie has nothing to copy
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
+                               drafter=MergedDrafter(Spy(1), TrieDrafter(memory_mb=0)))
+    assert decoder.generate(prompt, 12).token_ids == hf_greedy(target, prompt, 12)
+    assert asked[:4] == [0, 0, 0, 1]  # spared while a copying answer would show itself

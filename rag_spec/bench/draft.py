@@ -3,11 +3,11 @@
 The draft on this CPU is the target's own first ``layers`` layers, three ways: saved as a model
 folder of its own (what ``assistant_model`` and ``DraftModelDrafter`` take), as an early exit
 (``assistant_early_exit`` and ``EarlyExitDrafter``), and as an early exit with the adapter
-``rag-spec draft train`` trains (a decoder layer and a smaller head, on the default corpus). Systems run interleaved on each
-prompt; greedy runs are compared token for token with transformers greedy, sampled runs
-(temperature 0.7, top-p 0.9) report speed only (their outputs differ by design, not their
-distribution: the tests check that). ``rag_spec_no_drafts`` is our decoder drafting nothing:
-the kernels without speculation.
+``rag-spec draft train`` trains (a decoder layer and a smaller head, on the default corpus).
+Systems run interleaved on each prompt; greedy runs are compared token for token with
+transformers greedy, sampled runs (temperature 0.7, top-p 0.9) report speed only (their
+outputs differ by design, not their distribution: the tests check that).
+``rag_spec_no_drafts`` is our decoder drafting nothing: the kernels without speculation.
 """
 
 from __future__ import annotations

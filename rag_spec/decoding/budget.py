@@ -14,15 +14,15 @@ class AdaptiveBudget:
     """
 
     def __init__(self, full: int, *, adaptive: bool = True, threshold: float = 0.2,
-                 probe_every: int = 4, max_probe_every: int = 64, smoothing: float = 0.7
-                 ) -> None:
+                 probe_every: int = 4, max_probe_every: int = 64, smoothing: float = 0.7,
+                 initial: float = 1.0) -> None:
         self.full = full
         self.adaptive = adaptive
         self.threshold = threshold
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.smoothing = smoothing
-        self.mean_accepted = 1.0  # optimistic start: the first steps draft
+        self.mean_accepted = initial  # 1.0: an optimistic start, the first steps draft
         self._interval = probe_every  # steps between probes now
         self._idle = 0
 

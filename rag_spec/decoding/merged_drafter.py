@@ -7,12 +7,13 @@ rows (deterministic children). Multi-step speculative sampling tries them in tha
 each child is either a draw from the distribution its row says or a fixed token: both keep the
 target's distribution (greedy decoding just follows the argmax).
 
-The budget: the trie proposes first (it is cheap); when it already offers a path as deep as the
-model would draft, the model drafts nothing this step (its passes would cost more than they
-add). Otherwise the model gets what the trie left, and at least half the budget; the trie's
-nodes fill the rest. The model also has an adaptive budget of its own, fed by the tokens of
-its own trees the target accepted: while its guesses keep missing it is asked only in probe
-steps, so a useless draft costs the merged drafter little over the trie alone.
+The budget: the trie proposes first (it is cheap); when it offers a path of two tokens or more
+the answer is copying, and the model drafts nothing this step (its passes would cost more than
+they add). Otherwise the model gets what the trie left, and at least half the budget; the
+trie's nodes fill the rest. The model also has an adaptive budget of its own, fed by the tokens
+of its own trees the target accepted: it is first asked at the fourth step, and while its
+guesses keep missing only in probe steps, so a useless draft costs the merged drafter little
+over the trie alone.
 """
 
 from __future__ import annotations
@@ -26,19 +27,24 @@ from rag_spec.decoding.model_drafter import DraftModelDrafter
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.trie_drafter import TrieDrafter
 
+# A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
+# the trie's copy is the better draft, and the model's passes are spared.
+_COPYING = 2
+
 
 class _Both:
     """A request's sessions with both drafters, and the model's own budget: it stops drafting
     (and costing passes) while its guesses keep missing, even when the trie's keep the
     request's overall budget up."""
 
-    def __init__(self, model: DraftSession, trie: DraftSession) -> None:
+    def __init__(self, model: DraftSession, trie: DraftSession, eager: bool) -> None:
         self.model, self.trie = model, trie
-        self.model_budget = AdaptiveBudget(1)
+        # a draft model costs passes, and a prefill on first use: unless eager, it waits for
+        # the first probe (the fourth step), by which time a copying answer has shown itself
+        self.model_budget = AdaptiveBudget(1, initial=1.0 if eager else 0.0)
         self._guess, self._asked_at = TokenTree.empty(), 0  # the model's last tree, and when
 
-    def model_share(self, context: Sequence[int], budget: int, copies: TokenTree,
-                    deep: int) -> int:
+    def model_share(self, context: Sequence[int], budget: int, copies: TokenTree) -> int:
         """Nodes the model may draft this step, after learning what its last tree earned."""
         if self._asked_at:
             accepted = len(_matched(self._guess, context[self._asked_at:]))
@@ -46,7 +52,7 @@ class _Both:
             self._asked_at = 0
         else:
             self.model_budget.update(0, 0)  # an idle step: counts toward the next probe
-        if not self.model_budget.current or (len(copies) and copies.depths.max() >= deep):
+        if not self.model_budget.current or (len(copies) and copies.depths.max() >= _COPYING):
             return 0
         return max(budget // 2, budget - len(copies))
 
@@ -77,21 +83,22 @@ class MergedDrafter:
         >>> LookaheadDecoder(model, tokenizer, drafter=drafter)             # doctest: +SKIP
     """
 
-    def __init__(self, model: DraftModelDrafter, trie: TrieDrafter | None = None) -> None:
+    def __init__(self, model: DraftModelDrafter, trie: TrieDrafter | None = None, *,
+                 eager: bool = False) -> None:
         self.model = model
         self.trie = trie or TrieDrafter()
+        self.eager = eager  # ask the model from the first step, not from the fourth
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Both:
         return _Both(self.model.session(prompt, extra_context),
-                     self.trie.session(prompt, extra_context))
+                     self.trie.session(prompt, extra_context), self.eager)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
         copies = propose(self.trie, [replace(r, session=r.session.trie) for r in requests],
                          target)
-        deep = self.model.expansion.max_depth
-        shares = [r.session.model_share(r.context, r.budget, t, deep) if r.budget else 0
+        shares = [r.session.model_share(r.context, r.budget, t) if r.budget else 0
                   for r, t in zip(requests, copies)]
         guesses = propose(self.model, [replace(r, session=r.session.model, budget=share)
                                        for r, share in zip(requests, shares)], target)
