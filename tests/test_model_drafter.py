@@ -16,7 +16,7 @@ from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
 from test_decoder_greedy import hf_greedy, repetitive_prompt
-from test_sampling import KNOBS, PROMPT, chi_square_ok, exact_marginals
+from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +146,7 @@ def test_sampling_keeps_the_distribution(model, name, drafter):
     results = decoder.generate([PROMPT] * 4000, max_new_tokens=2, do_sample=True, seed=99,
                                **knobs)
     assert sum(sum(r.stats.accepted_per_step) for r in results) > 400  # drafts were kept
-    first, second = exact_marginals(model, knobs)
-    for position, probs in ((0, first), (1, second)):
-        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
-        assert stat < bound, (position, stat, bound)
-    colder, _ = exact_marginals(model, {**knobs, "temperature": knobs["temperature"] / 2})
-    stat, bound = chi_square_ok([r.token_ids[0] for r in results], colder)
-    assert stat > bound  # the test tells a wrong temperature apart
+    assert_plain_sampling(model, results, knobs)  # and tells a wrong temperature apart
 
 
 def test_speculative_sampling_accepts_at_least_sample_and_match():
@@ -213,6 +207,7 @@ def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
                                                                               generator=g)]
     adapter = train_exit(target, 1, sequences, vocabulary=48, epochs=3, progress=False)
     assert adapter.agreement["trained"] > adapter.agreement["untrained"] + 0.1
+    assert all(p.grad is None for p in target.parameters())  # training never wrote the model
     adapter.save(tmp_path / "exit.safetensors")
     loaded = ExitAdapter.load(tmp_path / "exit.safetensors")
     assert loaded.agreement == adapter.agreement and torch.equal(loaded.subset, adapter.subset)
@@ -228,10 +223,7 @@ def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
     knobs = KNOBS["temperature"]
     results = LookaheadDecoder(model, drafter=EarlyExitDrafter(1, adapter=small)).generate(
         [PROMPT] * 4000, max_new_tokens=2, do_sample=True, seed=7, **knobs)
-    first, second = exact_marginals(model, knobs)
-    for position, probs in ((0, first), (1, second)):
-        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
-        assert stat < bound, (position, stat, bound)
+    assert_plain_sampling(model, results, knobs)
     with pytest.raises(RagSpecError, match="exits after 1 layers, not 2"):
         EarlyExitDrafter(2, adapter=small)
 

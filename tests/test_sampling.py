@@ -57,6 +57,18 @@ def chi_square_ok(samples: list[int], probs: torch.Tensor) -> tuple[float, float
     return stat, dof + 5 * (2 * dof) ** 0.5
 
 
+def assert_plain_sampling(model, results, knobs: dict) -> None:
+    """The first two tokens of ``results`` are distributed as plain sampling's with ``knobs``,
+    and the test can tell a wrong distribution apart (the same knobs at half the temperature)."""
+    first, second = exact_marginals(model, knobs)
+    for position, probs in ((0, first), (1, second)):
+        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
+        assert stat < bound, (position, stat, bound)
+    colder, _ = exact_marginals(model, {**knobs, "temperature": knobs["temperature"] / 2})
+    stat, bound = chi_square_ok([r.token_ids[0] for r in results], colder)
+    assert stat > bound
+
+
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_distribution_matches_plain_sampling(model, name):
     knobs = KNOBS[name]
@@ -65,14 +77,7 @@ def test_distribution_matches_plain_sampling(model, name):
     decoder.drafter.remember(PROMPT + greedy)  # draft the likeliest path: acceptance is exercised
     results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=99, **knobs)
     assert sum(sum(r.stats.accepted_per_step) for r in results) > N // 10  # drafts were kept
-    first, second = exact_marginals(model, knobs)
-    for position, probs in ((0, first), (1, second)):
-        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
-        assert stat < bound, (position, stat, bound)
-    # The test can tell a wrong distribution apart: the same knobs at half the temperature.
-    colder, _ = exact_marginals(model, {**knobs, "temperature": knobs["temperature"] / 2})
-    stat, bound = chi_square_ok([r.token_ids[0] for r in results], colder)
-    assert stat > bound
+    assert_plain_sampling(model, results, knobs)
 
 
 @pytest.mark.parametrize("knobs", list(KNOBS.values()))

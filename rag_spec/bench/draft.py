@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.bench.lookahead import _prompt_sets
+from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.report import Run, figure, interleaved, machine, median, publish, save_figure
 from rag_spec.bench.report import setting as describe
 
@@ -43,7 +43,7 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
     lm = load_model(model_name)
     draft = load_model(str(first_layers_folder(lm, layers)))
     adapter = cached_exit(lm, layers)  # trained on the default corpus once, then cached
-    rag, open_ended = _prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     report: dict[str, Any] = {"benchmark": "draft", "model": model_name, "dtype": str(lm.dtype),
                               "draft": f"the model's first {layers} layers", "layers": layers,
                               "exit_agreement": adapter.agreement,

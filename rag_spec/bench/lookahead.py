@@ -39,7 +39,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
 
     questions = (load_questions(prompts_file) if prompts_file else RAG_QUESTIONS)[:limit]
     lm = load_model(model_name)
-    rag, open_ended = _prompt_sets(lm.tokenizer, questions, limit)
+    rag, open_ended = prompt_sets(lm.tokenizer, questions, limit)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)
     # The same decoder on the stock linear kernels: what speculation alone buys.
     stock = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
@@ -62,7 +62,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     return report
 
 
-def _prompt_sets(tokenizer: Any, questions: list[str],
+def prompt_sets(tokenizer: Any, questions: list[str],
                  limit: int | None) -> tuple[list[list[int]], list[list[int]]]:
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.serving.prompts import chat_input_ids, rag_messages

@@ -190,7 +190,8 @@ class _Trainer:
         self.layer = copy.deepcopy(decoder.layers[layers]).float().train()
         for p in self.layer.parameters():
             p.requires_grad_(True)
-        self.norm = decoder.norm
+        self.norm = copy.deepcopy(decoder.norm).float().requires_grad_(False)  # the user's
+        # norm must not collect gradients: training reads the model, never writes it
         self.rotary = decoder.rotary_emb
         self.subset = subset
         self.head = model.get_output_embeddings().weight.detach()[subset].float()

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import DraftRequest, DraftSession, TargetView, propose
-from rag_spec.decoding.model_drafter import DraftModelDrafter
+from rag_spec.decoding.model_drafter import ModelDrafter
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.trie_drafter import TrieDrafter
 
@@ -47,7 +47,7 @@ class _Both:
     def model_share(self, context: Sequence[int], budget: int, copies: TokenTree) -> int:
         """Nodes the model may draft this step, after learning what its last tree earned."""
         if self._asked_at:
-            accepted = len(_matched(self._guess, context[self._asked_at:]))
+            accepted = len(self._guess.follow(context[self._asked_at:]))
             self.model_budget.update(max(len(self._guess), 1), accepted)
             self._asked_at = 0
         else:
@@ -83,7 +83,7 @@ class MergedDrafter:
         >>> LookaheadDecoder(model, tokenizer, drafter=drafter)             # doctest: +SKIP
     """
 
-    def __init__(self, model: DraftModelDrafter, trie: TrieDrafter | None = None, *,
+    def __init__(self, model: ModelDrafter, trie: TrieDrafter | None = None, *,
                  eager: bool = False) -> None:
         self.model = model
         self.trie = trie or TrieDrafter()
@@ -108,14 +108,3 @@ class MergedDrafter:
         return [guess.merged(copy, r.budget) if len(guess) else copy
                 for r, guess, copy in zip(requests, guesses, copies)]
 
-
-def _matched(tree: TokenTree, tokens: Sequence[int]) -> list[int]:
-    """The path of ``tree`` that ``tokens`` (committed after its root) followed."""
-    path: list[int] = []
-    node = -1
-    for token in tokens:
-        node = next((c for c in tree.children(node) if tree.tokens[c] == token), -2)
-        if node == -2:
-            break
-        path.append(node)
-    return path

@@ -65,35 +65,62 @@ class _Row:
     def kept(self, context: Sequence[int], base: int) -> list[int]:
         """Round slots to commit: the chain, then the drafted nodes the target accepted (not the
         newest token, which the next round feeds)."""
+        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
+        accepted = tree.follow(context[base + len(self.chain):len(context) - 1])
         slots = list(range(len(self.chain)))
-        node, accepted = -1, 0
-        for token in context[base + len(self.chain):len(context) - 1]:
-            node = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents))
-                         if p == node and t == token), -2)
-            if node == -2:
-                break
-            accepted += 1
-            if self.slots[node] is None:
+        for node in accepted:
+            if self.slots[node] is None:  # a leaf no pass wrote
                 break
             slots.append(self.slots[node])
         if self.chain:
-            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * accepted
+            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * len(accepted)
         self.chain, self.tokens, self.parents, self.slots = [], [], [], []
         return slots
 
 
 class _Batch:
-    """A draft KV cache for one batch of the target (one row per target row), and what a draft
-    pass costs in target steps (estimated by the weights each reads)."""
+    """A draft KV cache for one batch of the target (one row per target row), the passes that
+    fill it, and what a pass costs in target steps (estimated by the weights each reads)."""
 
     def __init__(self, runner: ModuleRunner, target: ModuleRunner,
                  contexts: Sequence[Sequence[int]]) -> None:
+        _check_vocabularies(runner.config, target.config)
+        self.runner = runner
         self.cache = TreeKVCache.prefill(runner, contexts)
         self.rows = [_Row() for _ in contexts]
         self.cost = _weights(runner.module) / _weights(target.module)
 
 
-class DraftModelDrafter:
+class ModelDrafter:
+    """What drafting with a model takes: per-batch draft caches, rounds, the tree's shape.
+    Subclasses say which forward passes draft (``draft_runner``)."""
+
+    def __init__(self, expansion: Expansion | None) -> None:
+        self.expansion = expansion or Expansion()
+        self._batches: weakref.WeakKeyDictionary[TreeKVCache, _Batch] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
+                ) -> _Stateless:
+        return _Stateless()
+
+    def draft_runner(self, target: TargetView) -> ModuleRunner:
+        raise NotImplementedError
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        if target is None or not any(r.budget > 0 for r in requests):
+            return [TokenTree.empty() for _ in requests]
+        with self._lock:  # the draft's runner is looked up once per batch (a generation)
+            batch = self._batches.get(target.cache)
+            if batch is None:
+                batch = self._batches[target.cache] = _Batch(
+                    self.draft_runner(target), target.runner, [r.context for r in requests])
+        return _draft(batch, requests, self.expansion)
+
+
+class DraftModelDrafter(ModelDrafter):
     """Token trees from a draft model that shares the target's vocabulary.
 
     Args:
@@ -111,36 +138,16 @@ class DraftModelDrafter:
         if getattr(draft_model, "config", None) is None or not callable(draft_model):
             msg = "DraftModelDrafter needs a transformers causal LM (AutoModelForCausalLM)."
             raise RagSpecError(msg)
+        super().__init__(expansion)
         self.draft_model = draft_model
-        self.expansion = expansion or Expansion()
         self.settings = RunnerSettings(onednn_linear=onednn_linear)
-        self._batches: weakref.WeakKeyDictionary[TreeKVCache, _Batch] = (
-            weakref.WeakKeyDictionary())
-        self._lock = threading.Lock()
-
-    def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
-                ) -> _Stateless:
-        return _Stateless()
 
     def draft_runner(self, target: TargetView) -> ModuleRunner:
         """The forward passes that draft: the draft model's own fast path."""
         return Runner.of(self.draft_model, self.settings)
 
-    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
-                ) -> list[TokenTree]:
-        if target is None or not any(r.budget > 0 for r in requests):
-            return [TokenTree.empty() for _ in requests]
-        runner = self.draft_runner(target)
-        _check_vocabularies(runner.config, target.runner.config)
-        with self._lock:
-            batch = self._batches.get(target.cache)
-            if batch is None:
-                batch = self._batches[target.cache] = _Batch(
-                    runner, target.runner, [r.context for r in requests])
-        return _draft(batch, runner, requests, self.expansion)
 
-
-class EarlyExitDrafter(DraftModelDrafter):
+class EarlyExitDrafter(ModelDrafter):
     """Drafts with the target's own first ``layers`` layers, final norm and LM head: the weights
     are shared (no copy), the draft keeps a KV cache of those layers only. The same draft as
     transformers' ``generate(assistant_early_exit=layers)``.
@@ -158,22 +165,21 @@ class EarlyExitDrafter(DraftModelDrafter):
         if adapter is not None and adapter.layers != layers:
             msg = f"The adapter exits after {adapter.layers} layers, not {layers}."
             raise RagSpecError(msg)
+        super().__init__(expansion)
         self.layers = layers
         self.adapter = adapter
-        self.expansion = expansion or Expansion()
         self._views: weakref.WeakKeyDictionary[Runner, ModuleRunner] = (
             weakref.WeakKeyDictionary())
-        self._batches = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def draft_runner(self, target: TargetView) -> ModuleRunner:
-        with self._lock:
-            view = self._views.get(target.runner)
-            if view is None:
-                module = first_layers(target.runner.module, self.layers)
-                if self.adapter is not None:
-                    module = self.adapter.attach(module)
-                view = self._views[target.runner] = ModuleRunner(module)
+        """A view of the target's runner that stops after ``layers`` layers (built once per
+        runner; called under the drafter's lock)."""
+        view = self._views.get(target.runner)
+        if view is None:
+            module = first_layers(target.runner.module, self.layers)
+            if self.adapter is not None:
+                module = self.adapter.attach(module)
+            view = self._views[target.runner] = ModuleRunner(module)
         return view
 
 
@@ -232,11 +238,11 @@ def _check_vocabularies(draft: Any, target: Any) -> None:
 
 
 @torch.inference_mode()
-def _draft(batch: _Batch, runner: ModuleRunner, requests: Sequence[DraftRequest],
-           expansion: Expansion) -> list[TokenTree]:
+def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
+           ) -> list[TokenTree]:
     """One round for every row: commit what the target accepted, feed the pending tokens, then
     one pass per depth."""
-    cache = batch.cache
+    cache, runner = batch.cache, batch.runner
     kept = [row.kept(r.context, base)
             for row, r, base in zip(batch.rows, requests, cache.positions)]
     cache.keep_slots(kept, [r.context[-1] for r in requests])
@@ -272,7 +278,7 @@ class _Growth:
         self.row = row
         self.base = base  # position of the first pending token
         row.chain = list(request.context[base:])
-        self.context = list(request.context)
+        self.context = request.context  # committed tokens (read for repetition penalty)
         self.budget = request.budget
         sampler = request.sampler
         self.params = sampler.params if sampler is not None else _GREEDY
@@ -309,7 +315,8 @@ class _Growth:
 
     def set_q(self, nodes: list[int], logits: torch.Tensor) -> None:
         """The draft distributions after ``nodes`` (processed like the target's)."""
-        seen = [self.context + self._path(node) for node in nodes]
+        penalised = self.params.repetition_penalty != 1.0  # only then is the context read
+        seen = [[*self.context, *self._path(node)] for node in nodes] if penalised else []
         probs = torch.softmax(processed_logits(logits, seen, self.params), dim=-1)
         self.q.update(zip(nodes, probs))
         self.frontier = list(nodes)

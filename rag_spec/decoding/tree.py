@@ -124,5 +124,21 @@ class TokenTree:
         """Nodes directly below ``node`` (-1 for the root), in order."""
         return [i for i, p in enumerate(self.parents) if p == node]
 
+    def follow(self, tokens: Sequence[int]) -> list[int]:
+        """The node path that ``tokens`` (continuing below the root) walk, as far as it goes.
+
+        Examples:
+            >>> TokenTree.from_paths([[5, 6], [5, 7]]).follow([5, 7, 9])
+            [0, 2]
+        """
+        path: list[int] = []
+        for token in tokens:
+            node = path[-1] if path else -1
+            child = next((c for c in self.children(node) if self.tokens[c] == token), None)
+            if child is None:
+                break
+            path.append(child)
+        return path
+
     def path_tokens(self, nodes: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in nodes]
