@@ -130,6 +130,13 @@ class KnowledgeBase:
         return cls(passages, store.load(kind, embedder, len(passages)))
 
 
+def passage_vectors(sources: Sequence[str], passages: Sequence[Passage], embedder: Embedder,
+                    progress: bool = True) -> np.ndarray:
+    """The embeddings of ``sources``' passages, computed once and cached beside its indexes
+    (every dense kind, local or Milvus, shares them)."""
+    return _Store(corpus_dir(sources), fingerprint(passages)).vectors(passages, embedder, progress)
+
+
 def corpus_dir(sources: Sequence[str]) -> Path:
     """The cache folder of a corpus: readable for the default, hashed for folder lists."""
     if tuple(sources) == DEFAULT_SOURCES:

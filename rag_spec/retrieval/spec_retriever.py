@@ -1,10 +1,11 @@
 """Speculative retrieval (RaLMSpec): guess each retrieval from a small per-request cache, then
 check a batch of guesses with one call to the real knowledge base.
 
-The cache ranks its passages with the knowledge base's own metric (``score``), so whenever the
-knowledge base's top-k passages are in the cache they are also the cache's top-k: a guess is
-wrong only when the right passage had not been seen yet. Verification calls fetch ``prefetch``
-passages per query and keep them all, which makes later guesses right more often.
+The cache ranks its passages with the knowledge base's own metric, computed here (see
+``scoring``: never a call to the store per guess), so whenever the knowledge base's top-k
+passages are in the cache they are also the cache's top-k: a guess is wrong only when the right
+passage had not been seen yet. Verification calls fetch ``prefetch`` passages per query and
+keep them all, which makes later guesses right more often.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from rag_spec.errors import RagSpecError
+from rag_spec.retrieval.scoring import GuessScorer, scorer_for
 from rag_spec.retrieval.types import Hit, Retriever
 
 
@@ -24,19 +27,22 @@ class SpecRetriever:
     """A Retriever that also opens speculation sessions; ``search`` passes straight through.
 
     Args:
-        retriever: the knowledge base (or any Retriever; without a ``score`` method the guess is
-            the last verified result, which still wins when consecutive queries agree).
+        retriever: the knowledge base, local or remote (Milvus), or any Retriever.
         prefetch: passages kept per verified query (1 turns prefetching off).
         capacity: most passages a request's cache holds (least recently used leave first).
+        scorer: how guesses rank cached passages; by default the retriever's own local
+            ``score`` where it has one, else embeddings made here (``scoring.scorer_for``).
     """
 
-    def __init__(self, retriever: Retriever, *, prefetch: int = 20, capacity: int = 256) -> None:
+    def __init__(self, retriever: Retriever, *, prefetch: int = 20, capacity: int = 256,
+                 scorer: GuessScorer | None = None) -> None:
         if prefetch < 1 or capacity < 1:
             msg = "prefetch and capacity must be at least 1."
             raise RagSpecError(msg)
         self.retriever = retriever
         self.prefetch = prefetch
         self.capacity = capacity
+        self.scorer = scorer or scorer_for(retriever)
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         return self.retriever.search(queries, k)
@@ -52,18 +58,16 @@ class SpecSession:
     def __init__(self, owner: SpecRetriever) -> None:
         self.owner = owner
         self.cache: OrderedDict[int, Hit] = OrderedDict()  # doc_id -> hit, oldest first
-        self.last: list[Hit] = []
         self.kb_calls = 0
         self._lock = threading.Lock()  # verification may run on a worker thread
 
     def guess(self, query: str, k: int) -> list[Hit]:
         """The cache's top-``k`` for ``query``: the knowledge base's answer if it is cached."""
-        scorer = getattr(self.owner.retriever, "score", None)
         with self._lock:
             cached = list(self.cache.values())
-            if scorer is None or not cached:
-                return list(self.last)
-        scores = np.asarray(scorer([query], [h.doc_id for h in cached]))[0]
+        if not cached:
+            return []
+        scores = self.owner.scorer.score(query, cached)
         order = np.argsort(-scores, kind="stable")[:k]
         return [cached[i] for i in order]
 
@@ -78,8 +82,6 @@ class SpecSession:
                     self.cache.move_to_end(hit.doc_id)
             while len(self.cache) > self.owner.capacity:
                 self.cache.popitem(last=False)
-            if fetched:
-                self.last = fetched[-1][:k]
         return [hits[:k] for hits in fetched]
 
 
@@ -100,5 +102,17 @@ class DelayedRetriever:
         time.sleep(self.latency)
         return self.retriever.search(queries, k)
 
-    def __getattr__(self, name: str) -> Any:  # score, passages, ... stay local
+    def __getattr__(self, name: str) -> Any:  # score, embedder, passages, ... stay local
         return getattr(self.retriever, name)
+
+
+class SearchOnly:
+    """A retriever seen as a user's own client sees it: ``search`` alone, hits without vectors
+    (speculation then embeds the cached passages' texts to score its guesses)."""
+
+    def __init__(self, retriever: Retriever) -> None:
+        self.retriever = retriever
+
+    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
+        return [[replace(h, vector=None) for h in hits]
+                for hits in self.retriever.search(queries, k)]

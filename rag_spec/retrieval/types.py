@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class Hit:
-    """One retrieved passage with its score (higher is better)."""
+    """One retrieved passage with its score (higher is better).
 
-    doc_id: int  # index of the passage in its knowledge base
+    ``doc_id`` is the passage's key in its knowledge base: a position in a local index, a
+    primary key in Milvus, a hash of a framework document's id. ``vector`` is the passage's
+    embedding where the store returns it (Milvus does), so guesses can be scored locally.
+    """
+
+    doc_id: int
     score: float
     title: str
     text: str
+    vector: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @runtime_checkable
@@ -24,3 +33,9 @@ class Retriever(Protocol):
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         """Top-``k`` hits for each query, best first."""
         ...
+
+
+def stable_id(key: str) -> int:
+    """A non-negative 63-bit id for a string key: equal keys, equal ids, nothing remembered
+    (a Milvus INT64 primary key; a framework document's id)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
