@@ -145,6 +145,9 @@ class WaitsForGeneration:
         self.moved.append(self.forwards > start)
         return self.retriever.search(queries, k)
 
+    def __getattr__(self, name):  # score: guesses rank like the store
+        return getattr(self.retriever, name)
+
 
 def test_asynchronous_verification_overlaps_generation():
     tokenizer = char_tokenizer()
@@ -174,6 +177,9 @@ def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
             self.durations.append(delay)
             time.sleep(delay)
             return self.retriever.search(queries, k)
+
+        def score(self, queries, doc_ids):
+            return self.retriever.score(queries, doc_ids)
 
     recorded = []
     original = StrideScheduler.record_verification

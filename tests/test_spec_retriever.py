@@ -1,5 +1,7 @@
 """SpecRetriever's cache ranking and the OS3 stride scheduler."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,8 @@ from rag_spec.retrieval.os3 import (
     expected_verified,
     fit_verification,
 )
-from rag_spec.retrieval.spec_retriever import SpecRetriever
+from rag_spec.retrieval.scoring import IndexScorer, VectorScorer
+from rag_spec.retrieval.spec_retriever import SearchOnly, SpecRetriever
 
 VOCAB = ["path", "join", "json", "parse", "sort", "list", "file", "read", "time", "date",
          "thread", "lock", "zip", "hash", "random", "string", "split", "format"]
@@ -57,14 +60,39 @@ def test_prefetch_fills_the_cache_and_capacity_bounds_it():
     assert session.kb_calls == 1
 
 
-def test_guess_without_a_score_method_repeats_the_last_result():
-    class Plain:
-        def search(self, queries, k=1):
-            return KnowledgeBase.build(random_passages(0), "bm25").search(queries, k)
+@pytest.mark.parametrize("search_only", [False, True])
+def test_the_scorer_follows_what_the_retriever_offers(embedder, search_only):
+    kb = KnowledgeBase.build(random_passages(0), "flat", embedder=embedder)
+    spec = SpecRetriever(SearchOnly(kb) if search_only else kb)
+    assert isinstance(spec.scorer, VectorScorer if search_only else IndexScorer)
 
-    session = SpecRetriever(Plain()).session()
-    truth = session.verify(["sort list"], k=1)[0]
-    assert session.guess("anything", k=1) == truth
+
+class CountingEmbedder:
+    def __init__(self, embedder):
+        self.embedder, self.texts = embedder, []
+
+    def encode(self, texts, **kw):
+        self.texts += list(texts)
+        return self.embedder.encode(texts, **kw)
+
+
+def test_vector_scorer_embeds_each_passage_once_and_uses_vectors_it_is_given(embedder):
+    kb = KnowledgeBase.build(random_passages(1), "flat", embedder=embedder)
+    hits = kb.search(["path join file"], k=6)[0]
+    counting = CountingEmbedder(embedder)
+    scorer = VectorScorer(counting)  # type: ignore[arg-type]
+    first = scorer.score("path join", hits)
+    second = scorer.score("path join", hits)
+    assert len(counting.texts) == 2 + len(hits)  # two queries, each passage once
+    np.testing.assert_allclose(first, second, rtol=1e-6)
+    # The store's own metric, computed here: the knowledge base's order and scores.
+    np.testing.assert_allclose(first, kb.score(["path join"], [h.doc_id for h in hits])[0],
+                               rtol=1e-4, atol=1e-6)
+    given = [replace(h, vector=embedder.encode([h.text])[0]) for h in hits]
+    counting.texts.clear()
+    scorer = VectorScorer(counting)  # type: ignore[arg-type]
+    np.testing.assert_allclose(scorer.score("path join", given), first, rtol=1e-4)
+    assert counting.texts == ["path join"]  # the vectors came with the hits
 
 
 def test_os3_reproduces_the_papers_strides():

@@ -14,6 +14,7 @@ half-built collection is never searched.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -58,13 +59,15 @@ class MilvusKnowledgeBase:
     kind = "milvus"
 
     def __init__(self, client: Any, uri: str, alias: str, embedder: Embedder, *,
-                 passages: int, timeout: float) -> None:
+                 passages: int, timeout: float, token: str | None = None) -> None:
         self.client = client
         self.uri = uri
+        self.token = token
         self.alias = alias
         self.embedder = embedder
         self.passages = passages
         self.timeout = timeout
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self.passages
@@ -88,21 +91,39 @@ class MilvusKnowledgeBase:
                  for h in hits] for hits in found]
 
     def _search(self, vectors: np.ndarray, k: int) -> Any:
+        """One search request, tried again once after a recoverable failure: a collection
+        that a restarted server holds released (load it), or a lost connection (connect
+        afresh; a local milvus-lite process that died is started again)."""
         from pymilvus import MilvusException
 
-        def request() -> Any:
-            return self.client.search(
-                self.alias, data=list(vectors), limit=k, output_fields=FIELDS,
-                search_params={"metric_type": "IP", "params": {"ef": max(HNSW_EF, k)}},
-                timeout=self.timeout)
-        try:
-            return request()
-        except MilvusException as err:
-            if "load()" not in str(err):
-                raise
-            # A restarted server holds the collection released: load it, then search again.
-            self.client.load_collection(self.alias, timeout=self.timeout)
-            return request()
+        for attempt in (1, 2):
+            client = self.client
+            try:
+                return client.search(
+                    self.alias, data=list(vectors), limit=k, output_fields=FIELDS,
+                    search_params={"metric_type": "IP", "params": {"ef": max(HNSW_EF, k)}},
+                    timeout=self.timeout)
+            except MilvusException as err:
+                if attempt == 2:
+                    raise
+                if self.client is not client:
+                    continue  # another thread connected afresh meanwhile (and closed this one)
+                if "load()" in str(err):
+                    client.load_collection(self.alias, timeout=self.timeout)
+                elif _unavailable(str(err)):
+                    self._reconnect(client)
+                else:
+                    raise
+        raise AssertionError  # unreachable: the second attempt returns or raises
+
+    def _reconnect(self, broken: Any) -> None:
+        """A fresh client in place of ``broken`` (once, however many threads saw it fail)."""
+        with self._lock:
+            if self.client is broken:  # the new client first: if the server is still down,
+                fresh = connect(self.uri, self.token, self.timeout)  # the old one stays open
+                fresh.load_collection(self.alias, timeout=self.timeout)
+                self.client = fresh
+                broken.close()
 
     @contextmanager
     def _translated(self, action: str) -> Iterator[None]:
@@ -149,7 +170,7 @@ class MilvusKnowledgeBase:
                 _check(client, alias, fingerprint(passages), embedder, timeout)
                 client.load_collection(alias, timeout=timeout)
             count = int(client.get_collection_stats(alias, timeout=timeout)["row_count"])
-        return cls(client, uri, alias, embedder, passages=count, timeout=timeout)
+        return cls(client, uri, alias, embedder, passages=count, timeout=timeout, token=token)
 
 
 def connect(uri: str, token: str | None, timeout: float) -> Any:
@@ -162,7 +183,10 @@ def connect(uri: str, token: str | None, timeout: float) -> Any:
 
         address = LiteServer.serving(uri).uri
     with _translated(uri, "connect to", timeout):
-        return MilvusClient(uri=address, token=token or "", timeout=timeout)
+        # Its own connection and subchannel: a fresh client after a failure connects at once,
+        # where a shared one would wait out the failed connection's back-off.
+        return MilvusClient(uri=address, token=token or "", timeout=timeout, dedicated=True,
+                            grpc_options={"grpc.use_local_subchannel_pool": 1})
 
 
 def build(client: Any, alias: str, passages: Sequence[Passage], vectors: np.ndarray,
@@ -241,12 +265,14 @@ def _check(client: Any, alias: str, corpus: str, embedder: Embedder, timeout: fl
 @contextmanager
 def _translated(uri: str, action: str, timeout: float) -> Iterator[None]:
     """Milvus and gRPC failures as one RagSpecError that names the fix."""
+    import grpc
     from pymilvus import MilvusException
 
     try:
         yield
-    except MilvusException as err:
-        reason = getattr(err, "message", None) or str(err)
+    except (MilvusException, grpc.RpcError) as err:
+        reason = (f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError)
+                  else getattr(err, "message", None) or str(err))
         if _unavailable(reason):
             hint = (f"is the server running at {uri}? rag-spec starts milvus-lite itself for a "
                     f"local folder; a server URI must be reachable from here")

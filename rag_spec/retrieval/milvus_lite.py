@@ -24,7 +24,7 @@ from rag_spec.errors import RagSpecError
 START_TIMEOUT_S = 60.0
 
 _servers: dict[Path, LiteServer] = {}
-_servers_lock = threading.Lock()
+_servers_lock = threading.RLock()  # serving, starting and stopping, one at a time
 
 
 class LiteServer:
@@ -79,15 +79,16 @@ class LiteServer:
 
     def stop(self) -> None:
         """Stop the process (an interrupt lets it close its folder cleanly; then a kill)."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        with _servers_lock:  # never while another thread starts it
+            process = self.process
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            self.process = None
 
 
 def _free_port() -> int:
