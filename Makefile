@@ -12,7 +12,7 @@ QUESTION ?= How do I join two path components with os.path?
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus]'
 	touch $@
 
 install: $(STAMP)

@@ -14,6 +14,7 @@ _EXPORTS = {
     "load_model": "rag_spec.models",
     "LoadedModel": "rag_spec.models",
     "KnowledgeBase": "rag_spec.retrieval",
+    "MilvusKnowledgeBase": "rag_spec.retrieval.milvus",
     "Embedder": "rag_spec.retrieval",
     "Hit": "rag_spec.retrieval",
     "Retriever": "rag_spec.retrieval",

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from rag_spec.errors import RagSpecError
 
@@ -28,7 +29,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _ask(args: argparse.Namespace) -> int:
     from rag_spec.models import load_model
     from rag_spec.models.loader import resolve_device
-    from rag_spec.retrieval import KnowledgeBase
     from rag_spec.serving.ask import ask
 
     if not args.question.strip():
@@ -41,8 +41,8 @@ def _ask(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # a bad --device fails before anything loads
     started = time.perf_counter()
     lm = load_model(args.model, device=args.device)
-    kb = KnowledgeBase.open(args.source or ["stdlib"], args.kind)
-    print(f"(model and {args.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
+    kb = _knowledge_base(args, args.kind)
+    print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
     print(f"Q: {args.question}\nA: ", end="", flush=True)
     answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
                  on_text=lambda piece: print(piece, end="", flush=True), draft=args.draft)
@@ -58,14 +58,46 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    from rag_spec.retrieval import KnowledgeBase
-
-    kinds = ["flat", "hnsw", "ivf", "bm25"] if args.kind == "all" else [args.kind]
+    # Milvus keeps one collection per corpus: "all" builds its default index.
+    every = ["flat", "hnsw", "ivf", "bm25"] if args.backend == "local" else [None]
+    kinds = every if args.kind == "all" else [args.kind]
     for kind in kinds:
         started = time.perf_counter()
-        kb = KnowledgeBase.open(args.source or ["stdlib"], kind, rebuild=args.rebuild)
-        print(f"{kind}: {len(kb)} passages, ready in {time.perf_counter() - started:.1f} s")
+        kb = _knowledge_base(args, kind, rebuild=args.rebuild)
+        print(f"{kb.kind}: {len(kb)} passages, ready in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+MILVUS_KINDS = ["hnsw", "flat"]
+
+
+def _knowledge_base(args: argparse.Namespace, kind: str | None, rebuild: bool = False) -> Any:
+    """The knowledge base the flags name: local (faiss, BM25; flat unless ``kind``) or in
+    Milvus (the serving collection's index, hnsw for a new one, unless ``kind``)."""
+    from rag_spec.retrieval import KnowledgeBase
+
+    sources = args.source or ["stdlib"]
+    if args.backend == "local":
+        if args.uri or args.token:
+            msg = "--uri and --token name a Milvus store; add --backend milvus."
+            raise RagSpecError(msg)
+        return KnowledgeBase.open(sources, kind or "flat", rebuild=rebuild)
+    from rag_spec.retrieval.milvus import MilvusKnowledgeBase
+
+    if kind not in (None, *MILVUS_KINDS):
+        msg = f"Milvus indexes are {' or '.join(MILVUS_KINDS)}; --kind {kind} is local only."
+        raise RagSpecError(msg)
+    return MilvusKnowledgeBase.open(sources, uri=args.uri, token=args.token, index=kind,
+                                    rebuild=rebuild)
+
+
+def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="local", choices=["local", "milvus"],
+                        help="where passages live: this process (faiss, BM25) or Milvus")
+    parser.add_argument("--uri", default=None,
+                        help="milvus: a milvus-lite folder (default: under the cache) or "
+                             "http(s)://host:port of a Milvus server or cluster")
+    parser.add_argument("--token", default=None, help="milvus: the server's token, if any")
 
 
 def _models_pull(args: argparse.Namespace) -> int:
@@ -116,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     ask = commands.add_parser("ask", help="answer a question from the knowledge base")
     ask.add_argument("question", nargs="?", default=DEFAULT_QUESTION)
     ask.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
-    ask.add_argument("--kind", default="flat", choices=["flat", "hnsw", "ivf", "bm25"])
+    ask.add_argument("--kind", default=None, choices=["flat", "hnsw", "ivf", "bm25"],
+                     help="index (default: flat; with --backend milvus, the collection's)")
     ask.add_argument("--source", action="append",
                      help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
     ask.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
@@ -126,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="also draft with a model of the same vocabulary (embedded name or "
                      "folder), early-exit:L (the model's first L layers) or trained-exit:L "
                      "(with a trained adapter, see rag-spec draft train); default: the trie")
+    _add_backend_flags(ask)
     ask.set_defaults(run=_ask)
 
     index = commands.add_parser("index", help="build knowledge-base indexes")
@@ -133,8 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     build = index_commands.add_parser("build", help="build and save an index")
     build.add_argument("--source", action="append",
                        help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
-    build.add_argument("--kind", default="flat", choices=["flat", "hnsw", "ivf", "bm25", "all"])
+    build.add_argument("--kind", default=None, choices=["flat", "hnsw", "ivf", "bm25", "all"],
+                       help="index (default: flat; with --backend milvus, hnsw)")
     build.add_argument("--rebuild", action="store_true", help="rebuild even if saved")
+    _add_backend_flags(build)
     build.set_defaults(run=_index_build)
 
     models = commands.add_parser("models", help="embedded models")

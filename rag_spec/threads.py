@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-spec-compute")
 _io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rag-spec-io",
                          initializer=lambda: use_one_openmp_thread())
+# Calls that one batch makes side by side (a framework store searched query by query); its own
+# pool, as those calls may come from the I/O pool's threads.
+_side = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rag-spec-side",
+                           initializer=lambda: use_one_openmp_thread())
 
 
 async def run_in_compute_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -40,6 +45,12 @@ async def run_in_io_thread(fn: Callable[..., T], *args: Any) -> T:
     """Await ``fn(*args)`` run on rag-spec's I/O pool: work that mostly waits (retrieval),
     which a generation on the compute thread must not hold up."""
     return await asyncio.get_running_loop().run_in_executor(_io, functools.partial(fn, *args))
+
+
+def side_by_side(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(item) for item in items]``, the calls running at once: behind a remote store a
+    batch of single searches then costs about one round trip."""
+    return list(_side.map(fn, items))
 
 
 def use_one_openmp_thread() -> None:

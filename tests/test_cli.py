@@ -84,3 +84,27 @@ def test_draft_flags_are_checked_before_anything_loads(capsys, tiny_model_dir):
                          "An exit needs 1 <= layers < 2")):
         code, _, err = run(capsys, *argv)
         assert code == 2 and match in err and "Traceback" not in err
+
+
+def test_milvus_index_build_and_its_flags(capsys, tmp_path):
+    pytest.importorskip("milvus_lite")
+    from rag_spec.retrieval.milvus_lite import LiteServer
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("some words about python paths and files " * 3)
+    source, uri = str(tmp_path / "notes"), str(tmp_path / "kb.db")
+    try:
+        code, out, _ = run(capsys, "index", "build", "--backend", "milvus", "--uri", uri,
+                           "--source", source)
+        assert code == 0 and "milvus: 1 passages, ready" in out
+        code, _, err = run(capsys, "index", "build", "--backend", "milvus", "--uri", uri,
+                           "--source", source, "--kind", "flat")
+        assert code == 2 and "has a hnsw index, not flat" in err and "--rebuild" in err
+    finally:
+        LiteServer.serving(uri).stop()
+    code, _, err = run(capsys, "index", "build", "--backend", "milvus", "--kind", "bm25")
+    assert code == 2 and "local only" in err
+    code, _, err = run(capsys, "index", "build", "--uri", uri)
+    assert code == 2 and "add --backend milvus" in err
+    code, _, err = run(capsys, "bench", "ralm", "--uri", uri)
+    assert code == 2 and "--retriever milvus" in err

@@ -116,3 +116,58 @@ def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir):
     drafted = LookaheadLLM(model=tiny_model_dir, max_new_tokens=24,
                            draft_model="early-exit:1").complete("the cat sat")
     assert drafted.text == plain.text
+
+
+WORD_DOCS = ["alpha beta gamma.", "delta omega sigma.", "kappa theta alpha.", "beta beta delta.",
+             "sigma kappa omega.", "gamma gamma theta."]
+
+
+@pytest.fixture(scope="module")
+def index():
+    return VectorStoreIndex.from_documents([Document(text=t) for t in WORD_DOCS],
+                                           embed_model=RagSpecEmbedding())
+
+
+def test_an_index_behind_spec_retriever_is_searched_with_prefetch_sized_calls(index):
+    from llama_index.retrievers.rag_spec._sources import LlamaIndexSource
+
+    from rag_spec.retrieval.scoring import VectorScorer
+    from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
+
+    retriever = SpecRetriever(index, similarity_top_k=2)
+    nodes = retriever.retrieve("alpha beta gamma")
+    assert len(nodes) == 2 and nodes[0].node.get_content() == "alpha beta gamma."
+    source = retriever.backend().retriever
+    assert isinstance(source, LlamaIndexSource)
+    hits = source.search(["alpha", "omega", "theta"], k=5)  # as many as prefetching asks for
+    assert [len(h) for h in hits] == [5, 5, 5]
+    assert [[h.doc_id for h in row] for row in hits] == \
+        [[h.doc_id for h in row] for row in source.search(["alpha", "omega", "theta"], k=5)]
+    assert isinstance(SpeculativeSearch(source).scorer, VectorScorer)  # guesses stay local
+
+
+def test_speculative_ralm_over_an_index_equals_the_naive_loop(index):
+    from conftest import char_tokenizer, tiny_llama
+    from rag_spec.models import LoadedModel
+    from rag_spec.retrieval.spec_retriever import DelayedRetriever
+    from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
+    from rag_spec.serving.ralm import IterativeRaLM
+
+    tokenizer = char_tokenizer()
+    lm = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer), window=1024), tokenizer,
+                     "tiny", torch.device("cpu"), torch.float32)
+    source = SpecRetriever(index).backend().retriever
+    question = "which word comes after alpha beta?"
+    expected = IterativeRaLM(lm, source, stride=2, query_tokens=12).generate(question, 30)
+    spec = IterativeRaLM(lm, SpeculativeSearch(DelayedRetriever(source, 5)), stride=2,
+                         query_tokens=12, os3=False, speculation_stride=3)
+    result = spec.generate(question, 30)
+    assert result.token_ids == expected.token_ids
+    assert result.stats.kb_calls < expected.stats.kb_calls
+
+
+def test_something_else_is_refused_with_the_fix():
+    from rag_spec.errors import RagSpecError
+
+    with pytest.raises(RagSpecError, match="LlamaIndex index or retriever"):
+        SpecRetriever(3).retrieve("alpha")

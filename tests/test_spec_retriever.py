@@ -75,6 +75,17 @@ class CountingEmbedder:
         self.texts += list(texts)
         return self.embedder.encode(texts, **kw)
 
+    def encode_queries(self, queries):
+        return self.encode(queries)
+
+
+def test_a_querys_vector_does_not_depend_on_its_batch(embedder):
+    alone = embedder.encode(["thread lock"])[0]
+    batch = Embedder(embedder.model_dir).encode_queries(["a much longer query about paths",
+                                                         "thread lock", "zip"])
+    assert np.array_equal(batch[1], alone)  # exactly: the naive loop searches with it
+    assert np.array_equal(embedder.encode_queries(["thread lock"])[0], alone)
+
 
 def test_vector_scorer_embeds_each_passage_once_and_uses_vectors_it_is_given(embedder):
     kb = KnowledgeBase.build(random_passages(1), "flat", embedder=embedder)
@@ -93,6 +104,18 @@ def test_vector_scorer_embeds_each_passage_once_and_uses_vectors_it_is_given(emb
     scorer = VectorScorer(counting)  # type: ignore[arg-type]
     np.testing.assert_allclose(scorer.score("path join", given), first, rtol=1e-4)
     assert counting.texts == ["path join"]  # the vectors came with the hits
+
+
+def test_verification_embeds_the_cached_texts_so_a_guess_embeds_only_its_query(embedder):
+    kb = KnowledgeBase.build(random_passages(2), "flat", embedder=embedder)
+    counting = CountingEmbedder(embedder)
+    session = SpecRetriever(SearchOnly(kb), prefetch=10,
+                            scorer=VectorScorer(counting)).session()  # type: ignore[arg-type]
+    session.verify(["path join", "json parse"], k=1)
+    assert len(counting.texts) == len(session.cache)  # each prefetched passage, once
+    counting.texts.clear()
+    session.guess("sort list", k=1)
+    assert counting.texts == ["sort list"]
 
 
 def test_os3_reproduces_the_papers_strides():

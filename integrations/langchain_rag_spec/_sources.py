@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from langchain_core.documents import Document
@@ -14,14 +12,10 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import VectorStore
 
 from rag_spec.errors import RagSpecError
-from rag_spec.retrieval.types import Hit, Retriever
-from rag_spec.threads import use_one_openmp_thread
+from rag_spec.retrieval.types import Hit, Retriever, stable_id
+from rag_spec.threads import side_by_side
 
 log = logging.getLogger(__name__)
-
-# Searches of one batch run side by side: behind a remote store a batch costs one round trip.
-_searches = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rag-spec-langchain",
-                               initializer=use_one_openmp_thread)
 
 
 class LangChainSource:
@@ -40,7 +34,7 @@ class LangChainSource:
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         if isinstance(self.source, VectorStore):
-            found = list(_searches.map(lambda q: self._store_search(q, k), queries))
+            found = side_by_side(lambda q: self._store_search(q, k), queries)
         else:
             options = {"k": k} if self._sized else {}
             found = [[(d, 0.0) for d in docs[:k]]
@@ -74,8 +68,7 @@ def _accepts_k(retriever: BaseRetriever) -> bool:
 
 
 def _hit(doc: Document, score: float) -> Hit:
-    key = doc.id or doc.page_content
-    doc_id = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+    doc_id = stable_id(doc.id or doc.page_content)
     title = str(doc.metadata.get("title") or doc.metadata.get("source") or "")
     return Hit(doc_id=doc_id, score=score, title=title, text=doc.page_content)
 

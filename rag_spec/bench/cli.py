@@ -27,7 +27,11 @@ def add_bench_commands(commands: Any) -> None:
     draft.add_argument("--json", dest="json_out", help="write the report here")
     draft.set_defaults(run=_draft)
     ralm = kinds.add_parser("ralm", help="speculative retrieval vs the naive RaLM loop")
-    ralm.add_argument("--retriever", default="exact", choices=["exact", "hnsw", "ivf", "bm25"])
+    ralm.add_argument("--retriever", default="exact",
+                      choices=["exact", "hnsw", "ivf", "bm25", "milvus"])
+    ralm.add_argument("--uri", default=None,
+                      help="milvus: a milvus-lite folder or http(s)://host:port (default: "
+                           "milvus-lite under the cache)")
     ralm.add_argument("--kb-size", type=int, default=None,
                       help="pad an exact index with labelled random distractors to N vectors")
     ralm.add_argument("--latency-ms", type=float, default=0.0,
@@ -72,7 +76,10 @@ def _ralm(args: argparse.Namespace) -> int:
         msg = ("--kb-size and --packed apply to exact indexes only; use --retriever exact "
                "(or --latency-ms).")
         raise RagSpecError(msg)
+    if args.uri and args.retriever != "milvus":
+        msg = "--uri names a Milvus store; use it with --retriever milvus."
+        raise RagSpecError(msg)
     run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
         packed=args.packed, questions_file=args.questions, json_out=args.json_out,
-        limit=args.limit, max_new_tokens=args.max_new_tokens)
+        limit=args.limit, max_new_tokens=args.max_new_tokens, uri=args.uri)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+QUERY_MEMORY = 1024
 
 
 def _bundled_model_dir() -> Path:
@@ -32,6 +34,8 @@ class Embedder:
         self._model: Any = None
         self._lock = threading.Lock()  # loading
         self._encode_lock = threading.Lock()
+        self._queries: OrderedDict[str, np.ndarray] = OrderedDict()  # see encode_queries
+        self._queries_lock = threading.Lock()
 
     @classmethod
     def default(cls) -> Embedder:
@@ -69,3 +73,25 @@ class Embedder:
             vectors = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
                                    convert_to_numpy=True, show_progress_bar=progress)
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
+        """Query embeddings, each computed on its own and remembered (the latest
+        ``QUERY_MEMORY``).
+
+        A query's vector then never depends on which other queries share its batch, so the
+        naive loop and a verification that batches several queries search with the very same
+        vectors (batch shapes change float rounding, enough to flip a near tie); and a query
+        embedded for a guess on the decoding thread is not embedded again to be verified.
+        """
+        with self._queries_lock:
+            known = {q: self._queries[q] for q in queries if q in self._queries}
+            for query in known:
+                self._queries.move_to_end(query)
+        for query in dict.fromkeys(q for q in queries if q not in known):
+            known[query] = self.encode([query])[0]
+            with self._queries_lock:
+                self._queries[query] = known[query]
+                while len(self._queries) > QUERY_MEMORY:
+                    self._queries.popitem(last=False)
+        return np.stack([known[q] for q in queries]) if queries else \
+            np.zeros((0, self.dim), dtype=np.float32)

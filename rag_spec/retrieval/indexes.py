@@ -56,7 +56,7 @@ class DenseIndex:
         return cls(kind, index, embedder)
 
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.search_vectors(self.embedder.encode(queries), k)
+        return self.search_vectors(self.embedder.encode_queries(queries), k)
 
     def pack(self) -> None:
         """See KnowledgeBase.pack."""
@@ -77,7 +77,7 @@ class DenseIndex:
         if self.kind == "ivf":
             self.cpu_index.make_direct_map()
         vectors = self.cpu_index.reconstruct_batch(np.asarray(doc_ids, dtype=np.int64))
-        return self.embedder.encode(queries) @ vectors.T
+        return self.embedder.encode_queries(queries) @ vectors.T
 
     def mismatch(self, passages: int) -> str:
         """Why this index cannot point into ``passages`` passages with its embedder ("" if it

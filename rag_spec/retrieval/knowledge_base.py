@@ -25,7 +25,7 @@ from rag_spec.errors import RagSpecError
 from rag_spec.paths import atomic_dir, atomic_file, cache_dir
 from rag_spec.retrieval.embedder import Embedder
 from rag_spec.retrieval.indexes import DENSE_KINDS, KINDS, BM25Index, DenseIndex
-from rag_spec.retrieval.types import Hit
+from rag_spec.retrieval.types import Hit, check_search_args
 
 _defaults: dict[str, KnowledgeBase] = {}
 _defaults_lock = threading.Lock()
@@ -50,7 +50,7 @@ class KnowledgeBase:
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         """Top-``k`` passages for each query, best first, in one batched index call."""
-        _check_search_args(queries, k)
+        check_search_args(queries, k)
         if not queries:
             return []
         scores, ids = self.index.search(list(queries), k)
@@ -237,13 +237,4 @@ def _embeddings_problem(path: Path, passages: int, dim: int) -> str:
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         msg = f"Unknown index kind {kind!r}; use one of {', '.join(KINDS)}."
-        raise RagSpecError(msg)
-
-
-def _check_search_args(queries: Sequence[str], k: int) -> None:
-    if isinstance(queries, str):
-        msg = "search() takes a list of queries; wrap a single query as [query]."
-        raise RagSpecError(msg)
-    if k < 1:
-        msg = f"k must be at least 1 (got {k})."
         raise RagSpecError(msg)

@@ -27,7 +27,7 @@ from rag_spec.errors import RagSpecError
 from rag_spec.paths import cache_dir
 from rag_spec.retrieval.embedder import Embedder
 from rag_spec.retrieval.knowledge_base import corpus_dir, passage_vectors
-from rag_spec.retrieval.types import Hit, stable_id
+from rag_spec.retrieval.types import Hit, check_search_args, stable_id
 
 INDEXES = {  # Milvus index type and build parameters, per rag-spec index kind
     "hnsw": ("HNSW", {"M": 32, "efConstruction": 80}),
@@ -74,16 +74,11 @@ class MilvusKnowledgeBase:
 
     def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
         """Top-``k`` passages for each query, best first, in one request."""
-        if isinstance(queries, str):
-            msg = "search() takes a list of queries; wrap a single query as [query]."
-            raise RagSpecError(msg)
-        if k < 1:
-            msg = f"k must be at least 1 (got {k})."
-            raise RagSpecError(msg)
+        check_search_args(queries, k)
         if not queries:
             return []
-        vectors = self.embedder.encode(list(queries))
-        with self._translated("search"):
+        vectors = self.embedder.encode_queries(list(queries))
+        with _translated(self.uri, "search", self.timeout):
             found = self._search(vectors, k)
         return [[Hit(doc_id=int(h["id"]), score=float(h["distance"]),
                      title=h["entity"]["title"], text=h["entity"]["text"],
@@ -125,16 +120,12 @@ class MilvusKnowledgeBase:
                 self.client = fresh
                 broken.close()
 
-    @contextmanager
-    def _translated(self, action: str) -> Iterator[None]:
-        with _translated(self.uri, action, self.timeout):
-            yield
-
     # -- building and opening ------------------------------------------------------------------
 
     @classmethod
     def open(cls, sources: Sequence[str] = DEFAULT_SOURCES, *, uri: str | None = None,
-             token: str | None = None, collection: str | None = None, index: str = "hnsw",
+             token: str | None = None, collection: str | None = None,
+             index: str | None = None,
              rebuild: bool = False, progress: bool = True,
              timeout: float = 10.0) -> MilvusKnowledgeBase:
         """The collection for ``sources`` at ``uri``, built (and aliased) if it is missing.
@@ -145,11 +136,13 @@ class MilvusKnowledgeBase:
                 ``http(s)://host:port`` of a Milvus server or cluster.
             token: the server's token ("user:password" or an API key), if it asks for one.
             collection: the alias clients search (default ``rag_spec_<corpus>``).
-            index: "hnsw" (approximate) or "flat" (exact).
+            index: "hnsw" (approximate) or "flat" (exact); None: the serving collection's,
+                "hnsw" for a new one. A serving collection with another index is refused.
             rebuild: build a new collection even if one is serving.
             timeout: seconds before any request gives up.
         """
-        if index not in INDEXES:
+        _require_pymilvus()
+        if index not in (None, *INDEXES):
             msg = f"Unknown Milvus index {index!r}; use one of {', '.join(INDEXES)}."
             raise RagSpecError(msg)
         uri = uri or default_uri()
@@ -164,10 +157,10 @@ class MilvusKnowledgeBase:
                     print(f"rag-spec: building the Milvus collection {alias} over "
                           f"{len(passages)} passages at {uri} (once).")
                 vectors = passage_vectors(sources, passages, embedder, progress)
-                build(client, alias, passages, vectors, embedder.name, index=index,
+                build(client, alias, passages, vectors, embedder.name, index=index or "hnsw",
                       timeout=timeout, progress=progress)
             else:
-                _check(client, alias, fingerprint(passages), embedder, timeout)
+                _check(client, alias, fingerprint(passages), embedder, index, timeout)
                 client.load_collection(alias, timeout=timeout)
             count = int(client.get_collection_stats(alias, timeout=timeout)["row_count"])
         return cls(client, uri, alias, embedder, passages=count, timeout=timeout, token=token)
@@ -249,9 +242,16 @@ def _aliased(client: Any, alias: str, timeout: float) -> str | None:
     return str(client.describe_alias(alias, timeout=timeout)["collection_name"])
 
 
-def _check(client: Any, alias: str, corpus: str, embedder: Embedder, timeout: float) -> None:
-    """Refuse a collection built from other passages or with another embedder."""
+def _check(client: Any, alias: str, corpus: str, embedder: Embedder, index: str | None,
+           timeout: float) -> None:
+    """Refuse a collection built from other passages, with another embedder or index."""
     properties = client.describe_collection(alias, timeout=timeout).get("properties", {})
+    if index is not None and properties.get("rag_spec.index") != index:
+        msg = (f"The Milvus collection {alias} has a {properties.get('rag_spec.index')} index, "
+               f"not {index}; rebuild it with `rag-spec index build --backend milvus --kind "
+               f"{index} --rebuild` (MilvusKnowledgeBase.open(..., rebuild=True)), or open it "
+               f"with index=None.")
+        raise RagSpecError(msg)
     built = (properties.get("rag_spec.fingerprint"), properties.get("rag_spec.embedder"))
     if built != (corpus, embedder.name):
         msg = (f"The Milvus collection {alias} was built from other passages or with another "
@@ -287,6 +287,16 @@ def _translated(uri: str, action: str, timeout: float) -> Iterator[None]:
 
 def _unavailable(reason: str) -> bool:
     return any(s in reason.lower() for s in ("unavailable", "fail connecting", "refused"))
+
+
+def _require_pymilvus() -> None:
+    try:
+        import milvus_lite  # noqa: F401
+        import pymilvus  # noqa: F401
+    except ImportError as err:
+        msg = (f"The Milvus knowledge base needs pymilvus and milvus-lite ({err}); install them "
+               f"with: pip install 'rag-spec[milvus]'.")
+        raise RagSpecError(msg) from err
 
 
 def is_server(uri: str) -> bool:

@@ -37,6 +37,11 @@ class LocalScoring(Protocol):
 class GuessScorer(Protocol):
     """Scores cached hits for one query; higher is better. Never calls the store."""
 
+    def prepare(self, hits: Sequence[Hit]) -> None:
+        """Called as hits enter a cache, on the verifying thread: work done here is off the
+        guess's path (which runs on the decoding thread)."""
+        ...
+
     def score(self, query: str, hits: Sequence[Hit]) -> np.ndarray: ...
 
 
@@ -45,6 +50,9 @@ class IndexScorer:
 
     def __init__(self, retriever: LocalScoring) -> None:
         self.retriever = retriever
+
+    def prepare(self, hits: Sequence[Hit]) -> None:
+        """Nothing to prepare: the index holds every passage."""
 
     def score(self, query: str, hits: Sequence[Hit]) -> np.ndarray:
         return np.asarray(self.retriever.score([query], [h.doc_id for h in hits]))[0]
@@ -61,8 +69,12 @@ class VectorScorer:
         self._vectors: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
+    def prepare(self, hits: Sequence[Hit]) -> None:
+        """Embed the texts of hits that came without vectors, so guesses need not."""
+        self.vectors(hits)
+
     def score(self, query: str, hits: Sequence[Hit]) -> np.ndarray:
-        query_vector = self.embedder.encode([query])[0]
+        query_vector = self.embedder.encode_queries([query])[0]
         return self.vectors(hits) @ query_vector
 
     def vectors(self, hits: Sequence[Hit]) -> np.ndarray:

@@ -9,6 +9,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from rag_spec.errors import RagSpecError
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -39,3 +41,13 @@ def stable_id(key: str) -> int:
     """A non-negative 63-bit id for a string key: equal keys, equal ids, nothing remembered
     (a Milvus INT64 primary key; a framework document's id)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def check_search_args(queries: Sequence[str], k: int) -> None:
+    """The mistakes every knowledge base refuses the same way."""
+    if isinstance(queries, str):
+        msg = "search() takes a list of queries; wrap a single query as [query]."
+        raise RagSpecError(msg)
+    if k < 1:
+        msg = f"k must be at least 1 (got {k})."
+        raise RagSpecError(msg)

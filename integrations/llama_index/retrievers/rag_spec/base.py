@@ -6,6 +6,7 @@ from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.retrievers.rag_spec._sources import as_retriever
 
 from rag_spec.retrieval.batching import BatchingRetriever
 from rag_spec.retrieval.knowledge_base import KnowledgeBase
@@ -16,8 +17,10 @@ class SpecRetriever(BaseRetriever):
     """Top ``similarity_top_k`` passages as ``NodeWithScore``; concurrent calls share a search.
 
     Args:
-        knowledge_base: a rag_spec KnowledgeBase or any rag_spec Retriever; ``None`` opens the
-            default knowledge base with index ``kind`` ("flat", "hnsw", "ivf", "bm25").
+        knowledge_base: a rag_spec KnowledgeBase (local or ``MilvusKnowledgeBase``), any
+            rag_spec Retriever, or a LlamaIndex index or retriever (e.g. a ``VectorStoreIndex``
+            over a ``MilvusVectorStore``); ``None`` opens the default knowledge base with index
+            ``kind`` ("flat", "hnsw", "ivf", "bm25").
 
     Examples:
         >>> from llama_index.core.query_engine import RetrieverQueryEngine          # doctest: +SKIP
@@ -37,7 +40,7 @@ class SpecRetriever(BaseRetriever):
         if self._backend is None:
             source = KnowledgeBase.load_default(self._kind) if self._source is None \
                 else self._source  # an empty knowledge base is falsy, and still the user's
-            self._backend = BatchingRetriever(source)
+            self._backend = BatchingRetriever(as_retriever(source))
         return self._backend
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
