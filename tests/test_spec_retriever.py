@@ -193,3 +193,13 @@ def test_a_resumed_scheduler_keeps_the_measurements_and_its_own_settings():
     fixed = StrideScheduler(os3=False, fixed=5)
     fixed.resume(earlier)
     assert fixed.next_stride() == 5
+
+
+def test_a_search_only_retriever_that_finds_nothing_is_cached_as_nothing():
+    class Nothing:
+        def search(self, queries, k=1):
+            return [[] for _ in queries]
+
+    session = SpecRetriever(Nothing()).session()
+    assert session.verify(["alpha"], k=1) == [[]]
+    assert session.guess("alpha", k=1) == []

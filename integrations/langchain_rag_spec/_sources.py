@@ -11,8 +11,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import VectorStore
 
-from rag_spec.errors import RagSpecError
-from rag_spec.retrieval.types import Hit, Retriever, stable_id
+from rag_spec.retrieval.types import Hit, Retriever, require_retriever, stable_id
 from rag_spec.threads import side_by_side
 
 log = logging.getLogger(__name__)
@@ -77,9 +76,5 @@ def as_retriever(source: Any) -> Retriever:
     """A rag_spec Retriever for ``source`` (LangChain objects are translated)."""
     if isinstance(source, BaseRetriever | VectorStore):
         return LangChainSource(source)
-    if isinstance(source, Retriever):
-        return source
-    msg = (f"SpecRetriever cannot search a {type(source).__name__}. Pass a rag_spec "
-           "KnowledgeBase, a LangChain retriever or vector store, or nothing (the default "
-           "knowledge base).")
-    raise RagSpecError(msg)
+    return require_retriever(source, "a rag_spec KnowledgeBase (local or Milvus), a LangChain "
+                                     "retriever or vector store")

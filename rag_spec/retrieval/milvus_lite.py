@@ -4,7 +4,8 @@ milvus-lite 3 can run its gRPC server inside the caller's process, where its fai
 would build an OpenMP team beside the model's and slow every decoding step (``threads``). Here
 it runs as ``python -m milvus_lite server`` on a loopback port, with one OpenMP thread: a
 search is a real round trip, and a stopped server is a real fault, as with a Milvus cluster.
-One server per folder per process, stopped when the process exits.
+One server per folder per process, stopped when the process exits, and by itself when the
+process is killed (it would otherwise keep the folder locked).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class LiteServer:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the child's environment, not ours
         with log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(self.folder),
-                 "--host", "127.0.0.1", "--port", str(self.port)],
+                [sys.executable, "-m", __name__, str(os.getpid()), "server",
+                 "--data-dir", str(self.folder), "--host", "127.0.0.1", "--port", str(self.port)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -117,3 +118,24 @@ def _stop_all() -> None:
     with _servers_lock:
         for server in _servers.values():
             server.stop()
+
+
+def _serve(argv: list[str]) -> None:
+    """``python -m rag_spec.retrieval.milvus_lite PARENT_PID server ...``: milvus-lite's own
+    server, which stops cleanly on SIGTERM too and exits once its parent is gone."""
+    from milvus_lite.cmdline import main
+
+    parent = int(argv[0])
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    main(argv[1:])
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

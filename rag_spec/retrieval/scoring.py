@@ -93,6 +93,8 @@ class VectorScorer:
                 while len(self._vectors) > self.memory:
                     self._vectors.popitem(last=False)
         rows = [known[h.doc_id] if h.vector is None else h.vector for h in hits]
+        if not rows:  # a verification that found nothing
+            return np.zeros((0, self.embedder.dim), dtype=np.float32)
         return np.asarray(np.stack(rows), dtype=np.float32)
 
 

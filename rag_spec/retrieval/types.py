@@ -51,3 +51,12 @@ def check_search_args(queries: Sequence[str], k: int) -> None:
     if k < 1:
         msg = f"k must be at least 1 (got {k})."
         raise RagSpecError(msg)
+
+
+def require_retriever(source: object, accepted: str) -> Retriever:
+    """``source`` if it is a Retriever, else an error that lists what is ``accepted``."""
+    if isinstance(source, Retriever):
+        return source
+    msg = (f"SpecRetriever cannot search a {type(source).__name__}. Pass {accepted}, or nothing "
+           "(the default knowledge base).")
+    raise RagSpecError(msg)

@@ -9,8 +9,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.schema import NodeWithScore
 
-from rag_spec.errors import RagSpecError
-from rag_spec.retrieval.types import Hit, Retriever, stable_id
+from rag_spec.retrieval.types import Hit, Retriever, require_retriever, stable_id
 from rag_spec.threads import side_by_side
 
 
@@ -48,9 +47,5 @@ def as_retriever(source: Any) -> Retriever:
     """A rag_spec Retriever for ``source`` (LlamaIndex objects are translated)."""
     if isinstance(source, BaseIndex | BaseRetriever):
         return LlamaIndexSource(source)
-    if isinstance(source, Retriever):
-        return source
-    msg = (f"SpecRetriever cannot search a {type(source).__name__}. Pass a rag_spec "
-           "KnowledgeBase (local or Milvus), a LlamaIndex index or retriever, or nothing (the "
-           "default knowledge base).")
-    raise RagSpecError(msg)
+    return require_retriever(source, "a rag_spec KnowledgeBase (local or Milvus), a LlamaIndex "
+                                     "index or retriever")
