@@ -248,3 +248,27 @@ def test_bad_arguments(kb):
         kb.search(["alpha"], k=0)
     with pytest.raises(RagSpecError, match="Unknown Milvus index"):
         MilvusKnowledgeBase.open(index="ivf")
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_process_leaves_no_server_holding_the_folder(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import os\nfrom rag_spec.retrieval.milvus_lite import LiteServer\n"
+              f"print(LiteServer.serving({str(tmp_path / 'kb.db')!r}).process.pid, flush=True)\n"
+              "os._exit(0)\n")  # dies without running atexit, as a killed process would
+    child = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               check=True, timeout=120).stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(child):
+        time.sleep(0.2)
+    assert not alive(child)
+    LiteServer.serving(tmp_path / "kb.db").stop()  # the folder can be served again
