@@ -47,6 +47,15 @@ def char_tokenizer():
                                    eos_token="</s>")
 
 
+def char_lm(window: int = 256, seed: int = 5):
+    """A tiny character-level Llama as a LoadedModel: what the RaLM loops take."""
+    from rag_spec.models import LoadedModel
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(seed=seed, vocab_size=len(tokenizer), window=window)
+    return LoadedModel(model, tokenizer, "tiny", torch.device("cpu"), torch.float32)
+
+
 @pytest.fixture(scope="session")
 def model():
     return tiny_llama()

@@ -147,15 +147,12 @@ def test_an_index_behind_spec_retriever_is_searched_with_prefetch_sized_calls(in
 
 
 def test_speculative_ralm_over_an_index_equals_the_naive_loop(index):
-    from conftest import char_tokenizer, tiny_llama
-    from rag_spec.models import LoadedModel
+    from conftest import char_lm
     from rag_spec.retrieval.spec_retriever import DelayedRetriever
     from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
     from rag_spec.serving.ralm import IterativeRaLM
 
-    tokenizer = char_tokenizer()
-    lm = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer), window=1024), tokenizer,
-                     "tiny", torch.device("cpu"), torch.float32)
+    lm = char_lm(window=1024)
     source = SpecRetriever(index).backend().retriever
     question = "which word comes after alpha beta?"
     expected = IterativeRaLM(lm, source, stride=2, query_tokens=12).generate(question, 30)

@@ -9,12 +9,10 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import WORDS, char_tokenizer, tiny_llama
+from conftest import WORDS, char_lm
 from rag_spec.corpus import load_passages
 from rag_spec.errors import RagSpecError
-from rag_spec.models import LoadedModel
 from rag_spec.retrieval import KnowledgeBase
 from rag_spec.retrieval.embedder import Embedder
 from rag_spec.retrieval.milvus import MilvusKnowledgeBase, build, connect
@@ -110,9 +108,7 @@ def test_guesses_are_scored_locally_and_rank_like_the_store(kb, wrap):
 
 @pytest.fixture(scope="module")
 def lm():
-    tokenizer = char_tokenizer()
-    model = tiny_llama(seed=5, vocab_size=len(tokenizer), window=2048)
-    return LoadedModel(model, tokenizer, "tiny", torch.device("cpu"), torch.float32)
+    return char_lm(window=2048)
 
 
 QUESTION = "which word comes after alpha beta?"

@@ -4,11 +4,9 @@ import threading
 import time
 
 import pytest
-import torch
 
-from conftest import HashRetriever, char_tokenizer, tiny_llama
+from conftest import HashRetriever, char_lm, tiny_llama
 from rag_spec.errors import RagSpecError
-from rag_spec.models import LoadedModel
 from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
 from rag_spec.serving.ralm import IterativeRaLM
 
@@ -22,10 +20,7 @@ def service(retriever: HashRetriever, latency_ms: float = 3) -> DelayedRetriever
 
 @pytest.fixture(scope="module")
 def lm():
-    tokenizer = char_tokenizer()
-    # a character model: prompts with two passages run past 256 tokens
-    model = tiny_llama(seed=5, vocab_size=len(tokenizer), window=1024)
-    return LoadedModel(model, tokenizer, "tiny", torch.device("cpu"), torch.float32)
+    return char_lm(window=1024)  # a character model: prompts with two passages run past 256
 
 
 QUESTION = "which word comes after alpha beta?"
@@ -150,9 +145,7 @@ class WaitsForGeneration:
 
 
 def test_asynchronous_verification_overlaps_generation():
-    tokenizer = char_tokenizer()
-    own = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer)), tokenizer, "tiny",
-                      torch.device("cpu"), torch.float32)
+    own = char_lm()
     expected = naive(own, HashRetriever(stable=True), stride=2, query_tokens=12)
     service = WaitsForGeneration(HashRetriever(stable=True), own.model)
     spec = IterativeRaLM(own, SpecRetriever(service), stride=2, query_tokens=12, os3=False,
@@ -211,9 +204,7 @@ def test_lookahead_must_decode_the_loops_own_model(lm):
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_prompt_longer_than_the_context_window_is_a_clear_error(speculative):
-    tokenizer = char_tokenizer()
-    own = LoadedModel(tiny_llama(seed=5, vocab_size=len(tokenizer)), tokenizer, "tiny",
-                      torch.device("cpu"), torch.float32)  # a 256-token window
+    own = char_lm()  # a 256-token window
     source = HashRetriever()
     source.texts = [text * 30 for text in source.texts]  # passages of ~900 characters
     retriever = SpecRetriever(source) if speculative else source

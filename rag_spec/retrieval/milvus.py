@@ -91,25 +91,24 @@ class MilvusKnowledgeBase:
         afresh; a local milvus-lite process that died is started again)."""
         from pymilvus import MilvusException
 
-        for attempt in (1, 2):
-            client = self.client
-            try:
-                return client.search(
-                    self.alias, data=list(vectors), limit=k, output_fields=FIELDS,
-                    search_params={"metric_type": "IP", "params": {"ef": max(HNSW_EF, k)}},
-                    timeout=self.timeout)
-            except MilvusException as err:
-                if attempt == 2:
-                    raise
-                if self.client is not client:
-                    continue  # another thread connected afresh meanwhile (and closed this one)
+        client = self.client
+        try:
+            return self._request(client, vectors, k)
+        except MilvusException as err:
+            if self.client is client:  # else another thread already connected afresh
                 if "load()" in str(err):
                     client.load_collection(self.alias, timeout=self.timeout)
                 elif _unavailable(str(err)):
                     self._reconnect(client)
                 else:
                     raise
-        raise AssertionError  # unreachable: the second attempt returns or raises
+        return self._request(self.client, vectors, k)
+
+    def _request(self, client: Any, vectors: np.ndarray, k: int) -> Any:
+        return client.search(
+            self.alias, data=list(vectors), limit=k, output_fields=FIELDS,
+            search_params={"metric_type": "IP", "params": {"ef": max(HNSW_EF, k)}},
+            timeout=self.timeout)
 
     def _reconnect(self, broken: Any) -> None:
         """A fresh client in place of ``broken`` (once, however many threads saw it fail)."""
