@@ -31,6 +31,9 @@ _EXPORTS = {
     "IterativeRaLM": "rag_spec.serving.ralm",
     "LocalLM": "rag_spec.serving.local_lm",
     "GenerateOptions": "rag_spec.serving.local_lm",
+    "KNNLM": "rag_spec.knnlm",
+    "KNNDatastore": "rag_spec.knnlm",
+    "KNNSpeculation": "rag_spec.knnlm",
     "RagSpecError": "rag_spec.errors",
 }
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,6 +45,11 @@ async def run_in_io_thread(fn: Callable[..., T], *args: Any) -> T:
     """Await ``fn(*args)`` run on rag-spec's I/O pool: work that mostly waits (retrieval),
     which a generation on the compute thread must not hold up."""
     return await asyncio.get_running_loop().run_in_executor(_io, functools.partial(fn, *args))
+
+
+def start_io(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Start ``fn(*args)`` on rag-spec's I/O pool, for a caller that computes while it waits."""
+    return _io.submit(fn, *args)
 
 
 def side_by_side(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:

@@ -88,13 +88,14 @@ class Counting:
 @pytest.mark.parametrize("wrap", [lambda kb: kb, SearchOnly], ids=["vectors", "search-only"])
 def test_guesses_are_scored_locally_and_rank_like_the_store(kb, wrap):
     counted = Counting(wrap(kb))
-    spec = SpecRetriever(counted, prefetch=8)
-    assert isinstance(spec.scorer, VectorScorer)
+    assert isinstance(SpecRetriever(counted).scorer, VectorScorer)
+    spec = SpecRetriever(counted, prefetch=8, scorer=VectorScorer(kb.embedder, depth=8))
     rng = np.random.default_rng(3)
     checked = 0
     for _ in range(8):
         session = spec.session()
         session.verify([" ".join(rng.choice(WORDS, 3)) for _ in range(2)], k=1)
+        spec.scorer.embed_pending()  # search-only: texts are embedded during later calls
         calls = counted.calls
         query = " ".join(rng.choice(WORDS, 4))
         guess = session.guess(query, k=1)

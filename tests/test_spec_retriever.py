@@ -1,5 +1,6 @@
 """SpecRetriever's cache ranking and the OS3 stride scheduler."""
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +18,7 @@ from rag_spec.retrieval.os3 import (
     fit_verification,
 )
 from rag_spec.retrieval.scoring import IndexScorer, VectorScorer
-from rag_spec.retrieval.spec_retriever import SearchOnly, SpecRetriever
+from rag_spec.retrieval.spec_retriever import DelayedRetriever, SearchOnly, SpecRetriever
 
 VOCAB = ["path", "join", "json", "parse", "sort", "list", "file", "read", "time", "date",
          "thread", "lock", "zip", "hash", "random", "string", "split", "format"]
@@ -91,31 +92,66 @@ def test_vector_scorer_embeds_each_passage_once_and_uses_vectors_it_is_given(emb
     kb = KnowledgeBase.build(random_passages(1), "flat", embedder=embedder)
     hits = kb.search(["path join file"], k=6)[0]
     counting = CountingEmbedder(embedder)
-    scorer = VectorScorer(counting)  # type: ignore[arg-type]
+    shallow = VectorScorer(counting, depth=2)  # type: ignore[arg-type]
+    shallow.fetch(lambda: [hits, hits[::-1]])
+    shallow.embed_pending()
+    assert sorted(counting.texts) == sorted(h.text for h in hits[:2] + hits[-2:])  # best 2 each
+    counting.texts.clear()
+    scorer = VectorScorer(counting, depth=6)  # type: ignore[arg-type]
+    assert scorer.fetch(lambda: [hits]) == [hits]
+    assert np.isneginf(scorer.score("path join", hits)).all()  # queued: not guessable yet
+    scorer.fetch(lambda: [hits])  # queued already: not queued twice
+    scorer.embed_pending()
     first = scorer.score("path join", hits)
-    second = scorer.score("path join", hits)
-    assert len(counting.texts) == 2 + len(hits)  # two queries, each passage once
-    np.testing.assert_allclose(first, second, rtol=1e-6)
+    assert len(counting.texts) == 1 + len(hits)  # one query, each passage once
     # The store's own metric, computed here: the knowledge base's order and scores.
     np.testing.assert_allclose(first, kb.score(["path join"], [h.doc_id for h in hits])[0],
                                rtol=1e-4, atol=1e-6)
     given = [replace(h, vector=embedder.encode([h.text])[0]) for h in hits]
     counting.texts.clear()
     scorer = VectorScorer(counting)  # type: ignore[arg-type]
+    scorer.fetch(lambda: [given])  # more than ``depth``: a hit's own vector is always used
+    scorer.embed_pending()
     np.testing.assert_allclose(scorer.score("path join", given), first, rtol=1e-4)
     assert counting.texts == ["path join"]  # the vectors came with the hits
 
 
-def test_verification_embeds_the_cached_texts_so_a_guess_embeds_only_its_query(embedder):
+class SlowEmbedder(CountingEmbedder):
+    """Each encode call takes ``delay`` seconds more; queries are embedded by the real one."""
+
+    def __init__(self, embedder, delay):
+        super().__init__(embedder)
+        self.delay = delay
+
+    def encode(self, texts, **kw):
+        time.sleep(self.delay)
+        return super().encode(texts, **kw)
+
+    def encode_queries(self, queries):
+        return self.embedder.encode_queries(queries)
+
+
+def test_texts_are_embedded_while_a_later_round_trip_is_in_flight(embedder):
     kb = KnowledgeBase.build(random_passages(2), "flat", embedder=embedder)
-    counting = CountingEmbedder(embedder)
-    session = SpecRetriever(SearchOnly(kb), prefetch=10,
-                            scorer=VectorScorer(counting)).session()  # type: ignore[arg-type]
-    session.verify(["path join", "json parse"], k=1)
-    assert len(counting.texts) == len(session.cache)  # each prefetched passage, once
-    counting.texts.clear()
-    session.guess("sort list", k=1)
-    assert counting.texts == ["sort list"]
+    slow = SlowEmbedder(embedder, delay=0.05)
+    scorer = VectorScorer(slow, chunk=1)  # type: ignore[arg-type]
+    session = SpecRetriever(DelayedRetriever(SearchOnly(kb), 300), prefetch=10,
+                            scorer=scorer).session()
+    started = time.perf_counter()
+    truths = session.verify(["path join", "json parse"], k=1)
+    assert time.perf_counter() - started < 0.34  # the round trip only: nothing was queued
+    assert not slow.texts
+    cached = list(session.cache.values())
+    assert np.isneginf(scorer.score("path join", cached)).all()  # nothing guessable yet
+    started = time.perf_counter()
+    session.verify(["sort list"], k=1)
+    assert time.perf_counter() - started < 0.3 + 0.05 + 0.04  # the answer waited <= one chunk
+    assert 3 <= len(slow.texts) < len(cached)  # the wait paid for some, best ranks first
+    assert truths[0][0].text in slow.texts and truths[1][0].text in slow.texts
+    scorer.embed_pending()
+    slow.texts.clear()
+    assert session.guess("path join", k=1) == truths[0]  # now ranked as the store ranks
+    assert slow.texts == []  # a guess embeds its query only (encode_queries), no passage
 
 
 def test_os3_reproduces_the_papers_strides():

@@ -44,6 +44,19 @@ def add_bench_commands(commands: Any) -> None:
     ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
     ralm.add_argument("--max-new-tokens", type=int, default=64)
     ralm.set_defaults(run=_ralm)
+    knnlm = kinds.add_parser("knnlm", help="speculative kNN-LM vs the naive kNN-LM loop")
+    knnlm.add_argument("--retriever", default="exact", choices=["exact", "approx"],
+                       help="exact: flat L2 search; approx: IVF-PQ")
+    knnlm.add_argument("--kb-size", type=int, default=1_000_000,
+                       help="pad the datastore with labelled random distractors to N entries")
+    knnlm.add_argument("--k", type=int, default=16, help="neighbours per step")
+    knnlm.add_argument("--precision", default="float32", choices=["float32", "float16"],
+                       help="exact: keys kept in float16 take half the memory")
+    knnlm.add_argument("--nprobe", type=int, default=32, help="approx: IVF lists searched")
+    knnlm.add_argument("--limit", type=int, default=6, help="prompts (default 6)")
+    knnlm.add_argument("--max-new-tokens", type=int, default=32)
+    knnlm.add_argument("--json", dest="json_out", help="write the report here")
+    knnlm.set_defaults(run=_knnlm)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
 
@@ -66,6 +79,23 @@ def _draft(args: argparse.Namespace) -> int:
             raise RagSpecError(msg)
     run(json_out=args.json_out, max_new_tokens=args.max_new_tokens, limit=args.limit,
         layers=args.layers, batch=args.batch)
+    return 0
+
+
+def _knnlm(args: argparse.Namespace) -> int:
+    from rag_spec.bench.knnlm import run
+
+    for flag, value in (("--kb-size", args.kb_size), ("--k", args.k), ("--nprobe", args.nprobe),
+                        ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    if args.precision == "float16" and args.retriever != "exact":
+        msg = "--precision float16 applies to exact datastores (IVF-PQ keeps codes)."
+        raise RagSpecError(msg)
+    run(retriever=args.retriever, kb_size=args.kb_size, k=args.k, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, precision=args.precision, nprobe=args.nprobe,
+        json_out=args.json_out)
     return 0
 
 

@@ -59,12 +59,15 @@ def _plain_scores(vectors: torch.Tensor,
     if len(queries) == 1:
         queries = queries.repeat(2, 1)  # one column takes a slow matrix-vector path: use two
     for start in range(0, len(vectors), CHUNK_ROWS):
-        yield start, (vectors[start:start + CHUNK_ROWS] @ queries.T).T
+        block = vectors[start:start + CHUNK_ROWS]  # float16 vectors: computed in float32
+        yield start, (block.to(queries.dtype) @ queries.T).T
 
 
 def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarray,
-                        k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, ids) of shape (n_queries, min(k, rows)), best first."""
+                        k: int, bias: torch.Tensor | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids) of shape (n_queries, min(k, rows)), best first; ``bias`` (one value per
+    row) is subtracted from every query's scores (an L2 search's half squared norms)."""
     n_queries = len(queries)
     found = min(k, len(vectors))
     if found == 0:
@@ -75,6 +78,8 @@ def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarr
     best_scores, best_ids = [], []
     with torch.no_grad():
         for start, scores in blocks:
+            if bias is not None:
+                scores = scores - bias[start:start + scores.shape[1]]
             top = torch.topk(scores, min(found, scores.shape[1]), dim=1)
             best_scores.append(top.values)
             best_ids.append(top.indices + start)

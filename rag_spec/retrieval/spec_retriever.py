@@ -73,8 +73,9 @@ class SpecSession:
 
     def verify(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         """The knowledge base's top-``k`` for each query, in one call; all results are cached."""
-        fetched = self.owner.retriever.search(list(queries), max(k, self.owner.prefetch))
-        self.owner.scorer.prepare([hit for hits in fetched for hit in hits])
+        wanted = max(k, self.owner.prefetch)
+        fetched = self.owner.scorer.fetch(lambda: self.owner.retriever.search(list(queries),
+                                                                              wanted))
         with self._lock:
             self.kb_calls += 1
             for hits in fetched:

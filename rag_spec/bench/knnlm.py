@@ -1,0 +1,126 @@
+"""``rag-spec bench knnlm``: naive vs speculative kNN-LM (RaLMSpec's second workload).
+
+The datastore is the embedded model's hidden states over the default corpus, padded with
+labelled random distractors to ``kb_size`` entries (as the RaLM bench pads its index), searched
+exactly (flat, matrix products) or approximately (IVF-PQ). Prompts open passages of the corpus,
+so the datastore holds text the generation can follow.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rag_spec.bench.report import (
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    publish,
+    rss_mb,
+    save_figure,
+)
+
+PROMPT_WORDS = 8  # of a passage's text after its title
+
+
+def systems() -> dict[str, Any]:
+    """name -> KNNSpeculation (None: the naive loop, a search per token)."""
+    from rag_spec.knnlm import KNNSpeculation
+
+    return {"naive": None,
+            "spec_no_successors": KNNSpeculation(os3=False, stride=4, successors=0),
+            "spec": KNNSpeculation(os3=False, stride=4),
+            "spec_all": KNNSpeculation()}
+
+
+def run(retriever: str = "exact", kb_size: int = 1_000_000, k: int = 16, limit: int = 6,
+        max_new_tokens: int = 32, precision: str = "float32", nprobe: int = 32,
+        json_out: str | None = None) -> dict[str, Any]:
+    """Run the benchmark; print a table; write JSON and a PNG; return the report."""
+    from rag_spec.corpus import DEFAULT_SOURCES, load_passages
+    from rag_spec.knnlm import KNNLM, KNNDatastore
+    from rag_spec.knnlm.datastore import passage_text
+    from rag_spec.models import load_model
+
+    lm = load_model()
+    started = time.perf_counter()
+    datastore = KNNDatastore.open(lm, precision=precision)
+    real = len(datastore)
+    if kb_size > real:
+        datastore = datastore.with_distractors(kb_size)
+    if retriever == "approx":
+        datastore = datastore.as_kind("ivfpq", nprobe=nprobe)
+    print(f"datastore: {len(datastore)} entries ({real} from text), {retriever}, "
+          f"{datastore.nbytes / 1e9:.2f} GB, ready in {time.perf_counter() - started:.0f} s")
+    passages = load_passages(DEFAULT_SOURCES)
+    picks = np.linspace(0, len(passages) - 1, limit).astype(int)
+    prompts = [" ".join(passage_text(passages[i].title, passages[i].text).split(" ")
+                        [:PROMPT_WORDS]) for i in picks]
+
+    def system(speculation: Any) -> Any:
+        knn = KNNLM(lm, datastore, k=k, speculation=speculation)  # one per system: OS3 learns
+
+        def one(prompt: str) -> Run:
+            result = knn.generate(prompt, max_new_tokens)
+            return Run(0.0, result.token_ids, {"stats": result.stats})
+        return one
+
+    runs = interleaved({name: system(s) for name, s in systems().items()}, prompts)
+    naive = runs["naive"]
+    share = median([r.extra["stats"].retrieval_seconds / r.seconds for r in naive])
+    report: dict[str, Any] = {
+        "benchmark": "knnlm", "retriever": retriever, "prompts": len(prompts),
+        "datastore_size": len(datastore), "real_entries": real, "precision": precision,
+        "nprobe": nprobe if retriever == "approx" else None, "k": k,
+        "lambda": 0.25, "max_new_tokens": max_new_tokens,
+        "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
+        "datastore_gb": round(datastore.nbytes / 1e9, 2), "rss_mb": round(rss_mb(), 1),
+        "machine": machine(), "systems": {}}
+    for name, system_runs in runs.items():
+        speedups = [n.seconds / r.seconds for n, r in zip(naive, system_runs)]
+        stats = [r.extra["stats"] for r in system_runs]
+        report["systems"][name] = {
+            "seconds_per_prompt": round(median([r.seconds for r in system_runs]), 3),
+            "speedup_vs_naive": round(median(speedups), 3),
+            "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, system_runs)),
+            "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
+            "tokens": round(float(np.mean([len(r.tokens) for r in system_runs])), 1),
+            "retrieval_seconds": round(median([s.retrieval_seconds for s in stats]), 3),
+            "generation_seconds": round(median([s.generation_seconds for s in stats]), 3),
+            "guess_seconds": round(median([s.guess_seconds for s in stats]), 3),
+            "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
+            "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
+                                                for s in stats])), 2),
+            "per_prompt_speedup": [round(x, 3) for x in speedups]}
+    name = f"knnlm_{retriever}_{len(datastore)}_k{k}"
+    publish(report, json_out, name, _plot, _print_table)
+    return report
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    names = list(report["systems"])
+    fig, ax = figure()
+    ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
+    ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
+               label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("speedup vs naive kNN-LM (median)")
+    ax.set_title(f"kNN-LM, {report['retriever']}, {report['datastore_size']:,} entries, "
+                 f"k={report['k']}, retrieval share {report['retrieval_share']:.2f}")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    print(f"\nkNN-LM {report['retriever']}, {report['datastore_size']} entries, k {report['k']}, "
+          f"retrieval share {report['retrieval_share']:.2f} "
+          f"(Amdahl bound {report['amdahl_bound']:.2f}x), rss {report['rss_mb']:.0f} MB")
+    for name, s in report["systems"].items():
+        print(f"{name:20} {s['seconds_per_prompt']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
+              f"  identical {s['identical_to_naive']}/{report['prompts']}  "
+              f"kb calls {s['kb_calls']}  stride {s['mean_stride']}")

@@ -1,0 +1,70 @@
+"""The kNN-LM's keys: a hidden state of the model at each position, read on a private copy.
+
+Two places to read it (Khandelwal et al. 2020 found the first better on their model; on the
+embedded model measure with ``rag-spec bench knnlm --compare-keys``):
+
+- ``"ffn_input"``: the input of the last layer's feed-forward block, after its norm;
+- ``"final"``: the final norm's output, the vector the LM head reads.
+
+Both are captured by a forward hook on the ``Runner``'s private module tree, so the user's
+model never carries a hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec.errors import RagSpecError
+
+KeyKind = Literal["ffn_input", "final"]
+KEY_KINDS: tuple[str, ...] = ("ffn_input", "final")
+
+
+class KeyedLM:
+    """Forward passes that return the next-token logits and the key at every position."""
+
+    def __init__(self, model: Any, key: KeyKind = "ffn_input") -> None:
+        if key not in KEY_KINDS:
+            msg = f"Unknown key {key!r}; use one of {', '.join(KEY_KINDS)}."
+            raise RagSpecError(msg)
+        self.key = key
+        # Our own runner (not the shared ``Runner.of``): the hook below lives on its copy only.
+        self.runner = Runner(model, RunnerSettings())
+        self._captured: list[torch.Tensor] = []
+        _key_module(self.runner.module, key).register_forward_hook(self._capture)
+
+    @property
+    def dim(self) -> int:
+        return int(self.runner.config.hidden_size)
+
+    def _capture(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        self._captured.append(output)
+
+    def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+        """(logits [batch, seq, vocab], keys [batch, seq, dim]) in float32."""
+        self._captured.clear()
+        out = self.runner(input_ids=input_ids, use_cache="past_key_values" in inputs, **inputs)
+        keys = self._captured.pop()
+        self._captured.clear()
+        return out.logits.float(), keys.float()
+
+
+def _key_module(model: Any, key: KeyKind) -> torch.nn.Module:
+    """The module whose output is the key, in a Llama-style model (``model.layers``, each with
+    a ``post_attention_layernorm``, and a final ``model.norm``)."""
+    base = getattr(model, "model", None)
+    if key == "final":
+        module, where = getattr(base, "norm", None), "final norm (model.norm)"
+    else:
+        layers = getattr(base, "layers", None)
+        module = getattr(layers[-1], "post_attention_layernorm", None) if layers else None
+        where = "last layer's post_attention_layernorm"
+    if not isinstance(module, torch.nn.Module):
+        msg = (f"{type(model).__name__} has no {where} to read kNN-LM keys from; models of "
+               "the Llama family (Llama, Mistral, Qwen2, SmolLM) have one.")
+        raise RagSpecError(msg)
+    return module

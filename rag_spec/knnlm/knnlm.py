@@ -1,0 +1,276 @@
+"""kNN-LM (Khandelwal et al. 2020), served naively or with speculative retrieval (RaLMSpec).
+
+At every step the model's key is searched in the datastore; the ``k`` nearest entries vote for
+the tokens that followed them, weighted by softmax(-distance / temperature), and
+``p = lambda * p_kNN + (1 - lambda) * p_LM``.
+
+A datastore search per token dominates the cost. KNNSpeculation (``KNNSpeculation``) guesses each
+step's neighbours from a small cache of entries near the last verified ones, decodes on, and
+checks a stride of steps with one batched search. The check is relaxed: a step stands when the
+token chosen from the true neighbours equals the guessed step's token (the neighbours may
+differ); at the first that does not, decoding rolls back to it. The model's keys and logits
+depend only on the tokens before, so the output is the naive loop's, token for token, greedy
+or sampled (a sampled step draws from its own seeded uniform, the same in both loops).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rag_spec.errors import RagSpecError
+from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
+from rag_spec.knnlm.keys import KeyedLM
+from rag_spec.knnlm.neighbour_cache import NeighbourCache
+from rag_spec.retrieval.os3 import StrideScheduler
+
+
+@dataclass(frozen=True)
+class KNNSpeculation:
+    """How speculative kNN-LM guesses and verifies.
+
+    Args:
+        successors: entries cached after each verified neighbour (the datastore is in corpus
+            order: they are the continuations of the text the neighbour came from).
+        capacity: most entries the cache holds (the oldest leave first).
+        os3: pick each stride with OS3 from measured step and search latencies and the hit
+            rate (else ``stride``).
+        stride: steps guessed per verification when ``os3`` is off.
+        max_stride: OS3's longest stride.
+    """
+
+    successors: int = 8
+    capacity: int = 4096
+    os3: bool = True
+    stride: int = 4
+    max_stride: int = 16
+
+
+@dataclass
+class KNNStats:
+    """Where a request's time went and what the datastore was asked."""
+
+    kb_calls: int = 0
+    queries_verified: int = 0
+    speculation_hits: int = 0  # guessed steps whose token the verification confirmed
+    rollbacks: int = 0
+    strides: list[int] = field(default_factory=list)
+    retrieval_seconds: float = 0.0  # inside datastore searches
+    generation_seconds: float = 0.0  # model forward passes
+    guess_seconds: float = 0.0  # searching the cache
+
+
+@dataclass
+class KNNResult:
+    text: str
+    token_ids: list[int]
+    stats: KNNStats
+
+
+@dataclass
+class _Step:
+    """A decoded step: the model's view before it, and its token (guessed or verified)."""
+
+    position: int  # in the output
+    logits: torch.Tensor
+    key: np.ndarray
+    token: int
+
+
+class KNNLM:
+    """A language model interpolated with nearest neighbours from a datastore.
+
+    Args:
+        lm: a loaded model (``rag_spec.load_model``), the one the datastore was built with.
+        datastore: its ``KNNDatastore``.
+        k: neighbours per step.
+        lambda_: weight of the neighbours' distribution.
+        temperature: softmax temperature over negative squared distances.
+        speculation: speculative retrieval settings; None runs the naive loop (a search per
+            token). The output is the same either way.
+
+    Examples:
+        >>> lm = rag_spec.load_model()                                   # doctest: +SKIP
+        >>> store = rag_spec.KNNDatastore.open(lm)                        # doctest: +SKIP
+        >>> rag_spec.KNNLM(lm, store).generate("os.path.join\\n").text   # doctest: +SKIP
+    """
+
+    def __init__(self, lm: Any, datastore: KNNDatastore, *, k: int = 16, lambda_: float = 0.25,
+                 temperature: float = 10.0,
+                 speculation: KNNSpeculation | None = KNNSpeculation()) -> None:  # noqa: B008
+        if datastore.model != model_fingerprint(lm.model):
+            msg = ("This datastore holds another model's hidden states (or other weights'); "
+                   "build one for this model: KNNDatastore.open(lm, rebuild=True).")
+            raise RagSpecError(msg)
+        if k < 1 or not 0 <= lambda_ <= 1 or temperature <= 0:
+            msg = f"Need k >= 1, 0 <= lambda_ <= 1 and temperature > 0 (got {k}, {lambda_}, " \
+                  f"{temperature})."
+            raise RagSpecError(msg)
+        self.lm = lm
+        self.datastore = datastore
+        self.k = k
+        self.lambda_ = lambda_
+        self.temperature = temperature
+        self.speculation = speculation
+        self.keyed = KeyedLM(lm.model, datastore.key)
+        self._learned: StrideScheduler | None = None  # the latest request's measurements
+        self._lock = threading.Lock()  # one request at a time: the runner's hook is shared
+
+    def distribution(self, logits: torch.Tensor, distances: np.ndarray,
+                     ids: np.ndarray) -> torch.Tensor:
+        """p = lambda * p_kNN + (1 - lambda) * p_LM over the vocabulary (float64)."""
+        p = torch.softmax(logits.double(), -1) * (1 - self.lambda_)
+        weights = torch.softmax(torch.from_numpy(-distances.astype(np.float64)) /
+                                self.temperature, -1)
+        values = torch.from_numpy(self.datastore.values[ids])
+        return p.index_add_(0, values, weights * self.lambda_)
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, *, do_sample: bool = False,
+                 seed: int = 0) -> KNNResult:
+        """Continue ``prompt``; the same tokens whether or not retrieval is speculative."""
+        if max_new_tokens < 1:
+            msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
+            raise RagSpecError(msg)
+        prompt_ids = self.lm.tokenizer(prompt)["input_ids"]
+        if not prompt_ids:
+            msg = "The prompt is empty; a kNN-LM needs a context to continue."
+            raise RagSpecError(msg)
+        with self._lock, torch.inference_mode():
+            run = _Run(self, prompt_ids, max_new_tokens, do_sample, seed)
+            if self.speculation is None:
+                run.naive()
+            else:
+                run.speculative(self._scheduler(), self.speculation)
+        text = self.lm.tokenizer.decode(run.output, skip_special_tokens=True)
+        return KNNResult(text, run.output, run.stats)
+
+    def _scheduler(self) -> StrideScheduler:
+        spec = self.speculation
+        if spec is None:
+            msg = "the naive loop has no scheduler"
+            raise ValueError(msg)
+        scheduler = StrideScheduler(os3=spec.os3, fixed=spec.stride, max_stride=spec.max_stride)
+        if self._learned is not None:
+            scheduler.resume(self._learned)
+        self._learned = scheduler
+        return scheduler
+
+
+class _Run:
+    """One request: the output so far and the model's KV cache over prompt + output."""
+
+    def __init__(self, knn: KNNLM, prompt_ids: list[int], limit: int, do_sample: bool,
+                 seed: int) -> None:
+        from transformers import DynamicCache
+
+        self.knn = knn
+        self.limit = limit
+        self.do_sample = do_sample
+        self.seed = seed
+        self.prompt_length = len(prompt_ids)
+        eos = knn.lm.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.output: list[int] = []
+        self.stats = KNNStats()
+        self.cache = DynamicCache()
+        self.device = next(knn.lm.model.parameters()).device
+        self.logits, self.key = self._forward(prompt_ids)
+
+    # -- the two loops -------------------------------------------------------------------------
+
+    def naive(self) -> None:
+        while True:
+            distances, ids = self._search(self.key[None])
+            if self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0])):
+                return
+
+    def speculative(self, scheduler: StrideScheduler, spec: KNNSpeculation) -> None:
+        cache = NeighbourCache(self.knn.datastore, spec.capacity, spec.successors)
+        while True:
+            if not len(cache):  # nothing to guess from yet: ask the datastore outright
+                distances, ids = self._search(self.key[None])
+                cache.add(ids)
+                if self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0])):
+                    return
+                continue
+            # 1. Guess a stride of steps from the cache, decoding on each guess.
+            stride, steps, done = scheduler.next_stride(), [], False
+            while len(steps) < stride and not done:
+                started = time.perf_counter()
+                guessed = cache.search(self.key, self.knn.k)
+                self.stats.guess_seconds += time.perf_counter() - started
+                position = len(self.output)
+                step = _Step(position, self.logits, self.key,
+                             self._choose(position, self.logits, *guessed))
+                steps.append(step)
+                done = self._emit(step.token)
+                scheduler.record_speculation(time.perf_counter() - started)
+            # 2. Verify them with one search; roll back at the first wrong token.
+            started = time.perf_counter()
+            distances, ids = self._search(np.stack([s.key for s in steps]))
+            seconds = time.perf_counter() - started
+            cache.add(ids)
+            self.stats.strides.append(len(steps))
+            truths = (self._choose(s.position, s.logits, distances[j], ids[j])
+                      for j, s in enumerate(steps))
+            matched = next((j for j, (s, truth) in enumerate(zip(steps, truths))
+                            if truth != s.token), len(steps))
+            scheduler.record_verification(seconds, len(steps), matched)
+            self.stats.speculation_hits += matched
+            if matched < len(steps):
+                self.stats.rollbacks += 1
+                wrong = steps[matched]
+                done = self._rollback(wrong.position, self._choose(
+                    wrong.position, wrong.logits, distances[matched], ids[matched]))
+            if done:
+                return
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _choose(self, position: int, logits: torch.Tensor, distances: np.ndarray,
+                ids: np.ndarray) -> int:
+        """The token at output ``position``: greedy, or drawn with that position's own uniform
+        (the same in every loop, whatever was guessed before)."""
+        p = self.knn.distribution(logits, distances, ids)
+        if not self.do_sample:
+            return int(torch.argmax(p))
+        u = np.random.default_rng([self.seed, position]).random()
+        cumulative = torch.cumsum(p, 0)
+        return int(min(torch.searchsorted(cumulative, u * cumulative[-1], right=True),
+                        len(p) - 1))
+
+    def _emit(self, token: int) -> bool:
+        """Append ``token``; True when generation is over, else the next step is computed."""
+        self.output.append(token)
+        if token in self.eos or len(self.output) >= self.limit:
+            return True
+        self.logits, self.key = self._forward([token])
+        return False
+
+    def _rollback(self, position: int, token: int) -> bool:
+        """Replace the output from ``position`` on with ``token``."""
+        del self.output[position:]
+        surplus = self.cache.get_seq_length() - (self.prompt_length + position)
+        if surplus > 0:
+            self.cache.crop(-surplus)  # transformers 5: a negative count removes that many
+        return self._emit(token)
+
+    def _forward(self, ids: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+        started = time.perf_counter()
+        logits, keys = self.knn.keyed(torch.tensor([ids], device=self.device),
+                                      past_key_values=self.cache)
+        self.stats.generation_seconds += time.perf_counter() - started
+        return logits[0, -1].cpu(), keys[0, -1].cpu().numpy()
+
+    def _search(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        found = self.knn.datastore.search(keys, self.knn.k)
+        self.stats.retrieval_seconds += time.perf_counter() - started
+        self.stats.kb_calls += 1
+        self.stats.queries_verified += len(keys)
+        return found
