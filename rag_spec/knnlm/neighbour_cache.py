@@ -9,18 +9,22 @@ among them. A guess is the cache's ``k`` nearest, under the distances the datast
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from rag_spec.knnlm.datastore import KNNDatastore
 
 
 class NeighbourCache:
-    """At most ``capacity`` datastore entries (the oldest leave first)."""
+    """At most ``capacity`` datastore entries (the oldest leave first).
+
+    Its arithmetic is torch's, not numpy's: numpy's BLAS keeps a thread pool of its own that
+    spins beside torch's OpenMP team and slowed every decoding step 2-3x on two cores."""
 
     def __init__(self, datastore: KNNDatastore, capacity: int, successors: int) -> None:
         self.datastore = datastore
         self.successors = successors
-        self.vectors = np.zeros((capacity, datastore.dim), dtype=np.float32)
-        self.squared_norms = np.zeros(capacity, dtype=np.float32)
+        self.vectors = torch.zeros((capacity, datastore.dim))
+        self.squared_norms = torch.zeros(capacity)
         self.ids = np.full(capacity, -1, dtype=np.int64)
         self.slots: dict[int, int] = {}  # entry id -> row
         self.count = 0
@@ -38,20 +42,24 @@ class NeighbourCache:
         new = new[-len(self.ids):]
         if not new:
             return
-        vectors = self.datastore.vectors(np.asarray(new))
-        for entry, vector in zip(new, vectors):
-            row = self.next_row
+        vectors = torch.from_numpy(self.datastore.vectors(np.asarray(new)))
+        rows = (self.next_row + np.arange(len(new))) % len(self.ids)
+        for entry, row in zip(new, rows.tolist()):
             if self.ids[row] >= 0:
                 del self.slots[int(self.ids[row])]
-            self.ids[row], self.vectors[row] = entry, vector
-            self.squared_norms[row] = float(vector @ vector)
             self.slots[entry] = row
-            self.next_row = (row + 1) % len(self.ids)
-            self.count = min(self.count + 1, len(self.ids))
+        self.ids[rows] = new
+        index = torch.from_numpy(rows)
+        self.vectors[index] = vectors
+        self.squared_norms[index] = vectors.pow(2).sum(1)
+        self.next_row = int(rows[-1] + 1) % len(self.ids)
+        self.count = min(self.count + len(new), len(self.ids))
 
     def search(self, key: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(squared distances, entry ids) of the cached entries nearest ``key``, nearest first."""
-        vectors = self.vectors[: self.count]
-        distances = self.squared_norms[: self.count] - 2 * (vectors @ key) + float(key @ key)
-        nearest = np.argsort(distances, kind="stable")[:k]
-        return np.maximum(distances[nearest], 0), self.ids[nearest]
+        query = torch.from_numpy(key)
+        distances = (self.squared_norms[: self.count] - 2 * (self.vectors[: self.count] @ query)
+                     + query @ query)
+        nearest = torch.topk(distances, min(k, self.count), largest=False, sorted=True).indices
+        return (distances[nearest].clamp_min(0).numpy(),
+                self.ids[nearest.numpy()])
