@@ -56,6 +56,8 @@ def add_bench_commands(commands: Any) -> None:
     knnlm.add_argument("--limit", type=int, default=6, help="prompts (default 6)")
     knnlm.add_argument("--max-new-tokens", type=int, default=32)
     knnlm.add_argument("--json", dest="json_out", help="write the report here")
+    knnlm.add_argument("--compare-keys", action="store_true",
+                       help="instead: perplexity with each key on held-out text (pkg:tqdm)")
     knnlm.set_defaults(run=_knnlm)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
@@ -83,8 +85,11 @@ def _draft(args: argparse.Namespace) -> int:
 
 
 def _knnlm(args: argparse.Namespace) -> int:
-    from rag_spec.bench.knnlm import run
+    from rag_spec.bench.knnlm import compare_keys, run
 
+    if args.compare_keys:
+        compare_keys(k=args.k, json_out=args.json_out)
+        return 0
     for flag, value in (("--kb-size", args.kb_size), ("--k", args.k), ("--nprobe", args.nprobe),
                         ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:

@@ -8,6 +8,7 @@ so the datastore holds text the generation can follow.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,51 @@ def run(retriever: str = "exact", kb_size: int = 1_000_000, k: int = 16, limit: 
             "per_prompt_speedup": [round(x, 3) for x in speedups]}
     name = f"knnlm_{retriever}_{len(datastore)}_k{k}"
     publish(report, json_out, name, _plot, _print_table)
+    return report
+
+
+def compare_keys(eval_source: str = "pkg:tqdm", limit: int = 150, k: int = 16,
+                 lambda_: float = 0.25, temperatures: tuple[float, ...] = (1.0, 3.0, 10.0, 30.0),
+                 json_out: str | None = None) -> dict[str, Any]:
+    """Which key predicts better: perplexity of the model alone and of the kNN-LM, and the kNN
+    distribution's top-1 accuracy, on text the datastore (the default corpus) does not hold."""
+    import torch
+
+    from rag_spec.corpus import load_passages
+    from rag_spec.knnlm import KNNLM, KNNDatastore
+    from rag_spec.knnlm.datastore import passage_text
+    from rag_spec.knnlm.keys import KEY_KINDS
+    from rag_spec.models import load_model
+
+    lm = load_model()
+    texts = [passage_text(p.title, p.text) for p in load_passages([eval_source])][:limit]
+    report: dict[str, Any] = {"benchmark": "knnlm_keys", "eval_source": eval_source,
+                              "eval_texts": len(texts), "k": k, "lambda": lambda_,
+                              "machine": machine(), "keys": {}}
+    for key in KEY_KINDS:
+        store = KNNDatastore.open(lm, key=key)
+        scores: dict[str, list[float]] = {"lm": [], "knn_top1": []}
+        scores.update({f"knnlm_t{t:g}": [] for t in temperatures})
+        knns = {t: KNNLM(lm, store, k=k, lambda_=lambda_, temperature=t) for t in temperatures}
+        for text in texts:
+            ids = lm.tokenizer(text)["input_ids"][:512]
+            logits, keys = knns[temperatures[0]].keyed(torch.tensor([ids]))
+            distances, neighbours = store.search(keys[0, :-1].numpy(), k)
+            for t, target in enumerate(ids[1:]):
+                scores["lm"].append(-float(torch.log_softmax(logits[0, t].double(), -1)[target]))
+                scores["knn_top1"].append(float(store.values[neighbours[t, 0]] == target))
+                for temperature, knn in knns.items():
+                    p = knn.distribution(logits[0, t], distances[t], neighbours[t])
+                    scores[f"knnlm_t{temperature:g}"].append(-float(torch.log(p[target])))
+        report["keys"][key] = {
+            "tokens": len(scores["lm"]),
+            "knn_top1_accuracy": round(float(np.mean(scores["knn_top1"])), 4),
+            "perplexity": {name: round(float(np.exp(np.mean(values))), 3)
+                           for name, values in scores.items() if name != "knn_top1"}}
+        print(key, report["keys"][key])
+    out = Path(json_out) if json_out else Path("docs/benchmarks/knnlm_keys.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return report
 
 

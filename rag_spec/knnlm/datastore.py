@@ -211,27 +211,28 @@ def compute_entries(lm: Any, texts: Sequence[str], *, key: KeyKind = "ffn_input"
     window = min(max_tokens, int(getattr(keyed.runner.config, "max_position_embeddings",
                                          max_tokens)))
     encoded = [ids[:window] for ids in lm.tokenizer(list(texts))["input_ids"]]
-    keys, values = [], []
-    device = next(lm.model.parameters()).device
-    for start in tqdm(range(0, len(encoded), batch_size), desc="kNN-LM datastore",
-                      unit="batch", disable=not progress):
-        batch = [ids for ids in encoded[start:start + batch_size] if len(ids) > 1]
-        if not batch:
-            continue
-        width = max(map(len, batch))
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, tokens in enumerate(batch):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            mask[row, : len(tokens)] = 1
-        _, hidden = keyed(ids.to(device), attention_mask=mask.to(device))
-        for row, tokens in enumerate(batch):  # right padding: a row's real positions lead
-            keys.append(hidden[row, : len(tokens) - 1].cpu().numpy())
-            values.append(np.asarray(tokens[1:], dtype=np.int64))
-    if not keys:
+    by_length = sorted((i for i, ids in enumerate(encoded) if len(ids) > 1),
+                       key=lambda i: len(encoded[i]))  # batches of like lengths pad little
+    if not by_length:
         msg = "No text had two tokens or more: a kNN-LM datastore needs some text."
         raise RagSpecError(msg)
-    return np.concatenate(keys), np.concatenate(values)
+    keys: dict[int, np.ndarray] = {}
+    device = next(lm.model.parameters()).device
+    for start in tqdm(range(0, len(by_length), batch_size), desc="kNN-LM datastore",
+                      unit="batch", disable=not progress):
+        batch = by_length[start:start + batch_size]
+        width = len(encoded[batch[-1]])
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
+            mask[row, : len(encoded[i])] = 1
+        hidden = keyed.keys(ids.to(device), mask.to(device))
+        for row, i in enumerate(batch):  # right padding: a row's real positions lead
+            keys[i] = hidden[row, : len(encoded[i]) - 1].cpu().numpy()
+    order = sorted(keys)  # back in corpus order
+    return (np.concatenate([keys[i] for i in order]),
+            np.concatenate([np.asarray(encoded[i][1:], dtype=np.int64) for i in order]))
 
 
 def model_fingerprint(model: Any) -> str:

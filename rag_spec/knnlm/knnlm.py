@@ -48,7 +48,7 @@ class KNNSpeculation:
     capacity: int = 4096
     os3: bool = True
     stride: int = 4
-    max_stride: int = 16
+    max_stride: int = 32
 
 
 @dataclass
@@ -203,6 +203,7 @@ class _Run:
             while len(steps) < stride and not done:
                 started = time.perf_counter()
                 guessed = cache.search(self.key, self.knn.k)
+                cache.add(guessed[1])  # the guessed texts read on: so does the cache
                 self.stats.guess_seconds += time.perf_counter() - started
                 position = len(self.output)
                 step = _Step(position, self.logits, self.key,
