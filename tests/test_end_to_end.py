@@ -51,3 +51,18 @@ def test_ask_command_answers_and_cites(user_cache, lm, kb, capsys):
     assert "Sources:" in out
     assert "posixpath.join" in out
     assert "tok/s" in out
+
+
+def test_knnlm_over_a_folder_is_identical_speculated(user_cache, lm, tmp_path):
+    from rag_spec import KNNLM, KNNDatastore
+    from rag_spec.corpus import load_passages
+
+    texts = [f"{p.title}\n{p.text}" for p in load_passages() if p.title.startswith("json.")]
+    (tmp_path / "json.txt").write_text("\n\n".join(texts))
+    store = KNNDatastore.open(lm, [str(tmp_path)], progress=False).with_distractors(60_000)
+    naive, spec = KNNLM(lm, store, speculation=None), KNNLM(lm, store)
+    for prompt in ("json.dumps\nSerialize ``obj`` to a JSON", "json.loads\nDeserialize"):
+        expected = naive.generate(prompt, 24)
+        got = spec.generate(prompt, 24)
+        assert got.token_ids == expected.token_ids
+        assert got.stats.kb_calls < expected.stats.kb_calls == 24
