@@ -184,3 +184,22 @@ def test_distractors_are_labelled_and_keep_the_real_entries(store):
     assert len(padded) == 5000 and padded.real == len(store)
     np.testing.assert_array_equal(padded.values[: len(store)], store.values)
     np.testing.assert_array_equal(padded.vectors(np.arange(10)), store.vectors(np.arange(10)))
+
+
+async def test_agenerate_keeps_the_event_loop_free_and_returns_the_same_tokens(store, lm):
+    import asyncio
+
+    knn = KNNLM(lm, store)
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    result = await knn.agenerate("the cat ", 40)
+    ticker.cancel()
+    assert result.token_ids == knn.generate("the cat ", 40).token_ids
+    assert ticks > 0  # the loop ran while the kNN-LM generated

@@ -15,6 +15,7 @@ or sampled (a sampled step draws from its own seeded uniform, the same in both l
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM
 from rag_spec.knnlm.neighbour_cache import NeighbourCache
 from rag_spec.retrieval.os3 import StrideScheduler
+from rag_spec.threads import run_in_compute_thread
 
 
 @dataclass(frozen=True)
@@ -145,15 +147,18 @@ class KNNLM:
             if self.speculation is None:
                 run.naive()
             else:
-                run.speculative(self._scheduler(), self.speculation)
+                run.speculative(self._scheduler(self.speculation), self.speculation)
         text = self.lm.tokenizer.decode(run.output, skip_special_tokens=True)
         return KNNResult(text, run.output, run.stats)
 
-    def _scheduler(self) -> StrideScheduler:
-        spec = self.speculation
-        if spec is None:
-            msg = "the naive loop has no scheduler"
-            raise ValueError(msg)
+    async def agenerate(self, prompt: str, max_new_tokens: int = 64, *,
+                        do_sample: bool = False, seed: int = 0) -> KNNResult:
+        """``generate`` on rag-spec's compute thread: the event loop stays free."""
+        return await run_in_compute_thread(functools.partial(
+            self.generate, prompt, max_new_tokens, do_sample=do_sample, seed=seed))
+
+    def _scheduler(self, spec: KNNSpeculation) -> StrideScheduler:
+        """A stride scheduler that starts from the previous request's measurements."""
         scheduler = StrideScheduler(os3=spec.os3, fixed=spec.stride, max_stride=spec.max_stride)
         if self._learned is not None:
             scheduler.resume(self._learned)
