@@ -13,6 +13,7 @@ from rag_spec.knnlm import KNNLM, KNNDatastore, KNNSpeculation
 from rag_spec.knnlm.datastore import FLOAT16_TOLERANCE, compute_entries
 from rag_spec.knnlm.keys import KeyedLM
 from rag_spec.paths import cache_dir
+from rag_spec.retrieval import flat_search
 from test_sampling import chi_square_ok
 
 TEXTS = [
@@ -73,7 +74,12 @@ def test_flat_search_is_exact_l2_and_float16_stays_within_tolerance(store, lm):
     np.testing.assert_allclose(half_distances, distances, rtol=FLOAT16_TOLERANCE, atol=1e-3)
 
 
-def test_search_results_do_not_depend_on_the_batch(store):
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_search_results_do_not_depend_on_the_batch(store, precision, monkeypatch):
+    monkeypatch.setattr(flat_search, "CONVERT_ROWS", 64)  # float16: several pieces
+    if precision == "float16":
+        store = KNNDatastore(store.vectors(np.arange(len(store))), store.values,
+                             key=store.key, model=store.model, precision="float16")
     rng = np.random.default_rng(1)
     queries = store.vectors(rng.integers(0, len(store), 9)) + rng.normal(0, 0.2, (9, 32))
     together = store.search(queries, 8)
