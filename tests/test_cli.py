@@ -108,3 +108,12 @@ def test_milvus_index_build_and_its_flags(capsys, tmp_path):
     assert code == 2 and "add --backend milvus" in err
     code, _, err = run(capsys, "bench", "ralm", "--uri", uri)
     assert code == 2 and "--retriever milvus" in err
+
+
+@pytest.mark.parametrize("flags, match", [(["--k", "0"], "--k must be at least 1"),
+                                          (["--retriever", "approx", "--precision", "float16"],
+                                           "float16 applies to exact")])
+def test_knnlm_bench_flags_are_checked_before_anything_loads(capsys, flags, match):
+    code, _, err = run(capsys, "bench", "knnlm", *flags)
+    assert code == 2
+    assert match in err and "Traceback" not in err

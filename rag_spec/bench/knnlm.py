@@ -17,13 +17,14 @@ import numpy as np
 
 from rag_spec.bench.report import (
     Run,
-    figure,
     interleaved,
+    loop_summary,
     machine,
     median,
+    print_loop_table,
     publish,
     rss_mb,
-    save_figure,
+    speedup_bars,
 )
 
 PROMPT_WORDS = 8  # of a passage's text after its title
@@ -83,21 +84,14 @@ def run(retriever: str = "exact", kb_size: int = 1_000_000, k: int = 16, limit: 
         "datastore_gb": round(datastore.nbytes / 1e9, 2), "rss_mb": round(rss_mb(), 1),
         "machine": machine(), "systems": {}}
     for name, system_runs in runs.items():
-        speedups = [n.seconds / r.seconds for n, r in zip(naive, system_runs)]
-        stats = [r.extra["stats"] for r in system_runs]
         report["systems"][name] = {
             "seconds_per_prompt": round(median([r.seconds for r in system_runs]), 3),
-            "speedup_vs_naive": round(median(speedups), 3),
-            "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, system_runs)),
-            "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
+            **loop_summary(naive, system_runs),
             "tokens": round(float(np.mean([len(r.tokens) for r in system_runs])), 1),
-            "retrieval_seconds": round(median([s.retrieval_seconds for s in stats]), 3),
-            "generation_seconds": round(median([s.generation_seconds for s in stats]), 3),
-            "guess_seconds": round(median([s.guess_seconds for s in stats]), 3),
-            "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
-            "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
-                                                for s in stats])), 2),
-            "per_prompt_speedup": [round(x, 3) for x in speedups]}
+            "guess_seconds": round(median([r.extra["stats"].guess_seconds
+                                           for r in system_runs]), 3),
+            "per_prompt_speedup": [round(n.seconds / r.seconds, 3)
+                                   for n, r in zip(naive, system_runs)]}
     name = f"knnlm_{retriever}_{len(datastore)}_k{k}"
     publish(report, json_out, name, _plot, _print_table)
     return report
@@ -149,24 +143,12 @@ def compare_keys(eval_source: str = "pkg:tqdm", limit: int = 150, k: int = 16,
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    names = list(report["systems"])
-    fig, ax = figure()
-    ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
-    ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
-               label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_ylabel("speedup vs naive kNN-LM (median)")
-    ax.set_title(f"kNN-LM, {report['retriever']}, {report['datastore_size']:,} entries, "
+    speedup_bars(report, path, "kNN-LM",
+                 f"kNN-LM, {report['retriever']}, {report['datastore_size']:,} entries, "
                  f"k={report['k']}, retrieval share {report['retrieval_share']:.2f}")
-    ax.legend()
-    save_figure(fig, path)
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    print(f"\nkNN-LM {report['retriever']}, {report['datastore_size']} entries, k {report['k']}, "
-          f"retrieval share {report['retrieval_share']:.2f} "
-          f"(Amdahl bound {report['amdahl_bound']:.2f}x), rss {report['rss_mb']:.0f} MB")
-    for name, s in report["systems"].items():
-        print(f"{name:20} {s['seconds_per_prompt']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
-              f"  identical {s['identical_to_naive']}/{report['prompts']}  "
-              f"kb calls {s['kb_calls']}  stride {s['mean_stride']}")
+    print_loop_table(report, f"kNN-LM {report['retriever']}, {report['datastore_size']} entries, "
+                     f"k {report['k']}, rss {report['rss_mb']:.0f} MB",
+                     "seconds_per_prompt", "prompts")

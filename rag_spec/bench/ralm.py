@@ -12,13 +12,14 @@ import numpy as np
 from rag_spec.bench.prompts import RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
-    figure,
     interleaved,
+    loop_summary,
     machine,
     median,
+    print_loop_table,
     publish,
     rss_mb,
-    save_figure,
+    speedup_bars,
 )
 
 # name -> (prefetch, os3, asynchronous, lookahead decoding, search only); None = the naive loop.
@@ -94,20 +95,13 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
         "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
     for name, system_runs in runs.items():
-        speedups = [n.seconds / r.seconds for n, r in zip(naive, system_runs)]
-        stats = [r.extra["stats"] for r in system_runs]
         report["systems"][name] = {
             "seconds_per_request": round(median([r.seconds for r in system_runs]), 3),
-            "speedup_vs_naive": round(median(speedups), 3),
-            "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, system_runs)),
-            "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
-            "retrieval_seconds": round(median([s.retrieval_seconds for s in stats]), 3),
-            "generation_seconds": round(median([s.generation_seconds for s in stats]), 3),
-            "waiting_seconds": round(median([s.waiting_seconds for s in stats]), 3),
-            "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
-            "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
-                                                for s in stats])), 2),
-            "per_question_speedup": [round(x, 3) for x in speedups]}
+            **loop_summary(naive, system_runs),
+            "waiting_seconds": round(median([r.extra["stats"].waiting_seconds
+                                             for r in system_runs]), 3),
+            "per_question_speedup": [round(n.seconds / r.seconds, 3)
+                                     for n, r in zip(naive, system_runs)]}
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
         "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "")
     publish(report, json_out, name, _plot, _print_table)
@@ -141,26 +135,12 @@ def with_distractors(kb: Any, size: int, seed: int = 0) -> Any:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    names = list(report["systems"])
-    fig, ax = figure()
-    ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
-    ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
-               label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_ylabel("speedup vs naive RaLM (median)")
-    ax.set_title(f"{report['retriever']}{' (packed)' if report.get('packed') else ''}, "
-                 f"{report['kb_size']} passages, "
-                 f"{report['latency_ms']:.0f} ms latency, retrieval share "
-                 f"{report['retrieval_share']:.2f}")
-    ax.legend()
-    save_figure(fig, path)
+    speedup_bars(report, path, "RaLM",
+                 f"{report['retriever']}{' (packed)' if report.get('packed') else ''}, "
+                 f"{report['kb_size']} passages, {report['latency_ms']:.0f} ms latency, "
+                 f"retrieval share {report['retrieval_share']:.2f}")
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    print(f"\nretriever {report['retriever']}, kb {report['kb_size']}, latency "
-          f"{report['latency_ms']} ms, retrieval share {report['retrieval_share']:.2f} "
-          f"(Amdahl bound {report['amdahl_bound']:.2f}x)")
-    for name, s in report["systems"].items():
-        print(f"{name:14} {s['seconds_per_request']:7.2f} s  {s['speedup_vs_naive']:5.2f}x"
-              f"  identical {s['identical_to_naive']}/{report['questions']}  "
-              f"kb calls {s['kb_calls']}")
+    print_loop_table(report, f"retriever {report['retriever']}, kb {report['kb_size']}, "
+                     f"latency {report['latency_ms']} ms", "seconds_per_request", "questions")

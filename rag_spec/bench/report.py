@@ -122,3 +122,46 @@ def save_figure(fig: Any, path: Path, title: str | None = None) -> None:
 def setting(report: dict[str, Any]) -> str:
     """The model, dtype and cores a report was measured with, for a plot's title."""
     return f"{report['model']}, {report['dtype']}, {report['machine']['cpus']} CPUs"
+
+
+def loop_summary(naive: Sequence[Run], runs: Sequence[Run]) -> dict[str, Any]:
+    """What a retrieval loop's runs are reported with, against the naive loop's on the same
+    items (``extra["stats"]``: kb_calls, retrieval/generation seconds, rollbacks, strides)."""
+    import numpy as np
+
+    stats = [r.extra["stats"] for r in runs]
+    return {
+        "speedup_vs_naive": round(median([n.seconds / r.seconds for n, r in zip(naive, runs)]),
+                                  3),
+        "identical_to_naive": sum(r.tokens == n.tokens for n, r in zip(naive, runs)),
+        "kb_calls": round(float(np.mean([s.kb_calls for s in stats])), 2),
+        "retrieval_seconds": round(median([s.retrieval_seconds for s in stats]), 3),
+        "generation_seconds": round(median([s.generation_seconds for s in stats]), 3),
+        "rollbacks": round(float(np.mean([s.rollbacks for s in stats])), 2),
+        "mean_stride": round(float(np.mean([np.mean(s.strides) if s.strides else 1
+                                            for s in stats])), 2)}
+
+
+def speedup_bars(report: dict[str, Any], path: Path, loop: str, title: str) -> None:
+    """Each system's median speedup over the naive ``loop``, beside the Amdahl bound."""
+    names = list(report["systems"])
+    fig, ax = figure()
+    ax.bar(names, [report["systems"][n]["speedup_vs_naive"] for n in names], color="#4c72b0")
+    ax.axhline(report["amdahl_bound"], color="red", ls="--", lw=1,
+               label=f"Amdahl bound {report['amdahl_bound']:.2f}x")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel(f"speedup vs naive {loop} (median)")
+    ax.set_title(title)
+    ax.legend()
+    save_figure(fig, path)
+
+
+def print_loop_table(report: dict[str, Any], setting: str, seconds: str, items: str) -> None:
+    """The ``setting`` and its Amdahl bound, then a line per system: seconds (the ``seconds``
+    key), speedup, outputs identical out of ``report[items]``, calls and stride."""
+    print(f"\n{setting}, retrieval share {report['retrieval_share']:.2f} "
+          f"(Amdahl bound {report['amdahl_bound']:.2f}x)")
+    for name, s in report["systems"].items():
+        print(f"{name:20} {s[seconds]:7.2f} s  {s['speedup_vs_naive']:5.2f}x  identical "
+              f"{s['identical_to_naive']}/{report[items]}  kb calls {s['kb_calls']}  "
+              f"stride {s['mean_stride']}")
