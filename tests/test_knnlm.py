@@ -48,7 +48,8 @@ def test_entries_are_each_positions_key_and_next_token(lm):
 @pytest.mark.parametrize("key", ["ffn_input", "final"])
 def test_keys_are_read_on_a_private_copy(lm, key):
     model = lm.model
-    keyed = KeyedLM(model, key)
+    keyed = KeyedLM.of(model, key)
+    assert KeyedLM.of(model, key) is keyed  # one runner (and weight copy) per model and key
     logits, keys = keyed(torch.tensor([[3, 4, 5]]))
     assert keys.shape == (1, 3, 32)
     torch.testing.assert_close(logits, model(torch.tensor([[3, 4, 5]])).logits,

@@ -30,7 +30,7 @@ from rag_spec.corpus import DEFAULT_SOURCES, fingerprint, load_passages
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.keys import KeyedLM, KeyKind
 from rag_spec.paths import atomic_dir, atomic_file, cache_dir
-from rag_spec.retrieval.flat_search import top_k_inner_product
+from rag_spec.retrieval.flat_search import CHUNK_ROWS, top_k_inner_product
 from rag_spec.retrieval.knowledge_base import corpus_dir
 
 KINDS = ("flat", "ivfpq")
@@ -117,8 +117,8 @@ class KNNDatastore:
         keys = torch.empty((size, self.dim), dtype=self._keys.dtype)
         keys[: self.real] = self._keys[: self.real]
         generator = torch.Generator().manual_seed(seed)
-        for start in range(self.real, size, 262_144):
-            rows = min(262_144, size - start)
+        for start in range(self.real, size, CHUNK_ROWS):
+            rows = min(CHUNK_ROWS, size - start)
             noise = torch.randn((rows, self.dim), generator=generator)
             keys[start:start + rows] = (mean + std * noise).to(keys.dtype)
         vocab = int(self.values[: self.real].max()) + 1
@@ -207,7 +207,7 @@ def compute_entries(lm: Any, texts: Sequence[str], *, key: KeyKind = "ffn_input"
     token, texts in order."""
     from tqdm.auto import tqdm
 
-    keyed = KeyedLM(lm.model, key)
+    keyed = KeyedLM.of(lm.model, key)
     window = min(max_tokens, int(getattr(keyed.runner.config, "max_position_embeddings",
                                          max_tokens)))
     encoded = [ids[:window] for ids in lm.tokenizer(list(texts))["input_ids"]]
@@ -257,8 +257,8 @@ def build_ivfpq(keys: np.ndarray, seed: int = 0) -> Any:
     index = faiss.IndexIVFPQ(faiss.IndexFlatL2(dim), dim, lists, sub, bits)
     sample = keys[np.random.default_rng(seed).permutation(n)[: max(lists, 2 ** bits) * 50]]
     index.train(sample)
-    for start in range(0, n, 262_144):
-        index.add(keys[start:start + 262_144])
+    for start in range(0, n, CHUNK_ROWS):
+        index.add(keys[start:start + CHUNK_ROWS])
     index.make_direct_map()
     return index
 
@@ -287,8 +287,8 @@ def _read_meta(folder: Path) -> dict[str, Any] | None:
 
 def _half_squared_norms(keys: torch.Tensor) -> torch.Tensor:
     """|x|^2 / 2 per key, in float32 from the stored precision, chunk by chunk."""
-    return torch.cat([0.5 * keys[start:start + 262_144].float().pow(2).sum(1)
-                      for start in range(0, len(keys), 262_144)])
+    return torch.cat([0.5 * keys[start:start + CHUNK_ROWS].float().pow(2).sum(1)
+                      for start in range(0, len(keys), CHUNK_ROWS)])
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

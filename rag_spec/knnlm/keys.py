@@ -13,6 +13,8 @@ model never carries a hook.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -25,7 +27,14 @@ KEY_KINDS: tuple[str, ...] = ("ffn_input", "final")
 
 
 class KeyedLM:
-    """Forward passes that return the next-token logits and the key at every position."""
+    """Forward passes that return the next-token logits and the key at every position.
+
+    Take them from ``KeyedLM.of(model, key)``: one per model and key, as its runner holds a
+    copy of the linear weights (oneDNN's layout) that every datastore build and ``KNNLM`` of
+    that model then shares. Calls are serialised (the hook's capture is per instance)."""
+
+    _cache: weakref.WeakKeyDictionary[Any, dict[str, KeyedLM]] = weakref.WeakKeyDictionary()
+    _cache_lock = threading.Lock()
 
     def __init__(self, model: Any, key: KeyKind = "ffn_input") -> None:
         if key not in KEY_KINDS:
@@ -35,11 +44,20 @@ class KeyedLM:
         # Our own runner (not the shared ``Runner.of``): the hook below lives on its copy only.
         self.runner = Runner(model, RunnerSettings())
         self._captured: list[torch.Tensor] = []
+        self._lock = threading.Lock()
         _key_module(self.runner.module, key).register_forward_hook(self._capture)
 
-    @property
-    def dim(self) -> int:
-        return int(self.runner.config.hidden_size)
+    @classmethod
+    def of(cls, model: Any, key: KeyKind = "ffn_input") -> KeyedLM:
+        """The shared ``KeyedLM`` of ``model`` and ``key``, built on first use and kept while
+        the model lives (its weight copies refreshed if weights changed in place since)."""
+        with cls._cache_lock:
+            keyed = cls._cache.setdefault(model, {}).get(key)
+            if keyed is None:
+                keyed = cls._cache[model][key] = cls(model, key)
+        for stack in keyed.runner.stacks:
+            stack.refresh()
+        return keyed
 
     def _capture(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
         self._captured.append(output)
@@ -47,22 +65,20 @@ class KeyedLM:
     def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor,
                                                                          torch.Tensor]:
         """(logits [batch, seq, vocab], keys [batch, seq, dim]) in float32."""
-        self._captured.clear()
-        out = self.runner(input_ids=input_ids, use_cache="past_key_values" in inputs, **inputs)
-        keys = self._captured.pop()
-        self._captured.clear()
-        return out.logits.float(), keys.float()
+        with self._lock:
+            self._captured.clear()
+            out = self.runner(input_ids=input_ids, use_cache="past_key_values" in inputs,
+                              **inputs)
+            return out.logits.float(), self._captured.pop().float()
 
     def keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Keys alone [batch, seq, dim] (float32): the LM head, a fifth of a small model's
         work, is skipped (building a datastore)."""
-        self._captured.clear()
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
+            self._captured.clear()
             self.runner.module.model(input_ids=input_ids, attention_mask=attention_mask,
                                      use_cache=False)
-        keys = self._captured.pop()
-        self._captured.clear()
-        return keys.float()
+            return self._captured.pop().float()
 
 
 def _key_module(model: Any, key: KeyKind) -> torch.nn.Module:

@@ -119,9 +119,9 @@ class KNNLM:
         self.lambda_ = lambda_
         self.temperature = temperature
         self.speculation = speculation
-        self.keyed = KeyedLM(lm.model, datastore.key)
+        self.keyed = KeyedLM.of(lm.model, datastore.key)
         self._learned: StrideScheduler | None = None  # the latest request's measurements
-        self._lock = threading.Lock()  # one request at a time: the runner's hook is shared
+        self._lock = threading.Lock()  # one request at a time: each teaches the scheduler
 
     def distribution(self, logits: torch.Tensor, distances: np.ndarray,
                      ids: np.ndarray) -> torch.Tensor:
@@ -189,18 +189,16 @@ class _Run:
     # -- the two loops -------------------------------------------------------------------------
 
     def naive(self) -> None:
-        while True:
-            distances, ids = self._search(self.key[None])
-            if self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0])):
-                return
+        while not self._searched_step()[1]:
+            pass
 
     def speculative(self, scheduler: StrideScheduler, spec: KNNSpeculation) -> None:
         cache = NeighbourCache(self.knn.datastore, spec.capacity, spec.successors)
         while True:
             if not len(cache):  # nothing to guess from yet: ask the datastore outright
-                distances, ids = self._search(self.key[None])
+                ids, done = self._searched_step()
                 cache.add(ids)
-                if self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0])):
+                if done:
                     return
                 continue
             # 1. Guess a stride of steps from the cache, decoding on each guess.
@@ -222,21 +220,27 @@ class _Run:
             seconds = time.perf_counter() - started
             cache.add(ids)
             self.stats.strides.append(len(steps))
-            truths = (self._choose(s.position, s.logits, distances[j], ids[j])
-                      for j, s in enumerate(steps))
-            matched = next((j for j, (s, truth) in enumerate(zip(steps, truths))
-                            if truth != s.token), len(steps))
+            matched, truth = len(steps), None
+            for j, step in enumerate(steps):
+                truth = self._choose(step.position, step.logits, distances[j], ids[j])
+                if truth != step.token:
+                    matched = j
+                    break
             scheduler.record_verification(seconds, len(steps), matched)
             self.stats.speculation_hits += matched
-            if matched < len(steps):
+            if matched < len(steps) and truth is not None:
                 self.stats.rollbacks += 1
-                wrong = steps[matched]
-                done = self._rollback(wrong.position, self._choose(
-                    wrong.position, wrong.logits, distances[matched], ids[matched]))
+                done = self._rollback(steps[matched].position, truth)
             if done:
                 return
 
     # -- steps ---------------------------------------------------------------------------------
+
+    def _searched_step(self) -> tuple[np.ndarray, bool]:
+        """One step on the true neighbours: the datastore is searched for this step's key.
+        Returns the neighbours' ids and whether generation is over."""
+        distances, ids = self._search(self.key[None])
+        return ids, self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0]))
 
     def _choose(self, position: int, logits: torch.Tensor, distances: np.ndarray,
                 ids: np.ndarray) -> int:

@@ -85,6 +85,7 @@ class VectorScorer:
         self.chunk = chunk  # texts per encode call: an answer waits for one chunk at most
         self._vectors: OrderedDict[int, np.ndarray] = OrderedDict()
         self._queue: OrderedDict[int, str] = OrderedDict()  # doc id -> text, best ranks first
+        self._embedding: set[int] = set()  # taken from the queue, being embedded
         self._lock = threading.Lock()
 
     def fetch(self, search: Callable[[], list[list[Hit]]]) -> list[list[Hit]]:
@@ -100,7 +101,8 @@ class VectorScorer:
                    if rank < len(hits)]
         with self._lock:
             for hit in by_rank:
-                if hit.vector is None and hit.doc_id not in self._vectors:
+                if hit.vector is None and hit.doc_id not in self._vectors and \
+                        hit.doc_id not in self._embedding:
                     self._queue.setdefault(hit.doc_id, hit.text)
             while len(self._queue) > self.memory:
                 self._queue.popitem(last=False)
@@ -137,13 +139,20 @@ class VectorScorer:
     def _embed_next(self) -> bool:
         """Embed the next chunk of queued texts; False when none was queued."""
         with self._lock:
-            chunk = [self._queue.popitem(last=False) for _ in range(min(self.chunk,
-                                                                         len(self._queue)))]
+            chunk = dict(self._queue.popitem(last=False)
+                         for _ in range(min(self.chunk, len(self._queue))))
+            self._embedding.update(chunk)
         if not chunk:
             return False
-        fresh = self.embedder.encode([text for _, text in chunk])
+        try:
+            fresh = self.embedder.encode(list(chunk.values()))
+        except BaseException:
+            with self._lock:
+                self._embedding.difference_update(chunk)
+            raise
         with self._lock:
-            self._vectors.update(zip((doc_id for doc_id, _ in chunk), fresh))
+            self._vectors.update(zip(chunk, fresh))
+            self._embedding.difference_update(chunk)
             while len(self._vectors) > self.memory:
                 self._vectors.popitem(last=False)
         return True
