@@ -26,6 +26,7 @@ _EXPORTS = {
     "DraftModelDrafter": "rag_spec.decoding",
     "EarlyExitDrafter": "rag_spec.decoding",
     "MergedDrafter": "rag_spec.decoding",
+    "SelfSpecDrafter": "rag_spec.decoding",
     "Expansion": "rag_spec.decoding",
     "SpecRetriever": "rag_spec.retrieval.spec_retriever",
     "IterativeRaLM": "rag_spec.serving.ralm",

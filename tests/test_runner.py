@@ -86,6 +86,21 @@ def test_a_users_linear_wrapper_is_kept_and_still_runs():
     assert vars(layer)["forward"] is wrapper
 
 
+def test_a_wrapped_decoder_layer_gets_dense_masks_and_stays_lossless():
+    # The wrapped layer is not copied, so its attention keeps the user's config (stock SDPA),
+    # which cannot read a compact tree mask: the runner spells masks out for it.
+    model = tiny_llama(seed=4)
+    prompts = [repetitive_prompt(s, length=12 + 9 * s) for s in range(3)]
+    expected = [hf_greedy(model, p, 20) for p in prompts]
+    layer = model.model.layers[1]
+    original = layer.forward
+    layer.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    decoder = LookaheadDecoder(model)
+    assert not decoder.runner.tree_attention
+    assert [r.token_ids for r in decoder.generate(prompts, 20)] == expected
+    assert LookaheadDecoder(tiny_llama(seed=4)).runner.tree_attention  # unwrapped: compact
+
+
 def test_runner_shares_weights_and_its_attention_config_is_private():
     model = tiny_llama(seed=5)
     runner = Runner.of(model, RunnerSettings(onednn_linear=False))

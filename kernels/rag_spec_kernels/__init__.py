@@ -1,5 +1,6 @@
-"""CPU kernels for verifying token trees: tree attention that reads each KV head once, and
-oneDNN linear layers that keep few-token steps cheap. Nothing here modifies a caller's model:
+"""Kernels for verifying token trees: attention under a compact tree mask that reads each KV
+head once (torch on the CPU, Triton on a GPU), and oneDNN linear layers that keep few-token
+steps cheap on the CPU. Nothing here modifies a caller's model:
 the decoder's runner puts these into its private copy of the module tree."""
 
 from rag_spec_kernels.onednn_linear import (
@@ -14,10 +15,12 @@ from rag_spec_kernels.onednn_linear import (
 )
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
+    TreeMask,
+    reference_attention,
     register_tree_attention,
     tree_attention,
 )
 
 __all__ = ["TREE_ATTENTION", "LinearStack", "OneDNNLinear", "is_plain_linear", "linear_stacks",
            "onednn_available", "onednn_ops_available", "pack_weight", "packed_linear",
-           "register_tree_attention", "tree_attention"]
+           "reference_attention", "register_tree_attention", "tree_attention", "TreeMask"]

@@ -163,9 +163,7 @@ def _step_costs(target: Any, context: int) -> dict[str, float]:
         for _ in range(5):
             _sync(target)
             started = time.perf_counter()
-            runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                   attention_mask=batch.attention_mask, past_key_values=cache.cache,
-                   use_cache=True)
+            cache.forward(runner, batch)
             _sync(target)
             timings.append(time.perf_counter() - started)
             cache.keep([[]], [3])  # drop the step's slots again

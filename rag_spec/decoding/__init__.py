@@ -11,6 +11,7 @@ from rag_spec.decoding.merged_drafter import MergedDrafter
 from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.decoding.sampling import SamplingParams
+from rag_spec.decoding.self_drafter import SelfSpecDrafter
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.tree_expansion import Expansion
@@ -20,5 +21,5 @@ from rag_spec.decoding.verify import Verdict, verify
 __all__ = ["DecodeStats", "DraftModelDrafter", "DraftRequest", "DraftSession", "Drafter",
            "EarlyExitDrafter", "Expansion", "GenerationResult", "LookaheadConfig",
            "LookaheadDecoder", "MergedDrafter", "Runner", "RunnerSettings", "SamplingParams",
-           "TargetView", "TokenTree", "TreeKVCache", "TrieConfig", "TrieDrafter", "Verdict",
-           "verify"]
+           "SelfSpecDrafter", "TargetView", "TokenTree", "TreeKVCache", "TrieConfig",
+           "TrieDrafter", "Verdict", "verify"]

@@ -285,10 +285,10 @@ class LookaheadDecoder:
         row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
         tree_cache = TreeKVCache.of_row(cache, context[-1], self._window)
         length = tree_cache.length
-        runner = self.runner
+        target = TargetView(self.runner, tree_cache)
         with self._lock:
             while row.finish_reason is None:
-                self._step([row], [rule], tree_cache, runner)
+                self._step([row], [rule], target)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
         return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
 
@@ -303,33 +303,31 @@ class LookaheadDecoder:
         started = time.perf_counter()
         runner = self.runner
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
-            cache = TreeKVCache.prefill(runner, [r.prompt for r in rows])
+            target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
         while any(r.finish_reason is None for r in rows):
-            self._step(rows, rules, cache, runner)
+            self._step(rows, rules, target)
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
 
     @torch.inference_mode()
-    def _step(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache,
-              runner: Runner) -> None:
+    def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView) -> None:
         """One step for every row: draft, verify in one forward pass, accept, compact."""
+        cache, runner = target.cache, target.runner
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
         requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0, r.sampler)
                     for r, on in zip(rows, active)]
         trees = [tree if on else TokenTree.empty() for tree, on in zip(
-            propose(self.drafter, requests, TargetView(runner, cache)), active)]
+            propose(self.drafter, requests, target), active)]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        batch = cache.step(trees, runner.dtype)
-        logits = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                        attention_mask=batch.attention_mask, past_key_values=cache.cache,
-                        use_cache=True).logits
+        logits = cache.forward(runner, cache.step(trees, runner.dtype))
         t2 = time.perf_counter()
+        target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
         # 3. Verify: each row's accepted path and the target's next token after it.
         verdicts = [verify(logits[b, :1 + len(tree)], tree, row.sampler, row.context,
                            len(row.output)) for b, (row, tree) in enumerate(zip(rows, trees))]

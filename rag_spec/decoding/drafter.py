@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from rag_spec.decoding.step_costs import StepCosts
 from rag_spec.decoding.tree import TokenTree
 
 if TYPE_CHECKING:
@@ -56,10 +57,15 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class TargetView:
-    """What a drafter may read of the target, for the rows of ``DraftRequest``s in order."""
+    """What a drafter may read of the target, for the rows of ``DraftRequest``s in order.
+
+    The committed part of ``cache`` is read only. A drafter may run passes of the target in a
+    round of its own on it (a self-draft), which it discards before returning.
+    """
 
     runner: Runner  # forward passes through the fast path (shares the target's weights)
-    cache: TreeKVCache  # committed KV entries, validity and positions of every row: read only
+    cache: TreeKVCache  # committed KV entries, validity and positions of every row
+    costs: StepCosts = field(default_factory=StepCosts)  # measured pass costs of this batch
 
 
 @runtime_checkable

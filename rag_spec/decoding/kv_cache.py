@@ -1,5 +1,9 @@
 """KV caches the decoder understands: transformers' DynamicCache with full-length layers.
 
+Its layers are ``SlabLayer``s: keys and values are views of a preallocated slab, so a step
+appends in place. transformers' ``DynamicLayer`` concatenates instead, which copies the whole
+cache every step (at batch 16 x 4k context: 3 GB per step, 70% of its time).
+
 Speculation writes draft entries and then keeps only accepted ones, so every layer must hold
 every position: a sliding-window layer that drops old entries by itself would lose the slots
 being compacted. Sliding-window attention (Mistral-style) is therefore applied by the masks
@@ -20,10 +24,49 @@ _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
 def new_cache() -> Any:
-    """An empty cache of full-length layers (created as the model fills them)."""
+    """An empty cache of full-length slab layers (created as the model fills them)."""
     from transformers import DynamicCache
 
-    return DynamicCache()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _slab_layer()
+    return cache
+
+
+@functools.cache
+def _slab_layer() -> type:
+    """``SlabLayer``, defined on first use (transformers is imported lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        """A DynamicLayer that appends in place: ``keys`` and ``values`` are prefix views of
+        slabs with spare room, regrown by an eighth (at least 256 slots) when full. Anything
+        that assigns them a prefix view of themselves (cropping, compaction) keeps the slab."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys = _append(self.keys, key_states)
+            self.values = _append(self.values, value_states)
+            return self.keys, self.values
+
+    return SlabLayer
+
+
+def _append(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``current`` (a prefix view of its slab, or empty) followed by ``new`` along slots."""
+    length = current.shape[-2] if current.dim() == 4 else 0
+    end = length + new.shape[-2]
+    base = current._base if current._base is not None else current
+    fits = (current.dim() == 4 and base.dim() == 4 and base.shape[-2] >= end
+            and base.shape[:2] == new.shape[:2] and base.shape[-1] == new.shape[-1]
+            and current.data_ptr() == base.data_ptr() and current.stride() == base.stride())
+    if not fits:
+        base = new.new_empty(*new.shape[:2], end + max(256, end // 8), new.shape[-1])
+        if length:
+            base[:, :, :length] = current
+    base[:, :, length:end] = new
+    return base[:, :, :end]
 
 
 def attention_window(config: Any) -> int | None:
@@ -53,7 +96,8 @@ def layers(cache: Any) -> list:
     from transformers.cache_utils import DynamicLayer
 
     found = getattr(cache, "layers", None)
-    if found is None or not all(type(layer) is DynamicLayer for layer in found):
+    full_length = (DynamicLayer, _slab_layer())
+    if found is None or not all(type(layer) in full_length for layer in found):
         kinds = sorted({type(layer).__name__ for layer in found or ()}) or [type(cache).__name__]
         msg = (f"rag-spec needs a transformers DynamicCache of full-length layers (got "
                f"{', '.join(kinds)}); create it with rag_spec.decoding.kv_cache.new_cache() "

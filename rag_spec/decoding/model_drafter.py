@@ -82,6 +82,9 @@ class _Batch:
     """A draft KV cache for one batch of the target (one row per target row), the passes that
     fill it, and what a pass costs in target steps (estimated by the weights each reads)."""
 
+    select: torch.Tensor | None = None  # committed slots the draft reads (None: all)
+    passes = 0  # forward passes run so far
+
     def __init__(self, runner: ModuleRunner, target: ModuleRunner,
                  contexts: Sequence[Sequence[int]]) -> None:
         _check_vocabularies(runner.config, target.config)
@@ -89,6 +92,18 @@ class _Batch:
         self.cache = TreeKVCache.prefill(runner, contexts)
         self.rows = [_Row() for _ in contexts]
         self.cost = _weights(runner.module) / _weights(target.module)
+
+    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
+                    ) -> Expansion | None:
+        """Commit what the target accepted of the last round's drafts; returns this round's
+        tree shape (None: no draft this round)."""
+        kept = [row.kept(r.context, base)
+                for row, r, base in zip(self.rows, requests, self.cache.positions)]
+        self.cache.keep_slots(kept, [r.context[-1] for r in requests])
+        return expansion
+
+    def end_round(self) -> None:
+        """The round's passes are done (their KV entries stay for the next ``begin_round``)."""
 
 
 class ModelDrafter:
@@ -115,9 +130,12 @@ class ModelDrafter:
         with self._lock:  # the draft's runner is looked up once per batch (a generation)
             batch = self._batches.get(target.cache)
             if batch is None:
-                batch = self._batches[target.cache] = _Batch(
-                    self.draft_runner(target), target.runner, [r.context for r in requests])
+                batch = self._batches[target.cache] = self.new_batch(target, requests)
         return _draft(batch, requests, self.expansion)
+
+    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
+        """The drafting state of a new batch: a draft cache prefilled with every context."""
+        return _Batch(self.draft_runner(target), target.runner, [r.context for r in requests])
 
 
 class DraftModelDrafter(ModelDrafter):
@@ -242,14 +260,15 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
            ) -> list[TokenTree]:
     """One round for every row: commit what the target accepted, feed the pending tokens, then
     one pass per depth."""
-    cache, runner = batch.cache, batch.runner
-    kept = [row.kept(r.context, base)
-            for row, r, base in zip(batch.rows, requests, cache.positions)]
-    cache.keep_slots(kept, [r.context[-1] for r in requests])
+    cache = batch.cache
+    shape = batch.begin_round(requests, expansion)
+    if shape is None:
+        return [TokenTree.empty() for _ in requests]
+    expansion = shape
     growing = {b: _Growth(r, batch.rows[b], cache.positions[b], expansion, batch.cost)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
-    logits, _ = _forward(runner, cache, len(requests), {
+    logits, _ = _forward(batch, len(requests), {
         b: [(token, g.base + i, list(range(i))) for i, token in enumerate(g.row.chain)]
         for b, g in growing.items()})
     for b, g in growing.items():
@@ -259,13 +278,14 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
         feeds = {b: new for b, g in growing.items() if (new := g.expand(depth)) and g.grows(depth)}
         if not feeds:
             break
-        logits, first = _forward(runner, cache, len(requests), {
+        logits, first = _forward(batch, len(requests), {
             b: [(growing[b].row.tokens[n], growing[b].position(depth), growing[b].sees(n))
                 for n in new] for b, new in feeds.items()})
         for b, new in feeds.items():
             for j, node in enumerate(new):
                 growing[b].row.slots[node] = first + j
             growing[b].set_q(new, logits[b, :len(new)])
+    batch.end_round()
     return [growing[b].tree() if b in growing else TokenTree.empty()
             for b in range(len(requests))]
 
@@ -368,24 +388,23 @@ class _Growth:
         return path[::-1]
 
 
-def _forward(runner: ModuleRunner, cache: TreeKVCache, batch: int,
-             feeds: dict[int, list[tuple[int, int, list[int]]]]) -> tuple[torch.Tensor, int]:
+def _forward(batch: _Batch, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
+             ) -> tuple[torch.Tensor, int]:
     """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other rows
     ride along as padding. Returns the logits [B, W, vocab] and the round slot of each row's
     first token (its j-th token lands at that slot + j)."""
+    cache, runner = batch.cache, batch.runner
+    batch.passes += 1
     first = cache.round_length
     width = max(len(f) for f in feeds.values())
-    input_ids = torch.zeros(batch, width, dtype=torch.long)
-    position_ids = torch.zeros(batch, width, dtype=torch.long)
-    sees = torch.zeros(batch, width, first + width, dtype=torch.bool)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    position_ids = torch.zeros(rows, width, dtype=torch.long)
+    sees = torch.zeros(rows, width, first + width, dtype=torch.bool)
     sees[:, torch.arange(width), first + torch.arange(width)] = True  # each token sees itself
     for b, fed in feeds.items():
         for j, (token, position, slots) in enumerate(fed):
             input_ids[b, j] = token
             position_ids[b, j] = position
             sees[b, j, slots] = True
-    step = cache.grow(input_ids, position_ids, sees, runner.dtype)
-    logits = runner(input_ids=step.input_ids, position_ids=step.position_ids,
-                    attention_mask=step.attention_mask, past_key_values=cache.cache,
-                    use_cache=True).logits
-    return logits, first
+    step = cache.grow(input_ids, position_ids, sees, runner.dtype, batch.select)
+    return cache.forward(runner, step), first

@@ -20,6 +20,7 @@ stock kernels. Runners are built once per (model, settings) and held weakly by t
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from rag_spec_kernels import (
+    TREE_ATTENTION,
     LinearStack,
     linear_stacks,
     onednn_available,
@@ -61,6 +63,14 @@ class ModuleRunner:
     @property
     def device(self) -> torch.device:
         return self.module.device
+
+    @functools.cached_property
+    def tree_attention(self) -> bool:
+        """Whether every attention of the module tree runs ``tree_attention``, so passes may
+        take compact tree masks (not where a user's wrapped module keeps its own config)."""
+        configs = [config for module in self.module.modules()
+                   if hasattr(config := vars(module).get("config"), "_attn_implementation")]
+        return bool(configs) and all(c._attn_implementation == TREE_ATTENTION for c in configs)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,6 +18,7 @@ import torch
 
 from rag_spec.decoding.kv_cache import attention_window, fill_only, layers, new_cache
 from rag_spec.decoding.tree import TokenTree
+from rag_spec_kernels import TreeMask
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
 # pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
@@ -26,11 +27,14 @@ _MASK_ELEMENTS = 2**24
 
 @dataclass(frozen=True)
 class TreeBatch:
-    """One forward pass over a root token plus a tree per row."""
+    """One forward pass over a root token plus a tree per row (or a draft pass of a round)."""
 
     input_ids: torch.Tensor  # [B, N] root token, then the tree's tokens, then padding
     position_ids: torch.Tensor  # [B, N] committed length + depth
-    attention_mask: torch.Tensor  # [B, 1, N, cache_len + N] additive float mask
+    # full attention: the compact mask (committed bits, the round's bits per token)
+    mask: TreeMask | None
+    # sliding-window models: [B, 1, N, cache_len + N] additive float mask
+    attention_mask: torch.Tensor | None = None
 
 
 class TreeKVCache:
@@ -121,7 +125,7 @@ class TreeKVCache:
         return self.grow(input_ids, position_ids, local, dtype)
 
     def grow(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sees: torch.Tensor,
-             dtype: torch.dtype) -> TreeBatch:
+             dtype: torch.dtype, select: torch.Tensor | None = None) -> TreeBatch:
         """Inputs for one more pass of the current round: ``W`` uncommitted tokens per row that
         see every committed slot plus what ``sees`` marks.
 
@@ -134,17 +138,52 @@ class TreeKVCache:
             position_ids: [B, W] their position ids.
             sees: [B, W, round + W] bool, which of the round's slots (those written by earlier
                 passes, then this pass's tokens) each token attends to.
+            select: [B, K] the only committed slots to attend to (a sparse view: see
+                ``sparse_view``); None: all of them. Full-attention models only.
         """
         device = self.valid.device
         batch, width = input_ids.shape
         position_ids = position_ids.to(device)
-        prefix = self.valid[:, None, :].expand(batch, width, self.length)
-        allowed = torch.cat([prefix, sees.to(device)], dim=-1)
+        sees = sees.to(device)
         kv_positions = torch.cat([self._slot_positions(), self._round_positions, position_ids],
                                  dim=1)
-        allowed &= self._in_window(position_ids, kv_positions)
         self._round_positions = torch.cat([self._round_positions, position_ids], dim=1)
-        return TreeBatch(input_ids.to(device), position_ids, _additive(allowed, dtype))
+        if self.window is None:
+            committed = self.valid if select is None else self.valid.gather(1, select)
+            return TreeBatch(input_ids.to(device), position_ids, TreeMask(committed, sees, select))
+        if select is not None:
+            msg = "A sparse view of the cache needs a full-attention model (this one slides)."
+            raise ValueError(msg)
+        prefix = self.valid[:, None, :].expand(batch, width, self.length)
+        allowed = torch.cat([prefix, sees], dim=-1)
+        allowed &= self._in_window(position_ids, kv_positions)
+        return TreeBatch(input_ids.to(device), position_ids, None, _additive(allowed, dtype))
+
+    def forward(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
+        """Logits [B, W, vocab] of one pass over ``batch``, its KV entries written to the round.
+        The compact mask goes to runners whose attention is ``tree_attention``; others (a
+        user's wrapped module) get it spelled out as a dense mask."""
+        if batch.mask is None:
+            masks: dict[str, Any] = {"attention_mask": batch.attention_mask}
+        elif runner.tree_attention:
+            masks = {"tree_mask": batch.mask}
+        else:
+            allowed = batch.mask.over_cache(self.length)
+            masks = {"attention_mask": _additive(allowed, runner.dtype)}
+        return runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                      past_key_values=self.cache, use_cache=True, **masks).logits
+
+    def sparse_view(self, sinks: int, window: int) -> torch.Tensor:
+        """[B, sinks + window] the committed slots a StreamingLLM view reads: each row's first
+        ``sinks`` and last ``window`` committed tokens (fewer where a row has fewer; the rest
+        of the index points at holes, which the mask leaves out)."""
+        valid = self.valid
+        rank = valid.long().cumsum(-1) - 1  # each committed slot's index among its row's
+        count = valid.sum(-1, keepdim=True)
+        keep = valid & ((rank < sinks) | (rank >= count - window))
+        # the kept slots first, in slot order; then holes (at most sinks + window are kept)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        return order[:, :min(sinks + window, self.length)]
 
     @property
     def round_length(self) -> int:
@@ -177,6 +216,14 @@ class TreeKVCache:
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.positions = [p + len(k) for p, k in zip(self.positions, slots)]
         self.roots = list(next_roots)
+        self._round_positions = self._round_positions[:, :0]
+
+    def discard_round(self) -> None:
+        """Drop every slot the current round wrote (a self-draft's passes, whose entries were
+        computed with a sparse view and must not be kept)."""
+        for layer in layers(self.cache):
+            layer.keys = layer.keys[:, :, :self.length]
+            layer.values = layer.values[:, :, :self.length]
         self._round_positions = self._round_positions[:, :0]
 
     def _slot_positions(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rag_spec.decoding.kv_cache import new_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM
@@ -171,8 +172,6 @@ class _Run:
 
     def __init__(self, knn: KNNLM, prompt_ids: list[int], limit: int, do_sample: bool,
                  seed: int) -> None:
-        from transformers import DynamicCache
-
         self.knn = knn
         self.limit = limit
         self.do_sample = do_sample
@@ -182,7 +181,7 @@ class _Run:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.output: list[int] = []
         self.stats = KNNStats()
-        self.cache = DynamicCache()
+        self.cache = new_cache()
         self.device = next(knn.lm.model.parameters()).device
         self.logits, self.key = self._forward(prompt_ids)
 

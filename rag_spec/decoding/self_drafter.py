@@ -1,0 +1,126 @@
+"""MagicDec's self-speculation: the target drafts for itself through a StreamingLLM view of its
+own KV cache (the first ``sinks`` tokens plus a recent window, ``budget`` entries in all).
+
+At long context the KV cache, not the weights, is what a decoding step reads; a draft pass
+that reads ``budget`` entries per row costs little more than the weights, whatever the context
+length, while its tokens agree with the full model's often. Nothing is prefilled twice: the
+draft's passes run on the target's own cache, in a round of their own whose slots are dropped
+before the target verifies (their KV entries were computed with the sparse view).
+
+Each round drafts a chain of ``gamma`` tokens per row, ``gamma`` chosen by MagicDec's cost
+model (``step_costs``) from this batch's measured pass costs and each row's acceptance, and 0
+(plain decoding) where drafting would lose; then every ``probe_every`` plain rounds a short draft
+measures again. Drafts carry their distributions, so sampling is verified by multi-step
+speculative sampling, as for any model draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rag_spec.decoding.drafter import DraftRequest, TargetView
+from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _Row
+from rag_spec.decoding.runner import ModuleRunner
+from rag_spec.decoding.step_costs import Acceptance, StepCosts, settle
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.errors import RagSpecError
+
+
+class SelfSpecDrafter(ModelDrafter):
+    """Drafts with the target itself, attending to ``sinks`` first tokens and the most recent
+    ``budget - sinks`` of each row's committed tokens.
+
+    Args:
+        budget: KV entries a draft pass reads per row (MagicDec: 256-512).
+        sinks: attention-sink tokens kept from the start of each row.
+        max_gamma: longest draft chain.
+        probe_every: plain rounds between probes while drafting does not pay.
+
+    Examples:
+        >>> drafter = SelfSpecDrafter(budget=256)                        # doctest: +SKIP
+        >>> LookaheadDecoder(model, tok, drafter=drafter).generate(prompts)  # doctest: +SKIP
+    """
+
+    def __init__(self, budget: int = 256, sinks: int = 4, *, max_gamma: int = 6,
+                 probe_every: int = 8) -> None:
+        if not 0 <= sinks < budget:
+            msg = f"SelfSpecDrafter needs 0 <= sinks < budget (got sinks={sinks}, budget={budget})."
+            raise RagSpecError(msg)
+        if max_gamma < 1:
+            msg = f"SelfSpecDrafter needs max_gamma >= 1 (got {max_gamma})."
+            raise RagSpecError(msg)
+        super().__init__(Expansion(widths=(1,), max_depth=max_gamma, adaptive_depth=False))
+        self.budget = budget
+        self.sinks = sinks
+        self.max_gamma = max_gamma
+        self.probe_every = probe_every
+
+    def draft_runner(self, target: TargetView) -> ModuleRunner:
+        """The target's own fast path."""
+        return target.runner
+
+    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
+        if target.cache.window is not None:
+            msg = ("SelfSpecDrafter drafts through a sparse view of full attention; this model "
+                   "already attends within a sliding window. Use the default drafter.")
+            raise RagSpecError(msg)
+        return _SelfBatch(self, target, len(requests))
+
+
+class _SelfBatch(_Batch):
+    """A batch's self-drafting state: its rows' acceptance, the measured costs, the view."""
+
+    def __init__(self, drafter: SelfSpecDrafter, target: TargetView, rows: int) -> None:
+        self.drafter = drafter
+        self.runner = target.runner
+        self.cache: TreeKVCache = target.cache
+        self.costs: StepCosts = target.costs
+        self.rows = [_Row() for _ in range(rows)]
+        self.cost = 1.0  # only read by adaptive depth, which the chain expansion turns off
+        self.acceptance = [Acceptance() for _ in range(rows)]
+        self.bases = [0] * rows  # each row's root position when it was last drafted for
+        self.plain_rounds = 0
+        self.started = 0.0
+        self.gamma = 0
+
+    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
+                    ) -> Expansion | None:
+        """Learn from the last round's drafts what each row accepts, pick this round's gamma
+        (None: no draft this round), and select the slots the draft reads."""
+        for b, (row, request) in enumerate(zip(self.rows, requests)):
+            if row.tokens:
+                tree = TokenTree(tuple(row.tokens), tuple(row.parents))
+                committed = request.context[self.bases[b] + 1:len(request.context) - 1]
+                self.acceptance[b].record(len(row.tokens), len(tree.follow(committed)))
+            row.tokens, row.parents, row.slots = [], [], []
+            self.bases[b] = len(request.context) - 1
+        self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
+        if self.gamma == 0:
+            return None
+        view = self.drafter.budget
+        short = bool((self.cache.valid.sum(dim=1) <= view).all())
+        self.select = None if short else self.cache.sparse_view(self.drafter.sinks,
+                                                                 view - self.drafter.sinks)
+        self.started, self.passes = time.perf_counter(), 0
+        return Expansion(widths=(1,), max_depth=self.gamma, adaptive_depth=False)
+
+    def end_round(self) -> None:
+        """Drop the draft's KV entries and record what its passes cost."""
+        self.cache.discard_round()
+        settle(self.runner.device)
+        self.costs.record_draft(time.perf_counter() - self.started, self.passes)
+
+    def _gamma(self, acceptance: Sequence[Acceptance]) -> int:
+        best = self.costs.best_gamma([a.alpha for a in acceptance], self.drafter.max_gamma)
+        if best is None:  # nothing measured yet: a middling chain measures both passes
+            return min(3, self.drafter.max_gamma)
+        if best > 0:
+            self.plain_rounds = 0
+            return best
+        self.plain_rounds += 1
+        if self.plain_rounds % self.drafter.probe_every == 0:
+            return 1  # a probe: acceptance and costs may have changed with the context
+        return 0

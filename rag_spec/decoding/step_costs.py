@@ -1,0 +1,105 @@
+"""MagicDec's cost model: how many tokens to draft per step, from measured step costs.
+
+A round drafts ``gamma`` tokens per row (``gamma`` draft passes), then verifies them in one
+target pass of ``gamma + 1`` tokens per row. With per-token acceptance ``alpha`` a row commits
+``(1 - alpha**(gamma + 1)) / (1 - alpha)`` tokens per round, so the batch's rate is
+
+    sum over rows of expected_tokens(gamma, alpha_row) / (gamma * draft + verify(gamma + 1))
+
+and ``gamma = 0`` is plain decoding (one token per row per ``verify(1)``). Every cost is
+measured on the batch being decoded, so the choice follows its batch size and context length
+(the draft pass reads a bounded KV view, the target pass all of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# A pass width not measured yet costs this much more per extra token than the nearest measured
+# one (relative to a one-token pass): optimistic, so unmeasured widths get tried and measured.
+_PRIOR_SLOPE = 0.05
+_SMOOTHING = 0.7
+
+
+def expected_tokens(gamma: int, alpha: float) -> float:
+    """Tokens a row commits per round: accepted draft tokens plus the target's own one."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class StepCosts:
+    """Smoothed seconds of a batch's forward passes: target passes by width (tokens per row),
+    and one draft pass."""
+
+    target: dict[int, float] = field(default_factory=dict)
+    draft: float | None = None
+
+    def record_target(self, width: int, seconds: float) -> None:
+        self.target[width] = _smooth(self.target.get(width), seconds)
+
+    def record_draft(self, seconds: float, passes: int) -> None:
+        if passes:
+            self.draft = _smooth(self.draft, seconds / passes)
+
+    def verify(self, width: int) -> float | None:
+        """Seconds of a target pass ``width`` tokens wide: measured, interpolated between
+        measured widths, or extrapolated from the nearest with a small prior slope."""
+        if width in self.target:
+            return self.target[width]
+        if not self.target:
+            return None
+        below = [w for w in self.target if w < width]
+        above = [w for w in self.target if w > width]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (width - lo) / (hi - lo)
+            return self.target[lo] + share * (self.target[hi] - self.target[lo])
+        nearest = max(below) if below else min(above)
+        base = self.target[nearest]
+        return base * (1.0 + _PRIOR_SLOPE * (width - nearest))
+
+    def best_gamma(self, alphas: Sequence[float], max_gamma: int) -> int | None:
+        """The draft length with the highest expected rate for rows accepting with ``alphas``;
+        0 where drafting loses to plain decoding; None while a cost is unmeasured."""
+        if self.draft is None or not self.target:
+            return None
+        rates = {}
+        for gamma in range(max_gamma + 1):
+            verify = self.verify(gamma + 1)
+            assert verify is not None  # some width is measured
+            seconds = gamma * self.draft + verify
+            rates[gamma] = sum(expected_tokens(gamma, a) for a in alphas) / seconds
+        return max(rates, key=lambda g: (rates[g], -g))
+
+
+@dataclass
+class Acceptance:
+    """One row's per-token acceptance, estimated from its rounds: each drafted position is a
+    trial until the first miss (``accepted`` successes, then one failure unless all passed)."""
+
+    successes: float = 1.0  # a uniform prior: alpha starts at 1/2
+    failures: float = 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.successes = _SMOOTHING * self.successes + accepted
+            self.failures = _SMOOTHING * self.failures + (accepted < drafted)
+
+
+def settle(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so a timing covers it (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _smooth(previous: float | None, value: float) -> float:
+    return value if previous is None else _SMOOTHING * previous + (1 - _SMOOTHING) * value

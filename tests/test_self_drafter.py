@@ -1,0 +1,111 @@
+"""Self-speculation through a sparse view of the target's own KV cache (MagicDec): the view
+selects sinks and a recent window, greedy output equals generate's for ragged batches, sampling
+keeps plain sampling's distribution, the draft's entries never stay in the cache, and the draft
+length follows MagicDec's cost model."""
+
+import pytest
+import torch
+from test_tree_cache import tiny_mistral
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
+from rag_spec.decoding.kv_cache import new_cache
+from rag_spec.decoding.step_costs import Acceptance, StepCosts, expected_tokens
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.errors import RagSpecError
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+from test_sampling import KNOBS, PROMPT, assert_plain_sampling
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=3, layers=3)
+
+
+def test_the_view_reads_each_rows_first_sinks_and_last_window_committed_slots():
+    valid = torch.tensor([[False, False, True, True, True, True, True, True, True, True],
+                          [True, True, False, True, True, False, True, True, False, True],
+                          [False, False, False, False, False, False, False, True, True, True]])
+    cache = TreeKVCache(new_cache(), valid, [0, 0, 0], None)
+    select = cache.sparse_view(sinks=2, window=3)
+    committed = valid.gather(1, select)
+    assert [sorted(s[c].tolist()) for s, c in zip(select, committed)] == [
+        [2, 3, 7, 8, 9], [0, 1, 6, 7, 9], [7, 8, 9]]
+    assert select.shape == (3, 5)
+    assert committed.sum(1).tolist() == [5, 5, 3]  # a short row reads what it has, once
+
+
+@pytest.mark.parametrize("budget", [6, 12, 1000])
+def test_greedy_matches_generate_for_a_ragged_batch(target, budget):
+    prompts = [repetitive_prompt(s, length=14 + 11 * s) for s in range(4)]
+    drafter = SelfSpecDrafter(budget=budget, sinks=2, max_gamma=4, probe_every=1)
+    results = LookaheadDecoder(target, drafter=drafter).generate(prompts, 30)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in prompts]
+
+
+def test_a_full_view_drafts_what_the_target_says_and_leaves_no_entries(target):
+    # A view as large as the context is the target itself: its drafts are all accepted.
+    prompt = repetitive_prompt(1, length=30)
+    decoder = LookaheadDecoder(target, drafter=SelfSpecDrafter(budget=1000, max_gamma=3,
+                                                               probe_every=1))
+    result = decoder.generate(prompt, 40)
+    assert result.token_ids == hf_greedy(target, prompt, 40)
+    assert result.stats.tokens_per_step > 1.9
+    drafter = decoder.drafter
+    (batch,) = drafter._batches.values()
+    assert batch.cache.round_length == 0  # the draft's entries were dropped after every round
+    assert batch.cache.length == batch.cache.valid.shape[1] == len(
+        batch.cache.cache.layers[0].keys[0, 0])
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k"])
+def test_sampling_keeps_the_distribution(model, name):
+    knobs = KNOBS[name]
+    # a view of 4 of the prompt's 8 cached tokens: the draft's q differs from the target's p
+    drafter = SelfSpecDrafter(budget=4, sinks=1, max_gamma=2, probe_every=1)
+    results = LookaheadDecoder(model, drafter=drafter).generate(
+        [PROMPT] * 4000, max_new_tokens=2, do_sample=True, seed=99, **knobs)
+    assert sum(sum(r.stats.accepted_per_step) for r in results) > 400  # drafts were kept
+    assert_plain_sampling(model, results, knobs)
+
+
+def test_a_sliding_window_model_is_refused_with_the_fix():
+    decoder = LookaheadDecoder(tiny_mistral(6), drafter=SelfSpecDrafter(budget=8))
+    with pytest.raises(RagSpecError, match="sliding window"):
+        decoder.generate(repetitive_prompt(0), 5)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(RagSpecError, match="sinks < budget"):
+        SelfSpecDrafter(budget=4, sinks=4)
+    with pytest.raises(RagSpecError, match="max_gamma"):
+        SelfSpecDrafter(max_gamma=0)
+
+
+def test_gamma_maximises_the_expected_rate_of_the_cost_model():
+    costs = StepCosts(target={1: 1.0, 5: 1.2}, draft=0.1)
+    # rate(g) = sum_b expected_tokens(g, alpha_b) / (g * draft + verify(g + 1))
+    alphas = [0.8, 0.9]
+    rates = {g: sum(expected_tokens(g, a) for a in alphas) / (g * 0.1 + costs.verify(g + 1))
+             for g in range(7)}
+    assert costs.best_gamma(alphas, 6) == max(rates, key=rates.get)
+    assert costs.verify(3) == pytest.approx(1.1)  # interpolated between measured widths
+    assert costs.best_gamma([0.2, 0.1], 6) == 0  # drafts that miss: plain decoding
+    assert StepCosts(target={1: 1.0, 5: 1.2}, draft=0.9).best_gamma(alphas, 6) == 0  # too dear
+    assert StepCosts(target={1: 1.0}, draft=0.01).best_gamma([0.95], 6) == 6  # cheap and right
+    assert StepCosts(target={1: 1.0}).best_gamma([0.9], 6) is None  # the draft is unmeasured
+
+
+def test_gamma_grows_with_the_share_of_the_step_the_draft_saves():
+    # MagicDec's shape: the longer the context (the dearer verification against a draft of
+    # fixed cost), the longer the best draft.
+    gammas = [StepCosts(target={1: t, 8: t * 1.1}, draft=0.05).best_gamma([0.8] * 16, 7)
+              for t in (0.1, 0.3, 1.0, 3.0)]
+    assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
+
+
+def test_acceptance_counts_trials_until_the_first_miss():
+    acceptance = Acceptance(successes=0, failures=0)
+    acceptance.record(drafted=4, accepted=4)  # four successes, no miss
+    acceptance.record(drafted=4, accepted=1)  # one success, then a miss
+    assert acceptance.alpha == pytest.approx((0.7 * 4 + 1) / (0.7 * 4 + 1 + 1))

@@ -1,0 +1,146 @@
+"""Attention under a compact tree mask: the torch reference against attention written out in
+float64, the Triton kernel against the reference under Triton's interpreter (on the CPU), and
+the slab KV cache that appends in place."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rag_spec.decoding.kv_cache import new_cache
+from rag_spec_kernels import TreeMask, reference_attention
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def random_case(seed: int, batch: int, kv_heads: int, groups: int, q_len: int, committed: int,
+                earlier: int, select: int | None, dim: int = 16):
+    """Queries, a cache of ``committed`` slots then a round of ``earlier`` + ``q_len`` slots,
+    holes in the committed part, a random tree over the round (each token sees itself)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * groups
+    length = committed + earlier + q_len
+    query = torch.randn(batch, heads, q_len, dim, generator=g)
+    key = torch.randn(batch, kv_heads, length, dim, generator=g)
+    value = torch.randn(batch, kv_heads, length, dim, generator=g)
+    bits = torch.rand(batch, committed, generator=g) > 0.3
+    recent = torch.rand(batch, q_len, earlier + q_len, generator=g) > 0.5
+    recent[:, torch.arange(q_len), earlier + torch.arange(q_len)] = True
+    chosen = None
+    if select is not None:
+        chosen = torch.stack([torch.randperm(committed, generator=g)[:select]
+                              for _ in range(batch)])
+        bits = bits.gather(1, chosen)
+    return query, key, value, TreeMask(bits, recent, chosen)
+
+
+def written_out(query, key, value, mask: TreeMask) -> torch.Tensor:
+    """Attention as the definition says it, in float64: every query head against its KV head's
+    keys (repeated), the mask over every slot of the cache."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    committed = key.shape[2] - mask.round_length
+    allowed = mask.over_cache(committed)[:, None]  # [B, 1, q, S + R]
+    scores = query.double() @ k.transpose(-1, -2) / query.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 3), kv_heads=st.integers(1, 3),
+       groups=st.sampled_from([1, 2, 4]), q_len=st.integers(1, 9), committed=st.integers(1, 40),
+       earlier=st.integers(0, 6), sparse=st.booleans())
+def test_reference_matches_attention_written_out(seed, batch, kv_heads, groups, q_len,
+                                                  committed, earlier, sparse):
+    select = max(1, committed // 2) if sparse else None
+    query, key, value, mask = random_case(seed, batch, kv_heads, groups, q_len, committed,
+                                          earlier, select)
+    expected = written_out(query, key, value, mask)
+    got = reference_attention(query, key, value, mask)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_selection_reads_only_its_slots():
+    query, key, value, mask = random_case(0, 2, 2, 2, 3, 30, 2, select=8)
+    before = reference_attention(query, key, value, mask)
+    unread = torch.ones(key.shape[2], dtype=torch.bool)
+    unread[mask.select.flatten()] = False
+    unread[-mask.round_length:] = False
+    key[:, :, unread] = 1e3  # slots outside the selection: changing them changes nothing
+    value[:, :, unread] = -1e3
+    torch.testing.assert_close(reference_attention(query, key, value, mask), before)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_the_triton_kernel_matches_the_reference_under_the_interpreter(tmp_path):
+    # The interpreter is switched on for a child process only (never in this one).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{KERNELS}{os.pathsep}"
+           f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "errors.json"
+    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=600)
+    errors = json.loads(out.read_text())
+    assert len(errors) == len(TRITON_CASES)
+    for case, (dtype, error) in zip(TRITON_CASES, errors):
+        assert error <= (1e-5 if dtype == "float32" else 1e-2), (case, dtype, error)
+
+
+# (batch, kv_heads, groups, q_len, committed, earlier, select, dim, dtype): ragged holes, trees
+# of 1 to 64 tokens, a sparse selection, head sizes that are and are not powers of two.
+TRITON_CASES = [
+    (2, 2, 2, 1, 70, 0, None, 64, "float32"),
+    (3, 1, 4, 5, 33, 4, None, 64, "float32"),
+    (1, 2, 1, 64, 20, 0, None, 32, "float32"),
+    (2, 2, 3, 7, 90, 3, 24, 64, "float32"),
+    (2, 1, 2, 9, 17, 0, None, 80, "float32"),
+    (2, 2, 2, 4, 130, 2, None, 64, "bfloat16"),
+    (2, 2, 4, 16, 50, 5, 12, 64, "bfloat16"),
+]
+
+
+def _run_triton_cases(path: str) -> None:
+    from rag_spec_kernels.triton_tree_attention import triton_tree_attention
+
+    errors = []
+    for seed, (*shape, select, dim, dtype) in enumerate(TRITON_CASES):
+        query, key, value, mask = random_case(seed, *shape, select, dim)
+        cast = getattr(torch, dtype)
+        query, key, value = query.to(cast), key.to(cast), value.to(cast)
+        expected = reference_attention(query.float(), key.float(), value.float(), mask)
+        got = triton_tree_attention(query, key, value, mask).float()
+        errors.append((dtype, (got - expected).abs().max().item()))
+    Path(path).write_text(json.dumps(errors))
+
+
+def test_slab_layers_append_in_place_and_keep_their_slab_across_crops():
+    cache = new_cache()
+    first = torch.randn(2, 3, 5, 4)
+    keys, _ = cache.update(first, first, 0)
+    slab = keys.data_ptr()
+    chunks = [first]
+    for size in (1, 3, 1):
+        chunk = torch.randn(2, 3, size, 4)
+        chunks.append(chunk)
+        keys, values = cache.update(chunk, chunk, 0)
+        assert keys.data_ptr() == slab  # written in place, not concatenated
+    torch.testing.assert_close(keys, torch.cat(chunks, dim=2))
+    layer = cache.layers[0]
+    layer.keys, layer.values = layer.keys[:, :, :6], layer.values[:, :, :6]  # a crop
+    again = torch.randn(2, 3, 2, 4)
+    keys, _ = cache.update(again, again, 0)
+    assert keys.data_ptr() == slab
+    expected = torch.cat([torch.cat(chunks, dim=2)[:, :, :6], again], dim=2)
+    torch.testing.assert_close(keys, expected)
+    big = torch.randn(2, 3, 600, 4)  # past the slab's room: regrown, contents kept
+    keys, _ = cache.update(big, big, 0)
+    torch.testing.assert_close(keys, torch.cat([expected, big], dim=2))
+
+if __name__ == "__main__":
+    _run_triton_cases(sys.argv[1])
