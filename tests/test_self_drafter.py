@@ -10,6 +10,7 @@ from test_tree_cache import tiny_mistral
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
 from rag_spec.decoding.kv_cache import new_cache
+from rag_spec.decoding.sink_window import SinkWindow
 from rag_spec.decoding.step_costs import Acceptance, StepCosts, expected_tokens
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.errors import RagSpecError
@@ -22,17 +23,48 @@ def target():
     return tiny_llama(seed=3, layers=3)
 
 
-def test_the_view_reads_each_rows_first_sinks_and_last_window_committed_slots():
+def test_the_window_holds_each_rows_first_sinks_and_last_committed_slots():
     valid = torch.tensor([[False, False, True, True, True, True, True, True, True, True],
                           [True, True, False, True, True, False, True, True, False, True],
-                          [False, False, False, False, False, False, False, True, True, True]])
+                          [False, False, False, False, False, False, False, False, True, True]])
     cache = TreeKVCache(new_cache(), valid, [0, 0, 0], None)
-    select = cache.sparse_view(sinks=2, window=3)
-    committed = valid.gather(1, select)
-    assert [sorted(s[c].tolist()) for s, c in zip(select, committed)] == [
-        [2, 3, 7, 8, 9], [0, 1, 6, 7, 9], [7, 8, 9]]
-    assert select.shape == (3, 5)
-    assert committed.sum(1).tolist() == [5, 5, 3]  # a short row reads what it has, once
+    window = SinkWindow(cache, sinks=2, window=3)
+
+    def held():
+        view = window.view
+        return [sorted(s[p].tolist()) for s, p in zip(view.select, view.present)]
+
+    assert held() == [[2, 3, 7, 8, 9], [0, 1, 6, 7, 9], [8, 9]]  # a short row: what it has
+    before = window.view.select.clone()
+    # a step commits 2, 0 and 3 tokens (compacted to the front of its 3 slots)
+    cache.valid = torch.cat([valid, torch.tensor([[True, True, False], [False] * 3,
+                                                  [True, True, True]])], dim=1)
+    window.advance(cache)
+    assert held() == [[2, 3, 9, 10, 11], [0, 1, 6, 7, 9], [8, 9, 10, 11, 12]]
+    changed = (window.view.select != before).sum(dim=1).tolist()
+    assert changed == [2, 0, 3]  # a ring: only the new tokens' entries moved
+
+
+def test_a_view_of_every_slot_gives_the_targets_logits_pass_after_pass(target):
+    from rag_spec.decoding import Runner
+
+    runner = Runner.of(target)
+    prompts = [repetitive_prompt(s, length=12 + 5 * s) for s in range(3)]
+    logits = {}
+    for name in ("full", "view"):
+        cache = TreeKVCache.prefill(runner, prompts)
+        sparse = SinkWindow(cache, 2, cache.length).view if name == "view" else None
+        passes = []
+        for width in (1, 2):  # two passes of one round: the second sees the first's slots
+            first = cache.round_length
+            ids = torch.randint(3, 60, (3, width), generator=torch.Generator().manual_seed(width))
+            positions = torch.tensor(cache.positions)[:, None] + first + torch.arange(width)
+            sees = torch.ones(3, width, first + width, dtype=torch.bool).tril(first)
+            passes.append(cache.forward(runner, cache.grow(ids, positions, sees, runner.dtype,
+                                                           sparse)))
+        logits[name] = passes
+    for full, view in zip(logits["full"], logits["view"]):
+        torch.testing.assert_close(view, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("budget", [6, 12, 1000])

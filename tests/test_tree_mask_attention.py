@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_spec.decoding.kv_cache import new_cache
-from rag_spec_kernels import TreeMask, reference_attention
+from rag_spec_kernels import SparseView, TreeMask, reference_attention
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -38,7 +38,7 @@ def random_case(seed: int, batch: int, kv_heads: int, groups: int, q_len: int, c
         chosen = torch.stack([torch.randperm(committed, generator=g)[:select]
                               for _ in range(batch)])
         bits = bits.gather(1, chosen)
-    return query, key, value, TreeMask(bits, recent, chosen)
+    return query, key, value, TreeMask(bits, recent, None if chosen is None else SparseView(chosen))
 
 
 def written_out(query, key, value, mask: TreeMask) -> torch.Tensor:
@@ -76,7 +76,32 @@ def test_a_selection_reads_only_its_slots():
     unread[-mask.round_length:] = False
     key[:, :, unread] = 1e3  # slots outside the selection: changing them changes nothing
     value[:, :, unread] = -1e3
-    torch.testing.assert_close(reference_attention(query, key, value, mask), before)
+    again = TreeMask(mask.committed, mask.recent, SparseView(mask.select))  # gathers anew
+    torch.testing.assert_close(reference_attention(query, key, value, again), before)
+
+
+def test_a_view_gathers_once_per_round_and_appends_each_pass():
+    g = torch.Generator().manual_seed(1)
+    key, value = torch.randn(2, 3, 30, 8, generator=g), torch.randn(2, 3, 30, 8, generator=g)
+    select = torch.tensor([[0, 1, 17, 18, 19], [0, 2, 3, 15, 19]])
+    view = SparseView(select)
+    index = select[:, None, :, None].expand(-1, 3, -1, 8)
+    for end, new in ((22, 2), (25, 3), (26, 1)):  # three passes of one round after 20 slots
+        got_key, got_value = view.read(0, key[:, :, :end], value[:, :, :end], end - 20, new)
+        torch.testing.assert_close(got_key, torch.cat([key[:, :, :20].gather(2, index),
+                                                       key[:, :, 20:end]], dim=2))
+        torch.testing.assert_close(got_value, torch.cat([value[:, :, :20].gather(2, index),
+                                                         value[:, :, 20:end]], dim=2))
+    # The next round reads other slots: only entries whose slot changed are copied again.
+    moved = torch.tensor([[0, 1, 17, 18, 21], [0, 2, 20, 15, 19]])
+    view.update(moved)
+    key[:, :, 17:19] = 0  # unchanged entries keep what was read (committed slots never change)
+    got_key, _ = view.read(0, key[:, :, :24], value[:, :, :24], 2, 2)
+    index = moved[:, None, :, None].expand(-1, 3, -1, 8)
+    expected = torch.cat([key[:, :, :22].gather(2, index), key[:, :, 22:24]], dim=2)
+    torch.testing.assert_close(got_key[0, :, 4:], expected[0, :, 4:])  # row 0: slot 21 new
+    torch.testing.assert_close(got_key[1, :, 2], expected[1, :, 2])  # row 1: slot 20 new
+    assert got_key[0, :, 2:4].abs().sum() > 0  # row 0's slots 17, 18: not read again
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")

@@ -15,6 +15,7 @@ from rag_spec_kernels.onednn_linear import (
 )
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
+    SparseView,
     TreeMask,
     reference_attention,
     register_tree_attention,
@@ -23,4 +24,5 @@ from rag_spec_kernels.tree_attention import (
 
 __all__ = ["TREE_ATTENTION", "LinearStack", "OneDNNLinear", "is_plain_linear", "linear_stacks",
            "onednn_available", "onednn_ops_available", "pack_weight", "packed_linear",
-           "reference_attention", "register_tree_attention", "tree_attention", "TreeMask"]
+           "reference_attention", "register_tree_attention", "tree_attention", "SparseView",
+           "TreeMask"]

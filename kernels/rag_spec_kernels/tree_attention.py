@@ -9,8 +9,8 @@ so one pass per KV head covers every query head and every step token.
 The mask (``TreeMask``) is what a speculative step needs and no more: which committed slots of
 each row hold tokens (one bit per slot, shared by all the row's queries), and which of the
 round's newest slots (the step's own tokens, and earlier draft passes of the round) each query
-sees. Optionally, ``select`` names the only committed slots to read: a sparse view such as
-StreamingLLM's attention sinks plus a recent window, gathered from the same cache.
+sees. Optionally, a ``SparseView`` names the only committed slots to read, such as StreamingLLM's
+attention sinks plus a recent window, read from the same cache.
 
 One contract, two implementations: ``reference_attention`` (torch; the CPU path, on SDPA's
 flash kernel) and ``triton_tree_attention`` (the GPU kernel, tested against the reference under
@@ -27,26 +27,89 @@ import torch
 TREE_ATTENTION = "rag_spec_tree"
 
 
+class SparseView:
+    """Committed slots that a draft reads instead of all of them (e.g. StreamingLLM's attention
+    sinks plus a recent window), ``select``: [B, K] slot indices; ``update`` moves it on.
+
+    The GPU kernel reads the selected slots in place. The torch path keeps, per layer, a buffer
+    of the selected keys and values with room for a round's own slots: a round's passes append
+    only their new tokens, and ``update`` refreshes only the entries whose slot changed. (Fresh
+    tensors per pass or per round cost more than the copies: page faults on first touch.)
+    """
+
+    def __init__(self, select: torch.Tensor, present: torch.Tensor | None = None,
+                 room: int = 16) -> None:
+        self.select = select
+        # [B, K] which entries hold a slot (None: all); the others are masked out
+        self.present = present
+        self.room = room  # round slots a buffer holds before it is regrown
+        self._buffers: dict[Any, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._changed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stale: set[Any] = set()  # layers whose buffers miss the changed entries
+
+    def update(self, select: torch.Tensor, present: torch.Tensor | None = None) -> None:
+        """Read ``select`` from now on (same shape); buffers refresh the entries that differ."""
+        self._changed = (select != self.select).nonzero(as_tuple=True)
+        self.select, self.present = select, present
+        self._stale = set(self._buffers)
+
+    def read(self, layer: Any, key: torch.Tensor, value: torch.Tensor, round_length: int,
+             new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, kv_heads, K + R, D] keys and values of ``layer``: the selection, then the round's
+        slots, of which the last ``new`` were just written by this pass."""
+        committed = key.shape[2] - round_length
+        width = self.select.shape[1]
+        end = width + round_length
+        held = self._buffers.get(layer)
+        if held is None or held[0] != key.data_ptr() or held[1].shape[2] < end:
+            index = self.select.to(key.device)[:, None, :, None].expand(
+                -1, key.shape[1], -1, key.shape[3])
+            room = max(self.room, round_length)
+            keys, values = (torch.cat([tensor[:, :, :committed].gather(2, index),
+                                       tensor[:, :, committed:],
+                                       tensor.new_empty(*tensor.shape[:2], room,
+                                                        tensor.shape[3])], dim=2)
+                            for tensor in (key, value))
+            self._buffers[layer] = (key.data_ptr(), keys, values)
+            self._stale.discard(layer)
+            return keys[:, :, :end], values[:, :, :end]
+        _, keys, values = held
+        if layer in self._stale and self._changed is not None:
+            rows, cols = self._changed
+            slots = self.select[rows, cols].to(key.device)
+            keys[rows, :, cols] = key[rows, :, slots]
+            values[rows, :, cols] = value[rows, :, slots]
+            self._stale.discard(layer)
+        keys[:, :, end - new:end] = key[:, :, key.shape[2] - new:]
+        values[:, :, end - new:end] = value[:, :, value.shape[2] - new:]
+        return keys[:, :, :end], values[:, :, :end]
+
+
 @dataclass
 class TreeMask:
     """Which keys each query token of one forward pass attends to.
 
     The pass's keys are ``S`` committed slots followed by ``R`` round slots (the last ``q`` of
     them the pass's own tokens). Every query sees the committed slots marked in ``committed``
-    (or, with ``select``, only the selected ones that are marked) and the round slots marked in
-    its row of ``recent``.
+    (or, with a ``sparse`` view, only the selected ones that are marked) and the round slots
+    marked in its row of ``recent``.
 
     Args:
-        committed: [B, S] bool, or [B, K] with ``select``: which (selected) slots hold tokens.
+        committed: [B, S] bool, or [B, K] with ``sparse``: which (selected) slots hold tokens.
         recent: [B, q, R] bool, which round slots each query token sees.
-        select: [B, K] long, the committed slots to read (None: all ``S``).
+        sparse: the committed slots to read (None: all ``S``).
     """
 
     committed: torch.Tensor
     recent: torch.Tensor
-    select: torch.Tensor | None = None
-    _dense: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict,
-                                                                repr=False, compare=False)
+    sparse: SparseView | None = None
+    _dense: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
+        default_factory=dict, repr=False, compare=False)
+
+    @property
+    def select(self) -> torch.Tensor | None:
+        """[B, K] the committed slots read, or None for all."""
+        return self.sparse.select if self.sparse is not None else None
 
     @property
     def round_length(self) -> int:
@@ -79,21 +142,18 @@ class TreeMask:
         return torch.cat([committed[:, None, :].expand(batch, q_len, -1), self.recent], dim=-1)
 
 
-def gather_keys(key: torch.Tensor, value: torch.Tensor, mask: TreeMask
+def gather_keys(key: torch.Tensor, value: torch.Tensor, mask: TreeMask, layer: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values a pass reads: the selected committed slots (all of them without a
-    selection), then the round's."""
-    if mask.select is None:
+    selection), then the round's. ``layer`` names the layer (its buffers in a sparse view)."""
+    if mask.sparse is None:
         return key, value
-    committed = key.shape[2] - mask.round_length
-    index = mask.select.to(key.device)[:, None, :, None].expand(-1, key.shape[1], -1,
-                                                                key.shape[3])
-    return (torch.cat([key[:, :, :committed].gather(2, index), key[:, :, committed:]], dim=2),
-            torch.cat([value[:, :, :committed].gather(2, index), value[:, :, committed:]], dim=2))
+    return mask.sparse.read(layer, key, value, mask.round_length, mask.recent.shape[1])
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        mask: TreeMask, scaling: float | None = None) -> torch.Tensor:
+                        mask: TreeMask, scaling: float | None = None, layer: Any = None
+                        ) -> torch.Tensor:
     """The contract in torch: [B, heads, q, D] queries over [B, kv_heads, S + R, D] keys and
     values under ``mask``; returns [B, heads, q, D].
 
@@ -103,7 +163,7 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
-    key, value = gather_keys(key, value, mask)
+    key, value = gather_keys(key, value, mask, layer)
     stacked = query.reshape(batch, kv_heads, groups * q_len, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
         stacked, key, value, attn_mask=mask.bias(groups, query.dtype, query.device),
@@ -127,7 +187,7 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         ([B, q, heads, D], None), as every transformers attention function returns.
     """
     if tree_mask is not None:
-        out = _kernel(query)(query, key, value, tree_mask, scaling)
+        out = _kernel(query)(query, key, value, tree_mask, scaling, layer=module)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is None:  # plain causal prefill or one-token steps: the stock path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

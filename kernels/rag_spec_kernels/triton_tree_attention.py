@@ -14,6 +14,7 @@ reference to 1e-5.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -103,9 +104,11 @@ if triton is not None:  # the JIT functions must be module globals
 
 
 def triton_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          mask: TreeMask, scaling: float | None = None) -> torch.Tensor:
+                          mask: TreeMask, scaling: float | None = None, layer: Any = None
+                          ) -> torch.Tensor:
     """``reference_attention``'s contract on the Triton kernel: [B, heads, q, D] queries over
-    [B, kv_heads, S + R, D] keys and values; returns [B, heads, q, D]."""
+    [B, kv_heads, S + R, D] keys and values; returns [B, heads, q, D]. Selected slots are read
+    in place, so ``layer`` (which names the reference's buffers) is not needed."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads

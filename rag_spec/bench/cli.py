@@ -59,8 +59,40 @@ def add_bench_commands(commands: Any) -> None:
     knnlm.add_argument("--compare-keys", action="store_true",
                        help="instead: perplexity with each key on held-out text (pkg:tqdm)")
     knnlm.set_defaults(run=_knnlm)
+    longctx = kinds.add_parser("longctx", help="long-context batches: self-speculation (MagicDec)")
+    longctx.add_argument("--batch", type=_sizes, default=(1, 4, 8, 16),
+                         help="batch sizes, comma-separated (default 1,4,8,16)")
+    longctx.add_argument("--context", type=_sizes, default=(1024, 2048, 4096),
+                         help="context lengths in tokens, comma-separated (default 1024,2048,4096)")
+    longctx.add_argument("--max-new-tokens", type=int, default=64)
+    longctx.add_argument("--budget", type=int, default=256,
+                         help="KV entries the self-draft reads per row (default 256)")
+    longctx.add_argument("--json", dest="json_out", help="write the report here")
+    longctx.set_defaults(run=_longctx)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        msg = f"expected positive integers separated by commas (e.g. 1,4,16), got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return sizes
+
+
+def _longctx(args: argparse.Namespace) -> int:
+    from rag_spec.bench.longctx import run
+
+    if args.max_new_tokens < 1 or args.budget < 8:
+        msg = "--max-new-tokens must be at least 1 and --budget at least 8."
+        raise RagSpecError(msg)
+    run(batches=args.batch, contexts=args.context, max_new_tokens=args.max_new_tokens,
+        budget=args.budget, json_out=args.json_out)
+    return 0
 
 
 def _lookahead(args: argparse.Namespace) -> int:

@@ -19,7 +19,16 @@ from typing import Any
 import torch
 
 from rag_spec.bench.lookahead import prompt_sets
-from rag_spec.bench.report import Run, figure, interleaved, machine, median, publish, save_figure
+from rag_spec.bench.report import (
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    padded_generate,
+    publish,
+    save_figure,
+)
 from rag_spec.bench.report import setting as describe
 
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
@@ -104,18 +113,12 @@ def _systems(lm: Any, draft: Any, adapter: Any, max_new_tokens: int,
     model, layers = lm.model, adapter.layers
 
     def hf(prompts: list[list[int]], **kwargs: Any) -> Run:
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), lm.tokenizer.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for b, p in enumerate(prompts):  # left padding, as generate expects
-            ids[b, width - len(p):] = torch.tensor(p)
-            mask[b, width - len(p):] = 1
         seed = torch.random.get_rng_state()
         torch.manual_seed(0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             pad_token_id=lm.tokenizer.pad_token_id, **options, **kwargs)
+        rows = padded_generate(model, prompts, lm.tokenizer.pad_token_id,
+                               max_new_tokens=max_new_tokens, **options, **kwargs)
         torch.random.set_rng_state(seed)
-        return _run([_trim(row[width:].tolist(), model) for row in out])
+        return _run(rows)
 
     def ours(decoder: Any) -> Callable[[list[list[int]]], Run]:
         def generate(prompts: list[list[int]]) -> Run:
@@ -157,15 +160,6 @@ def _systems(lm: Any, draft: Any, adapter: Any, max_new_tokens: int,
 def _run(rows: list[list[int]], extra: dict[str, Any] | None = None) -> Run:
     """A run's tokens, all rows end to end (what tok/s counts), and each row's own."""
     return Run(0.0, [t for row in rows for t in row], {"rows": rows, **(extra or {})})
-
-
-def _trim(tokens: list[int], model: Any) -> list[int]:
-    """generate's row up to its end of sequence (it pads after EOS)."""
-    eos = model.generation_config.eos_token_id
-    for e in eos if isinstance(eos, list) else [eos]:
-        if e is not None and e in tokens:
-            tokens = tokens[:tokens.index(e) + 1]
-    return tokens
 
 
 def _summarise(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:

@@ -165,3 +165,28 @@ def print_loop_table(report: dict[str, Any], setting: str, seconds: str, items: 
         print(f"{name:20} {s[seconds]:7.2f} s  {s['speedup_vs_naive']:5.2f}x  identical "
               f"{s['identical_to_naive']}/{report[items]}  kb calls {s['kb_calls']}  "
               f"stride {s['mean_stride']}")
+
+
+def padded_generate(model: Any, prompts: Sequence[list[int]], pad_token_id: int,
+                    streamer: Any = None, **options: Any) -> list[list[int]]:
+    """transformers ``generate`` on a left-padded batch; each row's new tokens, up to its end
+    of sequence (generate pads after it)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_token_id)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):  # left padding, as generate expects
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                         pad_token_id=pad_token_id, streamer=streamer, **options)
+    eos = model.generation_config.eos_token_id
+    rows = []
+    for row in out[:, width:].tolist():
+        for e in eos if isinstance(eos, list) else [eos]:
+            if e is not None and e in row:
+                row = row[:row.index(e) + 1]
+        rows.append(row)
+    return rows
+

@@ -31,6 +31,7 @@ from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
+from rag_spec_kernels import SparseView
 
 _GREEDY = SamplingParams()
 
@@ -82,7 +83,7 @@ class _Batch:
     """A draft KV cache for one batch of the target (one row per target row), the passes that
     fill it, and what a pass costs in target steps (estimated by the weights each reads)."""
 
-    select: torch.Tensor | None = None  # committed slots the draft reads (None: all)
+    sparse: SparseView | None = None  # committed slots the draft reads (None: all)
     passes = 0  # forward passes run so far
 
     def __init__(self, runner: ModuleRunner, target: ModuleRunner,
@@ -406,5 +407,5 @@ def _forward(batch: _Batch, rows: int, feeds: dict[int, list[tuple[int, int, lis
             input_ids[b, j] = token
             position_ids[b, j] = position
             sees[b, j, slots] = True
-    step = cache.grow(input_ids, position_ids, sees, runner.dtype, batch.select)
+    step = cache.grow(input_ids, position_ids, sees, runner.dtype, batch.sparse)
     return cache.forward(runner, step), first

@@ -17,11 +17,15 @@ speculative sampling, as for any model draft.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from rag_spec.decoding.drafter import DraftRequest, TargetView
 from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _Row
 from rag_spec.decoding.runner import ModuleRunner
+from rag_spec.decoding.sink_window import SinkWindow
 from rag_spec.decoding.step_costs import Acceptance, StepCosts, settle
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
@@ -57,6 +61,8 @@ class SelfSpecDrafter(ModelDrafter):
         self.sinks = sinks
         self.max_gamma = max_gamma
         self.probe_every = probe_every
+        self.last: SelfSpecStats | None = None  # the latest batch's costs and choices
+
 
     def draft_runner(self, target: TargetView) -> ModuleRunner:
         """The target's own fast path."""
@@ -67,7 +73,24 @@ class SelfSpecDrafter(ModelDrafter):
             msg = ("SelfSpecDrafter drafts through a sparse view of full attention; this model "
                    "already attends within a sliding window. Use the default drafter.")
             raise RagSpecError(msg)
-        return _SelfBatch(self, target, len(requests))
+        batch = _SelfBatch(self, target, len(requests))
+        self.last = batch.stats
+        return batch
+
+
+@dataclass
+class SelfSpecStats:
+    """What a batch measured and chose: pass costs, each row's acceptance, rounds per gamma."""
+
+    costs: StepCosts
+    acceptance: list[Acceptance]
+    gammas: Counter[int] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"target_seconds": {w: round(t, 4) for w, t in sorted(self.costs.target.items())},
+                "draft_seconds": None if self.costs.draft is None else round(self.costs.draft, 4),
+                "alpha": [round(a.alpha, 3) for a in self.acceptance],
+                "rounds_per_gamma": dict(sorted(self.gammas.items()))}
 
 
 class _SelfBatch(_Batch):
@@ -81,10 +104,12 @@ class _SelfBatch(_Batch):
         self.rows = [_Row() for _ in range(rows)]
         self.cost = 1.0  # only read by adaptive depth, which the chain expansion turns off
         self.acceptance = [Acceptance() for _ in range(rows)]
+        self.stats = SelfSpecStats(self.costs, self.acceptance)
         self.bases = [0] * rows  # each row's root position when it was last drafted for
         self.plain_rounds = 0
         self.started = 0.0
         self.gamma = 0
+        self.window: SinkWindow | None = None
 
     def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
                     ) -> Expansion | None:
@@ -98,12 +123,16 @@ class _SelfBatch(_Batch):
             row.tokens, row.parents, row.slots = [], [], []
             self.bases[b] = len(request.context) - 1
         self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
+        self.stats.gammas[self.gamma] += 1
         if self.gamma == 0:
             return None
-        view = self.drafter.budget
-        short = bool((self.cache.valid.sum(dim=1) <= view).all())
-        self.select = None if short else self.cache.sparse_view(self.drafter.sinks,
-                                                                 view - self.drafter.sinks)
+        if self.window is not None:
+            self.sparse = self.window.advance(self.cache)
+        elif bool((self.cache.valid.sum(dim=1) > self.drafter.budget).any()):
+            # a row outgrew the budget: the view starts (before, the draft read everything)
+            self.window = SinkWindow(self.cache, self.drafter.sinks,
+                                     self.drafter.budget - self.drafter.sinks)
+            self.sparse = self.window.view
         self.started, self.passes = time.perf_counter(), 0
         return Expansion(widths=(1,), max_depth=self.gamma, adaptive_depth=False)
 

@@ -18,7 +18,7 @@ import torch
 
 from rag_spec.decoding.kv_cache import attention_window, fill_only, layers, new_cache
 from rag_spec.decoding.tree import TokenTree
-from rag_spec_kernels import TreeMask
+from rag_spec_kernels import SparseView, TreeMask
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
 # pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
@@ -125,7 +125,7 @@ class TreeKVCache:
         return self.grow(input_ids, position_ids, local, dtype)
 
     def grow(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sees: torch.Tensor,
-             dtype: torch.dtype, select: torch.Tensor | None = None) -> TreeBatch:
+             dtype: torch.dtype, sparse: SparseView | None = None) -> TreeBatch:
         """Inputs for one more pass of the current round: ``W`` uncommitted tokens per row that
         see every committed slot plus what ``sees`` marks.
 
@@ -138,8 +138,8 @@ class TreeKVCache:
             position_ids: [B, W] their position ids.
             sees: [B, W, round + W] bool, which of the round's slots (those written by earlier
                 passes, then this pass's tokens) each token attends to.
-            select: [B, K] the only committed slots to attend to (a sparse view: see
-                ``sparse_view``); None: all of them. Full-attention models only.
+            sparse: the only committed slots to attend to (e.g. ``SinkWindow``'s view); None:
+                all of them. Full-attention models only.
         """
         device = self.valid.device
         batch, width = input_ids.shape
@@ -149,9 +149,11 @@ class TreeKVCache:
                                  dim=1)
         self._round_positions = torch.cat([self._round_positions, position_ids], dim=1)
         if self.window is None:
-            committed = self.valid if select is None else self.valid.gather(1, select)
-            return TreeBatch(input_ids.to(device), position_ids, TreeMask(committed, sees, select))
-        if select is not None:
+            committed = self.valid if sparse is None else self.valid.gather(1, sparse.select)
+            if sparse is not None and sparse.present is not None:
+                committed = committed & sparse.present
+            return TreeBatch(input_ids.to(device), position_ids, TreeMask(committed, sees, sparse))
+        if sparse is not None:
             msg = "A sparse view of the cache needs a full-attention model (this one slides)."
             raise ValueError(msg)
         prefix = self.valid[:, None, :].expand(batch, width, self.length)
@@ -172,18 +174,6 @@ class TreeKVCache:
             masks = {"attention_mask": _additive(allowed, runner.dtype)}
         return runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
                       past_key_values=self.cache, use_cache=True, **masks).logits
-
-    def sparse_view(self, sinks: int, window: int) -> torch.Tensor:
-        """[B, sinks + window] the committed slots a StreamingLLM view reads: each row's first
-        ``sinks`` and last ``window`` committed tokens (fewer where a row has fewer; the rest
-        of the index points at holes, which the mask leaves out)."""
-        valid = self.valid
-        rank = valid.long().cumsum(-1) - 1  # each committed slot's index among its row's
-        count = valid.sum(-1, keepdim=True)
-        keep = valid & ((rank < sinks) | (rank >= count - window))
-        # the kept slots first, in slot order; then holes (at most sinks + window are kept)
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-        return order[:, :min(sinks + window, self.length)]
 
     @property
     def round_length(self) -> int:
