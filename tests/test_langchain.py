@@ -178,11 +178,15 @@ def test_iterative_ralm_runnable_speculative_equals_naive(chat):
     assert len(fast._loops) == 2
 
 
-@pytest.mark.parametrize("draft", ["early-exit:1", "folder"])
+@pytest.mark.parametrize("draft", ["early-exit:1", "folder", "self-spec:8"])
 def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir, draft):
     prompt = "the cat sat on the mat. the cat"
     ids = load_model(tiny_model_dir).tokenizer(prompt)["input_ids"]
     drafted = LookaheadLLM(model=tiny_model_dir, max_tokens=MAX,
                            draft_model=tiny_model_dir if draft == "folder" else draft)
     assert drafted.invoke(prompt) == greedy(tiny_model_dir, ids)
-    assert "MergedDrafter" in type(drafted.local_lm().decoder.drafter).__name__
+    # a batch shares the decoder's batches (the self-drafter drafts for all rows at once)
+    assert drafted.batch([prompt, prompt[:20]]) == [greedy(tiny_model_dir, ids), greedy(
+        tiny_model_dir, load_model(tiny_model_dir).tokenizer(prompt[:20])["input_ids"])]
+    expected = "SelfSpecDrafter" if draft.startswith("self") else "MergedDrafter"
+    assert type(drafted.local_lm().decoder.drafter).__name__ == expected

@@ -182,6 +182,8 @@ def test_what_users_pass_as_a_draft_becomes_a_drafter(tiny_model_dir):
     assert folder.model.draft_model is lm.model  # the same folder, device and dtype: shared
     mine = EarlyExitDrafter(1)
     assert drafter_for(mine, lm) is mine
+    assert drafter_for("self-spec:128", lm).budget == 128  # the target itself, sparse
+    assert drafter_for("self-spec", lm).budget == 256
     with pytest.raises(RagSpecError, match="neither an embedded model nor"):
         drafter_for("no-such-draft", lm)
     with pytest.raises(RagSpecError, match="Cannot draft with"):
@@ -196,6 +198,10 @@ def test_the_gpu_check_runs_on_a_tiny_model():
         assert counts["batch1"] == counts["batch4"] == counts["of"], name
     assert report["sampling"]["total_variation"] < 4 * report["sampling"]["noise_level"]
     assert set(report["step_ms"]) == {"1_tokens", "8_tokens", "16_tokens", "32_tokens"}
+    assert "skipped" in report["attention_kernel"]  # Triton needs a GPU here
+    long_batch = report["long_context_batch"]
+    assert long_batch["identical_to_no_drafts"] == long_batch["of"] == 4
+    assert long_batch["self_spec"]["draft_seconds"] is not None  # the sparse view drafted
 
 
 def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):

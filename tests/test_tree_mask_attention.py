@@ -144,7 +144,14 @@ def _run_triton_cases(path: str) -> None:
     Path(path).write_text(json.dumps(errors))
 
 
-def test_slab_layers_append_in_place_and_keep_their_slab_across_crops():
+@pytest.mark.parametrize("inference", [False, True])
+def test_slab_layers_append_in_place_and_keep_their_slab_across_crops(inference):
+    # under inference mode views do not record their base: the slab is tracked explicitly
+    with torch.inference_mode(inference):
+        slab_appends_in_place()
+
+
+def slab_appends_in_place():
     cache = new_cache()
     first = torch.randn(2, 3, 5, 4)
     keys, _ = cache.update(first, first, 0)

@@ -103,7 +103,7 @@ class TreeMask:
     committed: torch.Tensor
     recent: torch.Tensor
     sparse: SparseView | None = None
-    _dense: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = field(
+    _dense: dict[tuple[int, torch.dtype, torch.device], torch.Tensor | None] = field(
         default_factory=dict, repr=False, compare=False)
 
     @property
@@ -115,10 +115,12 @@ class TreeMask:
     def round_length(self) -> int:
         return self.recent.shape[-1]
 
-    def bias(self, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def bias(self, groups: int, dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor | None:
         """[B, 1, groups * q, K + R] additive mask over the keys actually read (selected
         committed slots, then the round), for queries stacked ``groups`` heads deep; built
-        once per pass, shared by its layers."""
+        once per pass, shared by its layers. None where every key is seen (a one-token step
+        without holes: SDPA's unmasked kernel is the faster one)."""
         key = (groups, dtype, device)
         if key not in self._dense:
             batch, q_len, _ = self.recent.shape
@@ -127,7 +129,8 @@ class TreeMask:
             allowed = allowed[:, None].expand(-1, groups, -1, -1).reshape(
                 batch, 1, groups * q_len, allowed.shape[-1])
             bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            self._dense[key] = bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+            self._dense[key] = None if bool(allowed.all()) else bias.masked_fill_(
+                ~allowed, torch.finfo(dtype).min)
         return self._dense[key]
 
     def over_cache(self, committed_slots: int) -> torch.Tensor:

@@ -8,7 +8,11 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   batch 1 and 4;
 - multi-step speculative sampling against plain sampling on the first token (total variation
   distance between the two empirical distributions, with the bound that sampling noise allows);
-- step costs: one verification step over 1, 8, 16 and 32 tokens at a long context.
+- step costs: one verification step over 1, 8, 16 and 32 tokens at a long context;
+- the tree-attention kernel (Triton) against its torch reference and against transformers'
+  attention (KV heads repeated, a dense mask) at batch 16 and a long context, chains of 1 to 8
+  tokens and a StreamingLLM selection; and self-speculation's steps at that batch: a one-token
+  step, a 4-token verification, a draft pass through the sparse view.
 
 Random weights make near ties rarer than a trained model's; peaked logits (a large
 initializer) keep greedy decoding stable under bf16. Run ``python -m rag_spec.bench.gpu_check
@@ -48,6 +52,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["greedy_identical"] = _greedy(target, args.draft_layers, 24 if args.tiny else 64)
     report["sampling"] = _sampling(target, args.draft_layers, 400 if args.tiny else 2000)
     report["step_ms"] = _step_costs(target, 64 if args.tiny else args.context)
+    report["attention_kernel"] = _attention_kernel(target, 16, 64 if args.tiny else 4096)
+    report["long_context_batch"] = _long_batch(target, 4 if args.tiny else 16,
+                                               64 if args.tiny else args.context)
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -82,12 +89,19 @@ def _first_layers(model: Any, count: int) -> Any:
 
 
 def _drafters(target: Any, draft_layers: int) -> dict[str, Any]:
-    from rag_spec.decoding import DraftModelDrafter, EarlyExitDrafter, MergedDrafter
+    from rag_spec.decoding import (
+        DraftModelDrafter,
+        EarlyExitDrafter,
+        MergedDrafter,
+        SelfSpecDrafter,
+    )
 
     draft = _first_layers(target, draft_layers)
     return {"trie": None, "draft_model": DraftModelDrafter(draft),
             "early_exit": EarlyExitDrafter(draft_layers),
-            "merged": MergedDrafter(DraftModelDrafter(draft))}
+            "merged": MergedDrafter(DraftModelDrafter(draft)),
+            # a view smaller than the prompts (48 tokens): the sparse path drafts
+            "self_spec": SelfSpecDrafter(budget=24, sinks=4, probe_every=1)}
 
 
 def _prompts(vocab: int, count: int, length: int = 48) -> list[list[int]]:
@@ -175,6 +189,86 @@ def _step_costs(target: Any, context: int) -> dict[str, float]:
 def _sync(model: Any) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def _attention_kernel(target: Any, batch: int, context: int) -> dict[str, Any]:
+    """Triton vs the torch reference (max error) and the three side by side (ms per call)."""
+    from rag_spec_kernels.triton_tree_attention import triton_available
+
+    if target.device.type != "cuda" or not triton_available():
+        return {"skipped": "needs a GPU and Triton (the tests run it under the interpreter)"}
+    report: dict[str, Any] = {"batch": batch, "context": context}
+    for q_len, sparse in ((1, False), (4, False), (8, False), (4, True)):
+        name = f"{q_len}_tokens" + ("_sparse_view" if sparse else "")
+        report[name] = _kernel_case(target, batch, context, q_len, sparse)
+    return report
+
+
+def _kernel_case(target: Any, batch: int, context: int, q_len: int, sparse: bool
+                 ) -> dict[str, Any]:
+    from rag_spec_kernels import SparseView, TreeMask, reference_attention
+    from rag_spec_kernels.triton_tree_attention import triton_tree_attention
+
+    config, device = target.config, target.device
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    g = torch.Generator(device=device).manual_seed(q_len)
+    query = torch.randn(batch, heads, q_len, dim, generator=g, device=device, dtype=target.dtype)
+    key, value = (torch.randn(batch, kv_heads, context + q_len, dim, generator=g, device=device,
+                              dtype=target.dtype) for _ in range(2))
+    committed = torch.ones(batch, context, dtype=torch.bool, device=device)
+    committed[:, :17] = False  # left padding
+    view = None
+    if sparse:  # StreamingLLM: 4 sinks after the padding, the last 252 slots
+        select = torch.cat([torch.arange(17, 21), torch.arange(context - 252, context)])
+        view = SparseView(select.to(device).repeat(batch, 1))
+        committed = committed.gather(1, view.select)
+    recent = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    mask = TreeMask(committed, recent.expand(batch, -1, -1), view)
+    got = triton_tree_attention(query, key, value, mask)
+    expected = reference_attention(query.float(), key.float(), value.float(), mask)
+    dense = mask.over_cache(context)[:, None]
+    repeat = heads // kv_heads
+
+    def stock() -> torch.Tensor:  # transformers' SDPA path: repeat_kv, a dense mask
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1),
+            attn_mask=dense)
+
+    return {"max_error": round(float((got.float() - expected).abs().max()), 5),
+            "triton_ms": _timed(target, lambda: triton_tree_attention(query, key, value, mask)),
+            "reference_ms": _timed(target, lambda: reference_attention(query, key, value, mask,
+                                                                       layer=0)),
+            "stock_sdpa_ms": _timed(target, stock)}
+
+
+def _timed(target: Any, call: Any, repeats: int = 10) -> float:
+    call()
+    _sync(target)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    _sync(target)
+    return round(1000 * (time.perf_counter() - started) / repeats, 3)
+
+
+def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
+    """Self-speculation on a batch of long random prompts (ragged): identity with generate on
+    each row, and the step costs its cost model measured."""
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [context - 37 * b for b in range(batch)]
+    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist()
+               for n in lengths]
+    drafter = SelfSpecDrafter(budget=min(256, context // 2), probe_every=1)
+    expected = LookaheadDecoder(target, config=LookaheadConfig(budget=0)).generate(prompts, 16)
+    got = LookaheadDecoder(target, drafter=drafter).generate(prompts, 16)
+    return {"batch": batch, "context": context,
+            "identical_to_no_drafts": sum(a.token_ids == b.token_ids
+                                          for a, b in zip(got, expected)),
+            "of": batch, "self_spec": drafter.last.as_dict() if drafter.last else None}
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class DecodeStats:
     steps: int = 0
     drafted: int = 0  # draft nodes verified, all steps
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # before the first step: drafter sessions and the prefill
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     bookkeeping_seconds: float = 0.0
@@ -257,6 +257,7 @@ class LookaheadDecoder:
         if params.do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         with self._lock:
+            started = time.perf_counter()
             rows = [_Row(p, self.drafter.session(p, documents),
                          AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive),
                          RowSampler(params, None if seed is None else seed + b))
@@ -264,7 +265,7 @@ class LookaheadDecoder:
             rules = [StopRule(self._tokens, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
-            yield from self._decode(rows, rules, stream)
+            yield from self._decode(rows, rules, stream, started)
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
@@ -298,9 +299,8 @@ class LookaheadDecoder:
         with self._lock:
             fill(self.runner, cache, tokens)
 
-    def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None
-                ) -> Iterator[None]:
-        started = time.perf_counter()
+    def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None,
+                started: float) -> Iterator[None]:
         runner = self.runner
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
             target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))

@@ -42,31 +42,38 @@ def _slab_layer() -> type:
         slabs with spare room, regrown by an eighth (at least 256 slots) when full. Anything
         that assigns them a prefix view of themselves (cropping, compaction) keeps the slab."""
 
+        slabs: tuple[torch.Tensor, torch.Tensor] | None = None
+
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.keys = _append(self.keys, key_states)
-            self.values = _append(self.values, value_states)
+            old = self.slabs or (None, None)
+            key_slab, self.keys = _append(old[0], self.keys, key_states)
+            value_slab, self.values = _append(old[1], self.values, value_states)
+            self.slabs = (key_slab, value_slab)
             return self.keys, self.values
 
     return SlabLayer
 
 
-def _append(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``current`` (a prefix view of its slab, or empty) followed by ``new`` along slots."""
+def _append(slab: torch.Tensor | None, current: torch.Tensor, new: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``current`` (a prefix view of ``slab``, or empty) followed by ``new`` along slots: the
+    slab (regrown if it had no room) and the view. The slab is tracked explicitly: views made
+    under ``torch.inference_mode`` do not record their base."""
     length = current.shape[-2] if current.dim() == 4 else 0
     end = length + new.shape[-2]
-    base = current._base if current._base is not None else current
-    fits = (current.dim() == 4 and base.dim() == 4 and base.shape[-2] >= end
-            and base.shape[:2] == new.shape[:2] and base.shape[-1] == new.shape[-1]
-            and current.data_ptr() == base.data_ptr() and current.stride() == base.stride())
+    fits = (slab is not None and current.dim() == 4 and slab.shape[-2] >= end
+            and slab.shape[:2] == new.shape[:2] and slab.shape[-1] == new.shape[-1]
+            and current.data_ptr() == slab.data_ptr() and current.stride() == slab.stride())
     if not fits:
-        base = new.new_empty(*new.shape[:2], end + max(256, end // 8), new.shape[-1])
+        slab = new.new_empty(*new.shape[:2], end + max(256, end // 8), new.shape[-1])
         if length:
-            base[:, :, :length] = current
-    base[:, :, length:end] = new
-    return base[:, :, :end]
+            slab[:, :, :length] = current
+    assert slab is not None
+    slab[:, :, length:end] = new
+    return slab, slab[:, :, :end]
 
 
 def attention_window(config: Any) -> int | None:

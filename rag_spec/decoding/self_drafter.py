@@ -63,7 +63,6 @@ class SelfSpecDrafter(ModelDrafter):
         self.probe_every = probe_every
         self.last: SelfSpecStats | None = None  # the latest batch's costs and choices
 
-
     def draft_runner(self, target: TargetView) -> ModuleRunner:
         """The target's own fast path."""
         return target.runner

@@ -191,15 +191,18 @@ class TreeKVCache:
         """
         start = self.length
         width = max(len(k) for k in slots)
+        # kept slots already at the front of the round (a root alone, an accepted chain): no
+        # entry moves, the round is only cut
+        in_place = all(list(k) == list(range(len(k))) for k in slots)
         index = torch.tensor([list(k) + [k[-1] if k else 0] * (width - len(k)) for k in slots],
                              dtype=torch.long, device=self.valid.device) + start  # [B, width]
         for layer in layers(self.cache):
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)  # [B, heads, slots, head_dim]
-                gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1,
-                                                        tensor.shape[3])
-                tail = tensor.gather(2, gather)
-                tensor[:, :, start:start + width] = tail
+                if not in_place:
+                    gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1,
+                                                            tensor.shape[3])
+                    tensor[:, :, start:start + width] = tensor.gather(2, gather)
                 setattr(layer, name, tensor[:, :, :start + width])
         lengths = torch.tensor([len(k) for k in slots], device=self.valid.device)
         new_valid = torch.arange(width, device=self.valid.device)[None, :] < lengths[:, None]

@@ -15,20 +15,25 @@ from rag_spec.models.loader import LoadedModel, load_model
 
 # "early-exit:8": the target's own first 8 layers; "trained-exit:8": with a trained adapter
 _EARLY_EXIT = re.compile(r"(early|trained)[-_]exit:(\d+)")
+# "self-spec:256": the target itself through a StreamingLLM view of 256 KV entries
+_SELF_SPEC = re.compile(r"self[-_]spec(?::(\d+))?")
 
 DRAFT_HELP = ("a draft model of the target's vocabulary: an embedded name, a model folder, "
-              "early-exit:L (the target's own first L layers) or trained-exit:L (with an "
-              "adapter trained on the default corpus, see rag-spec draft train)")
+              "early-exit:L (the target's own first L layers), trained-exit:L (with an "
+              "adapter trained on the default corpus, see rag-spec draft train) or "
+              "self-spec:N (the target itself reading N KV entries: long contexts)")
 
 
 def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
     """The drafter for ``draft``: None (the trie alone), a Drafter (as given), an int or
     ``"early-exit:L"`` (the target's first L layers), ``"trained-exit:L"`` (with the adapter
-    trained on the default corpus: trained now if not cached), a name or folder (loaded on the
+    trained on the default corpus: trained now if not cached), ``"self-spec:N"`` (the target
+    through a sparse view of N KV entries, default 256), a name or folder (loaded on the
     target's device and dtype), a ``LoadedModel`` or a transformers model."""
     from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.decoding.merged_drafter import MergedDrafter
     from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
+    from rag_spec.decoding.self_drafter import SelfSpecDrafter
 
     if draft is None or isinstance(draft, Drafter):
         return draft
@@ -40,6 +45,9 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
             layers = int(match.group(2))
             adapter = cached_exit(target, layers) if match.group(1) == "trained" else None
             return MergedDrafter(EarlyExitDrafter(layers, adapter=adapter))
+        match = _SELF_SPEC.fullmatch(draft.strip())
+        if match:
+            return SelfSpecDrafter(budget=int(match.group(1) or 256))
         draft = load_model(draft, device=str(target.device), dtype=target.dtype)
     if isinstance(draft, LoadedModel):
         draft = draft.model
