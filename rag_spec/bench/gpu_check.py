@@ -259,7 +259,7 @@ def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
 
     g = torch.Generator().manual_seed(2)
-    lengths = [context - 37 * b for b in range(batch)]
+    lengths = [context - b * max(1, context // (4 * batch)) for b in range(batch)]  # ragged
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
     drafter = SelfSpecDrafter(budget=min(256, context // 2), probe_every=1)

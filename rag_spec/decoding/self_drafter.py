@@ -145,6 +145,8 @@ class _SelfBatch(_Batch):
         best = self.costs.best_gamma([a.alpha for a in acceptance], self.drafter.max_gamma)
         if best is None:  # nothing measured yet: a middling chain measures both passes
             return min(3, self.drafter.max_gamma)
+        if 1 not in self.costs.target:  # a plain step, measured: what every draft must beat
+            return 0
         if best > 0:
             self.plain_rounds = 0
             return best
