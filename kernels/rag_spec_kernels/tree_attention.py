@@ -47,6 +47,11 @@ class SparseView:
         self._changed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stale: set[Any] = set()  # layers whose buffers miss the changed entries
 
+    def committed(self, valid: torch.Tensor) -> torch.Tensor:
+        """[B, K] which entries hold committed tokens, given the cache's [B, S] ``valid``."""
+        bits = valid.gather(1, self.select.to(valid.device))
+        return bits if self.present is None else bits & self.present.to(valid.device)
+
     def update(self, select: torch.Tensor, present: torch.Tensor | None = None) -> None:
         """Read ``select`` from now on (same shape); buffers refresh the entries that differ."""
         self._changed = (select != self.select).nonzero(as_tuple=True)

@@ -17,6 +17,7 @@ from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, Targe
 from rag_spec.decoding.kv_cache import attention_window, crop, fill
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.decoding.sampling import RowSampler, SamplingParams
+from rag_spec.decoding.step_costs import settle
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
@@ -326,6 +327,7 @@ class LookaheadDecoder:
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
         logits = cache.forward(runner, cache.step(trees, runner.dtype))
+        settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
         # 3. Verify: each row's accepted path and the target's next token after it.

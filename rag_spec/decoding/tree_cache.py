@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.kv_cache import attention_window, fill_only, layers, new_cache
+from rag_spec.decoding.kv_cache import attention_window, crop, fill_only, layers, new_cache
 from rag_spec.decoding.tree import TokenTree
 from rag_spec_kernels import SparseView, TreeMask
 
@@ -145,19 +145,16 @@ class TreeKVCache:
         batch, width = input_ids.shape
         position_ids = position_ids.to(device)
         sees = sees.to(device)
-        kv_positions = torch.cat([self._slot_positions(), self._round_positions, position_ids],
-                                 dim=1)
         self._round_positions = torch.cat([self._round_positions, position_ids], dim=1)
         if self.window is None:
-            committed = self.valid if sparse is None else self.valid.gather(1, sparse.select)
-            if sparse is not None and sparse.present is not None:
-                committed = committed & sparse.present
+            committed = self.valid if sparse is None else sparse.committed(self.valid)
             return TreeBatch(input_ids.to(device), position_ids, TreeMask(committed, sees, sparse))
         if sparse is not None:
             msg = "A sparse view of the cache needs a full-attention model (this one slides)."
             raise ValueError(msg)
         prefix = self.valid[:, None, :].expand(batch, width, self.length)
         allowed = torch.cat([prefix, sees], dim=-1)
+        kv_positions = torch.cat([self._slot_positions(), self._round_positions], dim=1)
         allowed &= self._in_window(position_ids, kv_positions)
         return TreeBatch(input_ids.to(device), position_ids, None, _additive(allowed, dtype))
 
@@ -214,9 +211,7 @@ class TreeKVCache:
     def discard_round(self) -> None:
         """Drop every slot the current round wrote (a self-draft's passes, whose entries were
         computed with a sparse view and must not be kept)."""
-        for layer in layers(self.cache):
-            layer.keys = layer.keys[:, :, :self.length]
-            layer.values = layer.values[:, :, :self.length]
+        crop(self.cache, self.length)
         self._round_positions = self._round_positions[:, :0]
 
     def _slot_positions(self) -> torch.Tensor:
