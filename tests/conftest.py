@@ -127,3 +127,12 @@ class HashRetriever:
         time.sleep(self.score_ms / 1000)
         salt = "lie" if self.lying else ""
         return np.array([[self._score(q, d, salt) for d in doc_ids] for q in queries])
+
+
+@pytest.fixture
+def flat_step_costs(monkeypatch):
+    """Every step width costs the same, so the decoder drafts whatever its drafts keep (a tiny
+    model's step times are noise, and tests about what drafts do need them drafted)."""
+    from rag_spec.decoding.step_costs import StepCosts
+
+    monkeypatch.setattr(StepCosts, "verify", lambda self, width: 1.0)

@@ -1,6 +1,8 @@
-"""The adaptive budget: drafts stop while they miss, probes back off, a hit restores them."""
+"""The adaptive budget: drafts stop while they miss, probes back off, a hit restores them; and
+the batch's tree size, from what each size keeps against what its step costs."""
 
-from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.budget import AdaptiveBudget, TreeSizer
+from rag_spec.decoding.step_costs import StepCosts
 
 
 def drafting_steps(budget: AdaptiveBudget, steps: int, hits=lambda step: 0) -> list[int]:
@@ -26,3 +28,68 @@ def test_a_probe_that_hits_brings_drafting_back():
 
 def test_a_fixed_budget_always_drafts():
     assert len(drafting_steps(AdaptiveBudget(8, adaptive=False), 50)) == 50
+
+
+def test_a_step_teaches_what_every_other_tree_size_would_have_kept():
+    budget = AdaptiveBudget(8, smoothing=0.0)  # no smoothing: the curve is the last step's
+    # A 5-node tree kept nodes 0 then 3: its first n nodes keep node 0 from n = 1 and node 3
+    # from n = 4; a larger tree is taken to keep as much.
+    budget.record(5, [0, 3])
+    assert budget.kept == [0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert budget.mean_accepted == 2.0
+    budget.record(5, [])
+    assert budget.kept == [0.0] * 9
+
+
+def test_the_first_measurement_replaces_the_optimistic_start():
+    budget = AdaptiveBudget(4)
+    assert budget.kept == [0.0, 1.0, 2.0, 2.0, 2.0]  # the first steps draft full trees
+    budget.record(4, [1])
+    assert budget.kept == [0.0, 0.0, 1.0, 1.0, 1.0]
+    budget.record(4, [0, 1, 2])  # then a running mean of the first few
+    assert budget.kept == [0.0, 0.5, 1.5, 2.0, 2.0]
+
+
+def test_a_larger_tree_is_expected_to_keep_at_least_what_a_smaller_one_keeps():
+    budget = AdaptiveBudget(4)
+    budget.kept = [0.0, 1.5, 0.5, 2.0, 0.1]  # sizes measured at different times
+    assert [budget.expected(n) for n in range(6)] == [0.0, 1.5, 1.5, 2.0, 2.0, 2.0]
+
+
+def rows(*kept: float, reach: int = 12, full: int = 12) -> list[AdaptiveBudget]:
+    """Budgets whose rows keep ``k`` draft tokens from trees of ``reach`` nodes or more."""
+    budgets = [AdaptiveBudget(full) for _ in kept]
+    for budget, k in zip(budgets, kept):
+        budget.kept = [0.0] * reach + [k] * (full + 1 - reach)
+    return budgets
+
+
+def test_tree_size_maximises_committed_tokens_per_second():
+    cheap = StepCosts(target={1: 1.0, 13: 1.1})
+    assert TreeSizer(12).best(rows(0.5, reach=1), cheap) == 1  # as good as larger, cheaper
+    assert TreeSizer(12).best(rows(0.5, reach=5), cheap) == 5
+    assert TreeSizer(12).best(rows(0.5), cheap) == 12  # 1.5 tokens for 1.1 steps
+    dear = StepCosts(target={1: 1.0, 13: 3.0})
+    assert TreeSizer(12).best(rows(0.5), dear) == 0  # a plain step commits faster
+    assert TreeSizer(12).best(rows(2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
+
+
+def test_one_rows_gains_do_not_pay_for_a_whole_batch_stepping_wider():
+    costs = StepCosts(target={1: 1.0, 13: 1.5})
+    assert TreeSizer(12).best(rows(3.0), costs) == 12  # alone: 4 tokens for 1.5 steps
+    assert TreeSizer(12).best(rows(3.0, *[0.0] * 15), costs) == 0  # 19 tokens vs 16 for 1.5x
+
+
+def test_sizes_that_lose_are_probed_at_growing_intervals():
+    costs = StepCosts(target={1: 1.0, 13: 3.0})
+    sizer = TreeSizer(12)
+    sizes = [sizer.size(rows(0.0), costs) for _ in range(40)]
+    assert [step for step, size in enumerate(sizes) if size] == [3, 11, 27]  # 4, 8, 16 apart
+    assert set(sizes) == {0, 12}
+    assert TreeSizer(12).size(rows(0.0), StepCosts()) == 12  # nothing measured: draft fully
+    assert TreeSizer(12, adaptive=False).size(rows(0.0), costs) == 12  # a fixed budget
+
+
+def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
+    costs = StepCosts(target={13: 2.0})
+    assert 0 < costs.verify(1) < costs.verify(5) < 2.0 < costs.verify(20)

@@ -5,6 +5,7 @@ import torch
 
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+from rag_spec.decoding.step_costs import StepCosts
 
 
 def repetitive_prompt(seed: int, vocab: int = 64, length: int = 40) -> list[int]:
@@ -37,16 +38,34 @@ def test_matches_generate_for_every_budget_branch_and_mode(model, budget, branch
         assert result.token_ids == hf_greedy(model, prompt, 30)
 
 
-def test_drafts_are_actually_accepted(model):
-    # Once the drafter remembers this exact answer, most of it must come from drafts.
+def remembered_answer(model) -> tuple[LookaheadDecoder, list[int], list[int]]:
+    """A decoder whose drafter remembers the exact greedy answer to its prompt."""
     prompt = repetitive_prompt(7)
     first = hf_greedy(model, prompt, 40)
     decoder = LookaheadDecoder(model)
     decoder.drafter.remember(prompt + first)
+    return decoder, prompt, first
+
+
+def test_drafts_are_actually_accepted(model, flat_step_costs):
+    # Once the drafter remembers this exact answer, most of it must come from drafts.
+    decoder, prompt, first = remembered_answer(model)
     result = decoder.generate(prompt, max_new_tokens=40)
     assert result.token_ids == first
     assert result.stats.steps <= 10
     assert max(result.stats.accepted_per_step) >= 4
+
+
+def test_drafts_that_cost_more_than_they_keep_are_only_probed(model, monkeypatch):
+    # Each draft node costs a plain step: even the remembered answer's 8-token copies do not
+    # pay, so only probes draft, and the output is the same.
+    monkeypatch.setattr(StepCosts, "verify", lambda self, width: float(width))
+    decoder, prompt, first = remembered_answer(model)
+    result = decoder.generate(prompt, max_new_tokens=40)
+    assert result.token_ids == first
+    # the first step, then probes 4, 8 and 16 steps apart: most of the 40 tokens are plain steps
+    assert result.stats.drafted <= 12 * 4
+    assert result.stats.steps >= 25
 
 
 def test_non_adaptive_and_adaptive_agree(model):
@@ -80,7 +99,7 @@ def test_single_token_prompt(model):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_eos_inside_a_draft_ends_exactly_there(seed):
+def test_eos_inside_a_draft_ends_exactly_there(seed, flat_step_costs):
     prompt = repetitive_prompt(seed)
     free_run = hf_greedy(tiny_llama(seed=1), prompt, 40)
     eos = free_run[12]  # a token the model really emits: make it the EOS

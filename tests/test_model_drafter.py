@@ -88,7 +88,8 @@ class Counting(DraftModelDrafter):
         return Spy(runner.module)
 
 
-def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch):
+def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch,
+                                                              flat_step_costs):
     import rag_spec.decoding.model_drafter as module
 
     drafter = Counting(tiny_llama(seed=0, layers=2),

@@ -1,6 +1,11 @@
-"""How many draft nodes to verify next step, from how many were being accepted."""
+"""How many draft nodes to verify next step: per row, from how many were being accepted; per
+batch, from what that acceptance earns against what a wider step costs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rag_spec.decoding.step_costs import StepCosts
 
 
 class AdaptiveBudget:
@@ -23,6 +28,11 @@ class AdaptiveBudget:
         self.max_probe_every = max_probe_every
         self.smoothing = smoothing
         self.mean_accepted = initial  # 1.0: an optimistic start, the first steps draft
+        # kept[n]: smoothed draft tokens a step keeps with its tree cut to its first n nodes;
+        # optimistic at first (up to twice ``initial``, more for larger trees), so the first
+        # steps draft full trees and measure every size's acceptance
+        self.kept = [initial * min(n, 2) for n in range(full + 1)]
+        self._measured = [0] * (full + 1)  # steps that measured each size
         self._interval = probe_every  # steps between probes now
         self._idle = 0
 
@@ -44,3 +54,83 @@ class AdaptiveBudget:
             self._interval = self.probe_every
         elif probing:
             self._interval = min(2 * self._interval, self.max_probe_every)
+
+    def expected(self, n: int) -> float:
+        """Draft tokens a step with ``n`` nodes is expected to keep: a larger tree keeps at
+        least what its first ``n`` nodes keep, so sizes not measured lately are bounded below by
+        smaller ones."""
+        return max(self.kept[:min(n, self.full) + 1])
+
+    def record(self, drafted: int, path: Sequence[int]) -> None:
+        """Record a verified tree of ``drafted`` nodes whose accepted path
+        is ``path`` (node indices), with what each other size would have kept.
+
+        Parents come before children, so a tree's first n nodes are a tree, and verifying that
+        cut keeps the path up to its first node at index >= n (exactly so for greedy decoding;
+        an estimate for sampling, which only steers speed). A larger size is taken to keep
+        what this tree kept: exact when the drafter offered fewer nodes than it was allowed, a
+        lower bound when the budget cut the tree (probes measure larger sizes again, so one
+        lucky step is not trusted long after it).
+        """
+        self.update(drafted, len(path))
+        if not drafted:
+            return
+        reach, within = 0, []  # within[d]: nodes the path's first d + 1 nodes span
+        for node in path:
+            reach = max(reach, node + 1)
+            within.append(reach)
+        for n in range(1, self.full + 1):
+            kept = sum(1 for span in within if span <= n)
+            # the first measurement replaces the optimistic start; a running mean over the
+            # first few, then the smoothing
+            weight = max(1 - self.smoothing, 1 / (self._measured[n] + 1))
+            self.kept[n] += weight * (kept - self.kept[n])
+            self._measured[n] += 1
+
+
+class TreeSizer:
+    """The tree size a batch's rows draft this step: the one with the most committed tokens
+    per second of verification.
+
+    A step's cost is set by its widest tree, so the choice is the batch's: size ``n`` commits
+    ``sum(1 + expected_r(n))`` tokens for ``costs.verify(1 + n)`` seconds, and ``n = 0`` is a plain
+    step. At batch 16 and a long context a wide step costs several plain ones and drafts rarely
+    pay; at batch 1 on a short prompt they nearly always do. Sizes not measured yet look cheap
+    (``StepCosts``' prior), so they get tried. While a smaller size wins, a full-size probe
+    runs every ``probe_every`` steps, half as often after each probe that changed nothing
+    (down to one in ``max_probe_every``), so the sizes' acceptance stays measured.
+    """
+
+    def __init__(self, full: int, *, adaptive: bool = True, probe_every: int = 4,
+                 max_probe_every: int = 64) -> None:
+        self.full = full
+        self.adaptive = adaptive
+        self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self._interval = probe_every
+        self._idle = 0
+
+    def size(self, budgets: Sequence[AdaptiveBudget], costs: StepCosts) -> int:
+        """Nodes each of the rows behind ``budgets`` may draft this step."""
+        best = self.best(budgets, costs)
+        if best >= self.full:
+            self._interval, self._idle = self.probe_every, 0
+            return self.full
+        self._idle += 1
+        if self._idle < self._interval:
+            return best
+        self._idle = 0
+        self._interval = min(2 * self._interval, self.max_probe_every)
+        return self.full
+
+    def best(self, budgets: Sequence[AdaptiveBudget], costs: StepCosts) -> int:
+        """The size with the highest expected rate (the larger of equals); the full budget
+        before any cost is known or when the budget is fixed."""
+        if not self.adaptive or not budgets or not costs.target:
+            return self.full
+        rates = {}
+        for n in range(self.full + 1):
+            seconds = costs.verify(1 + n)
+            assert seconds is not None  # some width is measured
+            rates[n] = sum(1 + b.expected(n) for b in budgets) / seconds
+        return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.budget import AdaptiveBudget, TreeSizer
 from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView, propose
 from rag_spec.decoding.kv_cache import attention_window, crop, fill
 from rag_spec.decoding.runner import Runner, RunnerSettings
@@ -23,7 +23,7 @@ from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter, TrieMode
-from rag_spec.decoding.verify import verify
+from rag_spec.decoding.verify import Verdict, verify
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.tokenizing import serial
@@ -40,7 +40,7 @@ class LookaheadConfig:
     budget: int = 12  # most draft nodes verified per step
     branch_length: int = 8  # longest drafted continuation
     mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
-    adaptive: bool = True  # shrink the budget while drafts keep missing
+    adaptive: bool = True  # size trees by measured acceptance and step costs
     memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
     # CPU: oneDNN matrix products on a reordered weight copy (cheap tree steps). "auto": only
     # while the copy fits a quarter of the available memory; True forces it, False turns it off.
@@ -307,21 +307,32 @@ class LookaheadDecoder:
             target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
+        # Greedy output never depends on the drafts, so the batch may size its rows' trees.
+        # A sampled row's does under multi-step speculative sampling: it keeps its own budget,
+        # so it samples the same tokens in any batch.
+        sizer = None if rows[0].sampler.params.do_sample else \
+            TreeSizer(self.config.budget, adaptive=self.config.adaptive)
         while any(r.finish_reason is None for r in rows):
-            self._step(rows, rules, target)
+            self._step(rows, rules, target, sizer)
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
 
     @torch.inference_mode()
-    def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView) -> None:
-        """One step for every row: draft, verify in one forward pass, accept, compact."""
+    def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
+              sizer: TreeSizer | None = None) -> None:
+        """One step for every row: draft, verify in one forward pass, accept, compact.
+
+        ``sizer`` caps the rows' trees at the size that pays for this batch (None: each row's
+        own budget)."""
         cache, runner = target.cache, target.runner
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
-        requests = [DraftRequest(r.session, r.context, r.budget.current if on else 0, r.sampler)
-                    for r, on in zip(rows, active)]
+        cap = sizer.size([r.budget for r, on in zip(rows, active) if on], target.costs) \
+            if sizer is not None else self.config.budget
+        requests = [DraftRequest(r.session, r.context, min(r.budget.current, cap) if on else 0,
+                                 r.sampler) for r, on in zip(rows, active)]
         trees = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
         # 2. Forward: one pass over every row's root and tree.
@@ -335,7 +346,7 @@ class LookaheadDecoder:
                            len(row.output)) for b, (row, tree) in enumerate(zip(rows, trees))]
         for row, rule, tree, verdict, on in zip(rows, rules, trees, verdicts, active):
             if on:
-                self._commit(row, rule, verdict.tokens, len(tree))
+                self._commit(row, rule, verdict, len(tree))
         # 4. Roll back: keep only the accepted slots of the KV cache.
         cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
         t3 = time.perf_counter()
@@ -345,9 +356,11 @@ class LookaheadDecoder:
                 row.stats.forward_seconds += t2 - t1
                 row.stats.bookkeeping_seconds += t3 - t2
 
-    def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int) -> None:
-        """Append tokens one by one until a stop rule fires; teach the drafter what was kept."""
+    def _commit(self, row: _Row, rule: StopRule, verdict: Verdict, drafted: int) -> None:
+        """Append tokens one by one until a stop rule fires; teach the drafter and the budget
+        what was kept."""
         before = len(row.context)
+        tokens = verdict.tokens
         for token in tokens:
             row.output.append(token)
             row.finish_reason = rule.finish_reason(row.output)
@@ -356,7 +369,7 @@ class LookaheadDecoder:
         row.stats.steps += 1
         row.stats.drafted += drafted
         row.stats.accepted_per_step.append(len(tokens) - 1)
-        row.budget.update(drafted, len(tokens) - 1)
+        row.budget.record(drafted, verdict.path)
         row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)

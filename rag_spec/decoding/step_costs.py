@@ -48,7 +48,8 @@ class StepCosts:
 
     def verify(self, width: int) -> float | None:
         """Seconds of a target pass ``width`` tokens wide: measured, interpolated between
-        measured widths, or extrapolated from the nearest with a small prior slope."""
+        measured widths, or extrapolated: along the two nearest measured widths, or from the
+        only one with a small prior slope (optimistic, so unmeasured widths get tried)."""
         if width in self.target:
             return self.target[width]
         if not self.target:
@@ -61,7 +62,17 @@ class StepCosts:
             return self.target[lo] + share * (self.target[hi] - self.target[lo])
         nearest = max(below) if below else min(above)
         base = self.target[nearest]
-        return base * (1.0 + _PRIOR_SLOPE * (width - nearest))
+        others = sorted(self.target, key=lambda w: abs(w - nearest))[1:]
+        if not others:  # one width measured: a prior slope
+            prior = 1.0 + _PRIOR_SLOPE * abs(width - nearest)
+            return base * prior if width > nearest else base / prior
+        # the line through the two nearest measured widths; a wider pass is no cheaper than
+        # the prior says, and a narrower one costs at least its share of the tokens
+        near = others[0]
+        line = base + (base - self.target[near]) / (nearest - near) * (width - nearest)
+        if width > nearest:
+            return max(line, base * (1.0 + _PRIOR_SLOPE * (width - nearest)))
+        return max(line, base * width / nearest)
 
     def best_gamma(self, alphas: Sequence[float], max_gamma: int) -> int | None:
         """The draft length with the highest expected rate for rows accepting with ``alphas``;
