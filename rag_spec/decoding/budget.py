@@ -67,10 +67,9 @@ class AdaptiveBudget:
 
         Parents come before children, so a tree's first n nodes are a tree, and verifying that
         cut keeps the path up to its first node at index >= n (exactly so for greedy decoding;
-        an estimate for sampling, which only steers speed). A larger size is taken to keep
-        what this tree kept: exact when the drafter offered fewer nodes than it was allowed, a
-        lower bound when the budget cut the tree (probes measure larger sizes again, so one
-        lucky step is not trusted long after it).
+        an estimate for sampling, which only steers speed). Sizes above the tree keep what it
+        kept: the decoder proposes at the row's full budget, so a drafter that offered fewer
+        nodes had no more to offer.
         """
         self.update(drafted, len(path))
         if not drafted:

@@ -96,6 +96,9 @@ class _Row:
     sampler: RowSampler
     remember: bool = True  # hand the finished output to the drafter's cross-request memory
     output: list[int] = field(default_factory=list)
+    # proposed trees, each with the context length it continues, until what they would have
+    # kept is known
+    proposals: list[tuple[TokenTree, int]] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -331,10 +334,13 @@ class LookaheadDecoder:
         active = [r.finish_reason is None for r in rows]
         cap = sizer.size([r.budget for r, on in zip(rows, active) if on], target.costs) \
             if sizer is not None else self.config.budget
-        requests = [DraftRequest(r.session, r.context, min(r.budget.current, cap) if on else 0,
+        # Rows propose their full trees and verify their first ``cap`` nodes: what the rest
+        # would have kept is learnt from the tokens committed next.
+        requests = [DraftRequest(r.session, r.context, r.budget.current if on and cap else 0,
                                  r.sampler) for r, on in zip(rows, active)]
-        trees = [tree if on else TokenTree.empty() for tree, on in zip(
+        proposals = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
+        trees = [tree.first(cap) for tree in proposals]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
         logits = cache.forward(runner, cache.step(trees, runner.dtype))
@@ -344,9 +350,10 @@ class LookaheadDecoder:
         # 3. Verify: each row's accepted path and the target's next token after it.
         verdicts = [verify(logits[b, :1 + len(tree)], tree, row.sampler, row.context,
                            len(row.output)) for b, (row, tree) in enumerate(zip(rows, trees))]
-        for row, rule, tree, verdict, on in zip(rows, rules, trees, verdicts, active):
+        for row, rule, tree, proposal, verdict, on in zip(rows, rules, trees, proposals,
+                                                           verdicts, active):
             if on:
-                self._commit(row, rule, verdict, len(tree))
+                self._commit(row, rule, verdict, len(tree), proposal)
         # 4. Roll back: keep only the accepted slots of the KV cache.
         cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
         t3 = time.perf_counter()
@@ -356,9 +363,10 @@ class LookaheadDecoder:
                 row.stats.forward_seconds += t2 - t1
                 row.stats.bookkeeping_seconds += t3 - t2
 
-    def _commit(self, row: _Row, rule: StopRule, verdict: Verdict, drafted: int) -> None:
-        """Append tokens one by one until a stop rule fires; teach the drafter and the budget
-        what was kept."""
+    def _commit(self, row: _Row, rule: StopRule, verdict: Verdict, drafted: int,
+                proposal: TokenTree) -> None:
+        """Append tokens one by one until a stop rule fires; teach the drafter what was kept,
+        and the budget what the proposals would have kept."""
         before = len(row.context)
         tokens = verdict.tokens
         for token in tokens:
@@ -369,7 +377,8 @@ class LookaheadDecoder:
         row.stats.steps += 1
         row.stats.drafted += drafted
         row.stats.accepted_per_step.append(len(tokens) - 1)
-        row.budget.record(drafted, verdict.path)
+        row.proposals.append((proposal, before))
+        _learn(row)
         row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
@@ -398,6 +407,19 @@ class LookaheadDecoder:
         if self.tokenizer is None:
             msg = f"{what} needs a tokenizer: LookaheadDecoder(model, tokenizer)."
             raise RagSpecError(msg)
+
+
+def _learn(row: _Row) -> None:
+    """Record what each proposal would have kept, once the row has committed as many tokens
+    after it as it is deep (or has finished): for greedy decoding, exactly the path its
+    verification would have accepted, whatever part of it was verified."""
+    while row.proposals:
+        proposal, start = row.proposals[0]
+        depth = int(proposal.depths.max()) if len(proposal) else 0
+        if row.finish_reason is None and len(row.context) - start < depth:
+            return
+        row.proposals.pop(0)
+        row.budget.record(len(proposal), proposal.follow(row.context[start:]))
 
 
 def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool]:

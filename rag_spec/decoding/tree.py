@@ -100,6 +100,18 @@ class TokenTree:
             probs = torch.cat([probs, extra])
         return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs)
 
+    def first(self, n: int) -> TokenTree:
+        """The tree of the first ``n`` nodes (parents come before children, so it is one).
+
+        Examples:
+            >>> TokenTree.from_paths([[5, 6], [7]]).first(2).tokens
+            (5, 6)
+        """
+        if n >= len(self):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        return TokenTree(self.tokens[:n], self.parents[:n], probs)
+
     def __len__(self) -> int:
         return len(self.tokens)
 
