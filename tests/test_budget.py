@@ -64,30 +64,41 @@ def rows(*kept: float, reach: int = 12, full: int = 12) -> list[AdaptiveBudget]:
     return budgets
 
 
+def best(budgets: list[AdaptiveBudget], costs: StepCosts, remaining: list[int] | None = None
+         ) -> int:
+    return TreeSizer(12).best(budgets, remaining or [64] * len(budgets), costs)
+
+
 def test_tree_size_maximises_committed_tokens_per_second():
     cheap = StepCosts(target={1: 1.0, 13: 1.1})
-    assert TreeSizer(12).best(rows(0.5, reach=1), cheap) == 1  # as good as larger, cheaper
-    assert TreeSizer(12).best(rows(0.5, reach=5), cheap) == 5
-    assert TreeSizer(12).best(rows(0.5), cheap) == 12  # 1.5 tokens for 1.1 steps
+    assert best(rows(0.5, reach=1), cheap) == 1  # as good as larger, cheaper
+    assert best(rows(0.5, reach=5), cheap) == 5
+    assert best(rows(0.5), cheap) == 12  # 1.5 tokens for 1.1 steps
     dear = StepCosts(target={1: 1.0, 13: 3.0})
-    assert TreeSizer(12).best(rows(0.5), dear) == 0  # a plain step commits faster
-    assert TreeSizer(12).best(rows(2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
+    assert best(rows(0.5), dear) == 0  # a plain step commits faster
+    assert best(rows(2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
 
 
-def test_one_rows_gains_do_not_pay_for_a_whole_batch_stepping_wider():
+def test_a_batch_drafts_for_the_row_it_waits_for():
     costs = StepCosts(target={1: 1.0, 13: 1.5})
-    assert TreeSizer(12).best(rows(3.0), costs) == 12  # alone: 4 tokens for 1.5 steps
-    assert TreeSizer(12).best(rows(3.0, *[0.0] * 15), costs) == 0  # 19 tokens vs 16 for 1.5x
+    assert best(rows(3.0), costs) == 12  # alone: 4 tokens for 1.5 steps
+    assert best(rows(3.0, *[0.0] * 15), costs) == 0  # the batch ends with its slowest row
+    assert best(rows(3.0, 0.0), costs, [64, 16]) == 12  # the other row is done 4x sooner
+    assert best(rows(3.0, 0.0), costs, [64, 64]) == 0
+
+
+def test_a_batch_that_copies_everywhere_drafts():
+    assert best(rows(*[3.0] * 16), StepCosts(target={1: 1.0, 13: 3.0})) == 12  # 4 for 3
 
 
 def test_sizes_that_lose_are_probed_at_growing_intervals():
     costs = StepCosts(target={1: 1.0, 13: 3.0})
     sizer = TreeSizer(12)
-    sizes = [sizer.size(rows(0.0), costs) for _ in range(40)]
+    sizes = [sizer.size(rows(0.0), [64], costs) for _ in range(40)]
     assert [step for step, size in enumerate(sizes) if size] == [3, 11, 27]  # 4, 8, 16 apart
     assert set(sizes) == {0, 12}
-    assert TreeSizer(12).size(rows(0.0), StepCosts()) == 12  # nothing measured: draft fully
-    assert TreeSizer(12, adaptive=False).size(rows(0.0), costs) == 12  # a fixed budget
+    assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == 12  # nothing measured: full
+    assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == 12  # a fixed budget
 
 
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():

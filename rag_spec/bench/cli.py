@@ -69,6 +69,11 @@ def add_bench_commands(commands: Any) -> None:
                          help="KV entries the self-draft reads per row (default 256)")
     longctx.add_argument("--json", dest="json_out", help="write the report here")
     longctx.set_defaults(run=_longctx)
+    floor = kinds.add_parser("floor", help="step costs against the memory-bandwidth floor")
+    floor.add_argument("--dtype", type=_dtypes, default=("float32", "bfloat16"),
+                       help="comma-separated (default float32,bfloat16)")
+    floor.add_argument("--json", dest="json_out", help="write the report here")
+    floor.set_defaults(run=_floor)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
 
@@ -82,6 +87,22 @@ def _sizes(text: str) -> tuple[int, ...]:
         msg = f"expected positive integers separated by commas (e.g. 1,4,16), got {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return sizes
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    dtypes = tuple(part.strip() for part in text.split(","))
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if bad or not dtypes:
+        msg = f"expected float32, bfloat16 or float16, comma-separated; got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return dtypes
+
+
+def _floor(args: argparse.Namespace) -> int:
+    from rag_spec.bench.floor import run
+
+    run(dtypes=args.dtype, json_out=args.json_out)
+    return 0
 
 
 def _longctx(args: argparse.Namespace) -> int:

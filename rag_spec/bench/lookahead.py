@@ -1,6 +1,8 @@
 """``rag-spec bench lookahead``: our decoder against transformers greedy and prompt lookup.
 
-Systems run interleaved on each prompt, all greedy, same model, dtype and device. Outputs are
+Systems run interleaved on each prompt, all greedy, same model, dtype and device: transformers
+greedy and its prompt lookup (the peers), ours, and two ablations of ours (no drafts: the same
+kernels without speculation; stock linear kernels: speculation without ours). Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
 """
@@ -28,7 +30,7 @@ from rag_spec.bench.report import (
     setting,
 )
 
-SYSTEMS = ("hf", "pld4", "pld10", "rag_spec", "rag_spec_stock_linear")
+SYSTEMS = ("hf", "pld4", "pld10", "rag_spec", "rag_spec_no_drafts", "rag_spec_stock_linear")
 
 
 def run(prompts_file: str | None = None, json_out: str | None = None, max_new_tokens: int = 128,
@@ -41,10 +43,12 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     lm = load_model(model_name)
     rag, open_ended = prompt_sets(lm.tokenizer, questions, limit)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)
-    # The same decoder on the stock linear kernels: what speculation alone buys.
+    # The ablations: the same kernels drafting nothing (what speculation buys), and the same
+    # decoder on the stock linear kernels (what our kernels buy).
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
     stock = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
-    systems = _systems(lm.model, {"rag_spec": decoder, "rag_spec_stock_linear": stock},
-                       max_new_tokens)
+    systems = _systems(lm.model, {"rag_spec": decoder, "rag_spec_no_drafts": plain,
+                                  "rag_spec_stock_linear": stock}, max_new_tokens)
     _warm_up(systems, rag[0])
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
@@ -126,7 +130,10 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
         if steps:
             entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
         systems[name] = entry
-    return {"prompts": len(prompts), "systems": systems}
+    drafts_gain = [a / b for a, b in zip(systems["rag_spec"]["per_prompt_speedup"],
+                                         systems["rag_spec_no_drafts"]["per_prompt_speedup"])]
+    return {"prompts": len(prompts), "systems": systems,
+            "rag_spec_over_no_drafts": round(median(drafts_gain), 3)}
 
 
 def _divergence(model: Any, prompt: list[int], expected: list[int], got: list[int]

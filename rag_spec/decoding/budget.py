@@ -88,13 +88,15 @@ class AdaptiveBudget:
 
 
 class TreeSizer:
-    """The tree size a batch's rows draft this step: the one with the most committed tokens
-    per second of verification.
+    """The tree size a batch's rows draft this step: the one that brings the batch's end
+    soonest per second of verification.
 
-    A step's cost is set by its widest tree, so the choice is the batch's: size ``n`` commits
-    ``sum(1 + expected_r(n))`` tokens for ``costs.verify(1 + n)`` seconds, and ``n = 0`` is a plain
-    step. At batch 16 and a long context a wide step costs several plain ones and drafts rarely
-    pay; at batch 1 on a short prompt they nearly always do. Sizes not measured yet look cheap
+    A step's cost is set by its widest tree, and a batch runs until its last row is done. So
+    size ``n`` is worth ``min over rows of (1 + expected_r(n)) / remaining_r`` (the share of
+    its remaining tokens the slowest row commits per step) over ``costs.verify(1 + n)``, and
+    ``n = 0`` is a plain step. At batch 1 on a short prompt a wide step costs little more than
+    a plain one and drafts nearly always pay; at batch 16 and a long context it costs several
+    plain steps, and pays only while every row is copying. Sizes not measured yet look cheap
     (``StepCosts``' prior), so they get tried. While a smaller size wins, a full-size probe
     runs every ``probe_every`` steps, half as often after each probe that changed nothing
     (down to one in ``max_probe_every``), so the sizes' acceptance stays measured.
@@ -109,9 +111,11 @@ class TreeSizer:
         self._interval = probe_every
         self._idle = 0
 
-    def size(self, budgets: Sequence[AdaptiveBudget], costs: StepCosts) -> int:
-        """Nodes each of the rows behind ``budgets`` may draft this step."""
-        best = self.best(budgets, costs)
+    def size(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
+             costs: StepCosts) -> int:
+        """Nodes each of the rows behind ``budgets`` (``remaining`` tokens still to go, at
+        most) may draft this step."""
+        best = self.best(budgets, remaining, costs)
         if best >= self.full:
             self._interval, self._idle = self.probe_every, 0
             return self.full
@@ -122,7 +126,8 @@ class TreeSizer:
         self._interval = min(2 * self._interval, self.max_probe_every)
         return self.full
 
-    def best(self, budgets: Sequence[AdaptiveBudget], costs: StepCosts) -> int:
+    def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
+             costs: StepCosts) -> int:
         """The size with the highest expected rate (the larger of equals); the full budget
         before any cost is known or when the budget is fixed."""
         if not self.adaptive or not budgets or not costs.target:
@@ -131,5 +136,7 @@ class TreeSizer:
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured
-            rates[n] = sum(1 + b.expected(n) for b in budgets) / seconds
+            slowest = min((1 + b.expected(n)) / max(left, 1)
+                          for b, left in zip(budgets, remaining))
+            rates[n] = slowest / seconds
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more

@@ -1,0 +1,135 @@
+"""``rag-spec bench floor``: how far a decoding step is from the memory-bandwidth floor.
+
+A step for one row reads every weight once (an untied input embedding excepted: a step reads
+only its rows). At this machine's read bandwidth that takes ``weight bytes / bandwidth``, the
+floor no kernel beats. The report gives the bandwidth (the best of several full reads of a
+buffer larger than the caches), the floor per dtype, and step costs beside it as multiples:
+transformers' own one-token step (the peer), our runner's one-token step, and our step over a
+root plus a 16-node tree, at a RAG prompt's length; and that tree step over the one-token step.
+Every other speedup is tokens per step over such a step's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rag_spec.bench.report import figure, machine, median, publish, save_figure
+
+TREE_NODES = 16
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second of the best full read of a ``gib`` GiB buffer (a sum over it)."""
+    buffer = torch.ones(int(gib * 2**30) // 4)
+    buffer.sum()  # pages touched before timing
+    best = min(_seconds(buffer.sum) for _ in range(repeats))
+    return buffer.numel() * 4 / best
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of weights a one-token step reads."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() == embedding.data_ptr():
+        return total  # the LM head reads the whole matrix
+    return total - embedding.numel() * embedding.element_size()
+
+
+@torch.inference_mode()
+def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 1 + TREE_NODES),
+                 repeats: int = 9) -> dict[str, float]:
+    """Median seconds of transformers' one-token step and of our runner's steps ``widths``
+    tokens wide (a root plus a chain of draft tokens), after ``prompt``'s prefill."""
+    from rag_spec.decoding import Runner, TokenTree, TreeKVCache
+
+    ids = torch.tensor([list(prompt)], device=model.device)
+    past = model(input_ids=ids, use_cache=True).past_key_values
+    token = ids[:, -1:]
+
+    def hf_step() -> None:
+        model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
+
+    costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
+    runner = Runner.of(model)
+    for width in widths:
+        cache = TreeKVCache.prefill(runner, [list(prompt)])
+        tree = TokenTree(tuple(range(3, 2 + width)), tuple(range(-1, width - 2)))
+
+        def ours_step(cache: Any = cache, tree: TokenTree = tree) -> None:
+            cache.forward(runner, cache.step([tree], runner.dtype))
+            cache.keep([[]], [3])  # the root stays: one position per step, as in hf_step
+
+        ours_step()  # the first pass of a width prepares its kernels
+        costs[f"rag_spec_{width}"] = median([_seconds(ours_step, model.device)
+                                             for _ in range(repeats)])
+    return costs
+
+
+def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = None,
+        model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
+    """Measure, print a table, write JSON and a PNG plot; return the report."""
+    from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.models import load_model
+
+    bandwidth = read_bandwidth()
+    report: dict[str, Any] = {"benchmark": "floor", "model": model_name,
+                              "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                              "tree_nodes": TREE_NODES, "machine": machine(), "dtypes": {}}
+    for dtype in dtypes:
+        lm = load_model(model_name, dtype=dtype)
+        prompt = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:1], 1)[0][0]
+        weights = weight_bytes(lm.model)
+        floor = weights / bandwidth
+        steps = step_seconds(lm.model, prompt)
+        plain, tree = steps["rag_spec_1"], steps[f"rag_spec_{1 + TREE_NODES}"]
+        report["prompt_tokens"] = len(prompt)
+        report["dtypes"][dtype] = {
+            "weight_mb": round(weights / 2**20, 1), "floor_ms": round(1e3 * floor, 2),
+            "step_ms": {name: round(1e3 * s, 2) for name, s in steps.items()},
+            "over_floor": {name: round(s / floor, 2) for name, s in steps.items()},
+            "tree_over_plain": round(tree / plain, 2)}
+    publish(report, json_out, "floor", _plot, _print_table)
+    return report
+
+
+def _seconds(call: Callable[[], Any], device: torch.device | None = None) -> float:
+    from rag_spec.decoding.step_costs import settle
+
+    started = time.perf_counter()
+    call()
+    if device is not None:
+        settle(device)
+    return time.perf_counter() - started
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    fig, ax = figure(size=(8, 4))
+    names = list(next(iter(report["dtypes"].values()))["over_floor"])
+    width = 0.8 / len(report["dtypes"])
+    for i, (dtype, row) in enumerate(report["dtypes"].items()):
+        ax.bar([j + i * width for j in range(len(names))], [row["over_floor"][n] for n in names],
+               width, label=f"{dtype} (floor {row['floor_ms']} ms)")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks([j + width * (len(report["dtypes"]) - 1) / 2 for j in range(len(names))],
+                  names)
+    ax.set_ylabel("step cost / weight-read floor")
+    ax.legend()
+    save_figure(fig, path, f"{report['model']}, {report['read_bandwidth_gb_s']} GB/s read, "
+                           f"{report['machine']['cpus']} CPUs")
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    print(f"read bandwidth {report['read_bandwidth_gb_s']} GB/s, prompt "
+          f"{report['prompt_tokens']} tokens")
+    for dtype, row in report["dtypes"].items():
+        steps = ", ".join(f"{name} {ms} ms ({row['over_floor'][name]}x)"
+                          for name, ms in row["step_ms"].items())
+        print(f"{dtype}: weights {row['weight_mb']} MB, floor {row['floor_ms']} ms; {steps}; "
+              f"tree/plain {row['tree_over_plain']}x")

@@ -1,0 +1,42 @@
+"""The floor benchmark's parts: what a step reads, how fast memory reads, what steps cost."""
+
+import pytest
+
+from conftest import tiny_llama
+from rag_spec.bench.floor import read_bandwidth, step_seconds, weight_bytes
+from rag_spec.cli import main
+
+
+def nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def test_a_step_reads_every_weight_but_an_untied_embedding():
+    model = tiny_llama()
+    every = sum(nbytes(p) for p in model.parameters())
+    assert weight_bytes(model) == every - nbytes(model.model.embed_tokens.weight)
+    tied = tiny_llama()
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # the head reads the whole matrix
+    assert weight_bytes(tied) == sum(nbytes(p) for p in tied.parameters())
+    assert weight_bytes(tied) < every
+
+
+def test_read_bandwidth_is_bytes_per_second():
+    # any machine this runs on reads a 64 MiB buffer at between 100 MB/s and 10 TB/s
+    assert 1e8 < read_bandwidth(gib=1 / 16, repeats=2) < 1e13
+
+
+def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
+    model = tiny_llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = step_seconds(model, list(range(3, 40)), widths=(1, 5), repeats=3)
+    assert set(costs) == {"hf_1", "rag_spec_1", "rag_spec_5"}
+    assert all(0 < seconds < 10 for seconds in costs.values())
+    assert all((model.state_dict()[k] == v).all() for k, v in state.items())
+
+
+def test_unknown_dtypes_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "floor", "--dtype", "int8"])
+    assert exit_info.value.code == 2
+    assert "expected float32, bfloat16 or float16" in capsys.readouterr().err
