@@ -91,14 +91,16 @@ def test_a_batch_that_copies_everywhere_drafts():
     assert best(rows(*[3.0] * 16), StepCosts(target={1: 1.0, 13: 3.0})) == 12  # 4 for 3
 
 
-def test_sizes_that_lose_are_probed_at_growing_intervals():
+def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying():
     costs = StepCosts(target={1: 1.0, 13: 3.0})
     sizer = TreeSizer(12)
     sizes = [sizer.size(rows(0.0), [64], costs) for _ in range(40)]
-    assert [step for step, size in enumerate(sizes) if size] == [3, 11, 27]  # 4, 8, 16 apart
-    assert set(sizes) == {0, 12}
-    assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == 12  # nothing measured: full
-    assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == 12  # a fixed budget
+    assert {cap for cap, _ in sizes} == {0}
+    assert [step for step, (_, propose) in enumerate(sizes) if propose] == [3, 11, 27]
+    assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == (12, True)  # nothing measured
+    assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == (12, True)  # fixed
+    assert TreeSizer(12).size(rows(0.5, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.1})
+                              ) == (5, True)
 
 
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():

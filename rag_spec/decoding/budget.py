@@ -97,9 +97,11 @@ class TreeSizer:
     ``n = 0`` is a plain step. At batch 1 on a short prompt a wide step costs little more than
     a plain one and drafts nearly always pay; at batch 16 and a long context it costs several
     plain steps, and pays only while every row is copying. Sizes not measured yet look cheap
-    (``StepCosts``' prior), so they get tried. While a smaller size wins, a full-size probe
-    runs every ``probe_every`` steps, half as often after each probe that changed nothing
-    (down to one in ``max_probe_every``), so the sizes' acceptance stays measured.
+    (``StepCosts``' prior), so they get tried. Rows propose full trees and verify the chosen
+    size; what the rest would have kept is learnt from the tokens committed next. While no
+    size pays, rows still propose (without verifying) every ``probe_every`` steps, half as
+    often after each such probe (down to one in ``max_probe_every``), so acceptance stays
+    measured at the cost of drafting alone.
     """
 
     def __init__(self, full: int, *, adaptive: bool = True, probe_every: int = 4,
@@ -112,19 +114,20 @@ class TreeSizer:
         self._idle = 0
 
     def size(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
-             costs: StepCosts) -> int:
+             costs: StepCosts) -> tuple[int, bool]:
         """Nodes each of the rows behind ``budgets`` (``remaining`` tokens still to go, at
-        most) may draft this step."""
+        most) may verify this step, and whether they propose trees anyway: a probe, verified
+        no further than the best size, whose trees are learnt from the tokens that follow."""
         best = self.best(budgets, remaining, costs)
         if best >= self.full:
             self._interval, self._idle = self.probe_every, 0
-            return self.full
+            return self.full, True
         self._idle += 1
         if self._idle < self._interval:
-            return best
+            return best, best > 0
         self._idle = 0
         self._interval = min(2 * self._interval, self.max_probe_every)
-        return self.full
+        return best, True
 
     def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
              costs: StepCosts) -> int:

@@ -332,14 +332,15 @@ class LookaheadDecoder:
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
-        cap = self.config.budget if sizer is None else sizer.size(
+        cap, propose_any = (self.config.budget, True) if sizer is None else sizer.size(
             [r.budget for r, on in zip(rows, active) if on],
             [rule.max_new_tokens - len(r.output) for r, rule, on in zip(rows, rules, active) if on],
             target.costs)
         # Rows propose their full trees and verify their first ``cap`` nodes: what the rest
         # would have kept is learnt from the tokens committed next.
-        requests = [DraftRequest(r.session, r.context, r.budget.current if on and cap else 0,
-                                 r.sampler) for r, on in zip(rows, active)]
+        requests = [DraftRequest(r.session, r.context,
+                                 r.budget.current if on and propose_any else 0, r.sampler)
+                    for r, on in zip(rows, active)]
         proposals = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
         trees = [tree.first(cap) for tree in proposals]
