@@ -106,3 +106,25 @@ def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying(
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
     costs = StepCosts(target={13: 2.0})
     assert 0 < costs.verify(1) < costs.verify(5) < 2.0 < costs.verify(20)
+
+
+def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(monkeypatch):
+    import rag_spec.decoding.decoder as decoder_module
+    from conftest import tiny_llama
+    from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
+
+    built = []
+
+    class Spy(TreeSizer):
+        def __init__(self, *args, **kwargs):
+            built.append(True)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "TreeSizer", Spy)
+    model, prompt = tiny_llama(), [5, 6, 7, 5, 6]
+    LookaheadDecoder(model).generate(prompt, 4)
+    assert built == [True]  # the trie, greedy: sized
+    LookaheadDecoder(model).generate(prompt, 4, do_sample=True, seed=1)
+    assert built == [True]  # sampled: each row keeps its own budget
+    LookaheadDecoder(model, drafter=SelfSpecDrafter(budget=8)).generate(prompt, 4)
+    assert built == [True]  # the self-drafter chooses its own draft lengths

@@ -312,9 +312,11 @@ class LookaheadDecoder:
             r.stats.prefill_seconds = time.perf_counter() - started
         # Greedy output never depends on the drafts, so the batch may size its rows' trees.
         # A sampled row's does under multi-step speculative sampling: it keeps its own budget,
-        # so it samples the same tokens in any batch.
-        sizer = None if rows[0].sampler.params.do_sample else \
-            TreeSizer(self.config.budget, adaptive=self.config.adaptive)
+        # so it samples the same tokens in any batch. A drafter that sizes its drafts from
+        # measured costs itself (``sizes_own_drafts``) is left to do so.
+        sized = not rows[0].sampler.params.do_sample \
+            and not getattr(self.drafter, "sizes_own_drafts", False)
+        sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive) if sized else None
         while any(r.finish_reason is None for r in rows):
             self._step(rows, rules, target, sizer)
             if stream is not None:

@@ -70,7 +70,13 @@ class TargetView:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A source of drafts shared by requests."""
+    """A source of drafts shared by requests.
+
+    Under greedy decoding the decoder verifies the first nodes of each tree that pay for the
+    batch's step (``TreeSizer``); a drafter that chooses its own draft lengths from measured
+    step costs sets a class attribute ``sizes_own_drafts = True`` to have its trees verified
+    whole.
+    """
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> DraftSession:
