@@ -29,7 +29,7 @@ class AdaptiveBudget:
         self.smoothing = smoothing
         self.mean_accepted = initial  # 1.0: an optimistic start, the first steps draft
         # kept[n]: smoothed draft tokens a step keeps with its tree cut to its first n nodes;
-        # optimistic at first (up to twice ``initial``, more for larger trees), so the first
+        # optimistic at first (``initial`` for one node, twice that for more), so the first
         # steps draft full trees and measure every size's acceptance
         self.kept = [initial * min(n, 2) for n in range(full + 1)]
         self._measured = [0] * (full + 1)  # steps that measured each size
@@ -62,8 +62,8 @@ class AdaptiveBudget:
         return max(self.kept[:min(n, self.full) + 1])
 
     def record(self, drafted: int, path: Sequence[int]) -> None:
-        """Record a verified tree of ``drafted`` nodes whose accepted path
-        is ``path`` (node indices), with what each other size would have kept.
+        """Record a proposed tree of ``drafted`` nodes whose path along the tokens committed
+        after it is ``path`` (node indices), with what each size would have kept.
 
         Parents come before children, so a tree's first n nodes are a tree, and verifying that
         cut keeps the path up to its first node at index >= n (exactly so for greedy decoding;
