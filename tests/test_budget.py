@@ -111,7 +111,7 @@ def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
 def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(monkeypatch):
     import rag_spec.decoding.decoder as decoder_module
     from conftest import tiny_llama
-    from rag_spec.decoding import EarlyExitDrafter, LookaheadDecoder, SelfSpecDrafter
+    from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
 
     built = []
 
@@ -128,5 +128,3 @@ def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(m
     assert built == [True]  # sampled: each row keeps its own budget
     LookaheadDecoder(model, drafter=SelfSpecDrafter(budget=8)).generate(prompt, 4)
     assert built == [True]  # the self-drafter chooses its own draft lengths
-    LookaheadDecoder(model, drafter=EarlyExitDrafter(1)).generate(prompt, 4)
-    assert built == [True]  # as do draft models (their depth weighs their passes)
