@@ -44,10 +44,8 @@ def weight_bytes(model: Any) -> int:
 @torch.inference_mode()
 def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 1 + TREE_NODES),
                  repeats: int = 9) -> dict[str, float]:
-    """Median seconds of transformers' one-token step and of our runner's steps ``widths``
-    tokens wide (a root plus a chain of draft tokens), after ``prompt``'s prefill."""
-    from rag_spec.decoding import Runner, TokenTree, TreeKVCache
-
+    """Median seconds of transformers' one-token step (``hf_1``) and of our runner's steps
+    ``widths`` tokens wide (``rag_spec_W``), after ``prompt``'s prefill."""
     ids = torch.tensor([list(prompt)], device=model.device)
     past = model(input_ids=ids, use_cache=True).past_key_values
     token = ids[:, -1:]
@@ -56,18 +54,31 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
         model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
 
     costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
+    for width, seconds in runner_step_seconds(model, prompt, widths, repeats).items():
+        costs[f"rag_spec_{width}"] = seconds
+    return costs
+
+
+@torch.inference_mode()
+def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int],
+                        repeats: int = 9) -> dict[int, float]:
+    """Median seconds of our runner's forward pass over a root plus a chain of ``width - 1``
+    draft tokens after ``prompt``'s prefill, per width (the first pass of a width, which
+    prepares its kernels, is not timed)."""
+    from rag_spec.decoding import Runner, TokenTree, TreeKVCache
+
     runner = Runner.of(model)
+    costs = {}
     for width in widths:
         cache = TreeKVCache.prefill(runner, [list(prompt)])
         tree = TokenTree(tuple(range(3, 2 + width)), tuple(range(-1, width - 2)))
-
-        def ours_step(cache: Any = cache, tree: TokenTree = tree) -> None:
-            cache.forward(runner, cache.step([tree], runner.dtype))
+        timings = []
+        for _ in range(repeats + 1):
+            batch = cache.step([tree], runner.dtype)
+            timings.append(_seconds(lambda c=cache, b=batch: c.forward(runner, b),
+                                    model.device))
             cache.keep([[]], [3])  # the root stays: one position per step, as in hf_step
-
-        ours_step()  # the first pass of a width prepares its kernels
-        costs[f"rag_spec_{width}"] = median([_seconds(ours_step, model.device)
-                                             for _ in range(repeats)])
+        costs[width] = median(timings[1:])
     return costs
 
 
@@ -102,6 +113,8 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
 def _seconds(call: Callable[[], Any], device: torch.device | None = None) -> float:
     from rag_spec.decoding.step_costs import settle
 
+    if device is not None:
+        settle(device)  # earlier queued work is not this call's
     started = time.perf_counter()
     call()
     if device is not None:

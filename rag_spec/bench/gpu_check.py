@@ -162,28 +162,12 @@ def _sampling(target: Any, draft_layers: int, samples: int) -> dict[str, Any]:
             "accepted_draft_tokens": accepted}
 
 
-@torch.inference_mode()
 def _step_costs(target: Any, context: int) -> dict[str, float]:
-    from rag_spec.decoding import Runner, TokenTree, TreeKVCache
+    from rag_spec.bench.floor import runner_step_seconds
 
-    runner = Runner.of(target)
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
-    costs = {}
-    for width in (1, 8, 16, 32):
-        cache = TreeKVCache.prefill(runner, [prompt])
-        tree = TokenTree(tuple(range(3, 3 + width - 1)), tuple(range(-1, width - 2)))
-        batch = cache.step([tree], runner.dtype)
-        timings = []
-        for _ in range(5):
-            _sync(target)
-            started = time.perf_counter()
-            cache.forward(runner, batch)
-            _sync(target)
-            timings.append(time.perf_counter() - started)
-            cache.keep([[]], [3])  # drop the step's slots again
-            batch = cache.step([tree], runner.dtype)
-        costs[f"{width}_tokens"] = round(1000 * sorted(timings)[len(timings) // 2], 2)
-    return costs
+    costs = runner_step_seconds(target, prompt, (1, 8, 16, 32), repeats=5)
+    return {f"{width}_tokens": round(1000 * seconds, 2) for width, seconds in costs.items()}
 
 
 def _sync(model: Any) -> None:

@@ -3,7 +3,9 @@ batch, from what that acceptance earns against what a wider step costs."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import accumulate
 
 from rag_spec.decoding.step_costs import StepCosts
 
@@ -32,7 +34,7 @@ class AdaptiveBudget:
         # optimistic at first (``initial`` for one node, twice that for more), so the first
         # steps draft full trees and measure every size's acceptance
         self.kept = [initial * min(n, 2) for n in range(full + 1)]
-        self._measured = [0] * (full + 1)  # steps that measured each size
+        self._measured = 0  # proposals recorded (each measures every size)
         self._interval = probe_every  # steps between probes now
         self._idle = 0
 
@@ -74,17 +76,13 @@ class AdaptiveBudget:
         self.update(drafted, len(path))
         if not drafted:
             return
-        reach, within = 0, []  # within[d]: nodes the path's first d + 1 nodes span
-        for node in path:
-            reach = max(reach, node + 1)
-            within.append(reach)
+        spans = list(accumulate((node + 1 for node in path), max))  # nodes each prefix spans
+        # the first measurement replaces the optimistic start; a running mean over the first
+        # few, then the smoothing
+        self._measured += 1
+        weight = max(1 - self.smoothing, 1 / self._measured)
         for n in range(1, self.full + 1):
-            kept = sum(1 for span in within if span <= n)
-            # the first measurement replaces the optimistic start; a running mean over the
-            # first few, then the smoothing
-            weight = max(1 - self.smoothing, 1 / (self._measured[n] + 1))
-            self.kept[n] += weight * (kept - self.kept[n])
-            self._measured[n] += 1
+            self.kept[n] += weight * (bisect_right(spans, n) - self.kept[n])
 
 
 class TreeSizer:

@@ -23,7 +23,7 @@ from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter, TrieMode
-from rag_spec.decoding.verify import Verdict, verify
+from rag_spec.decoding.verify import verify
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.tokenizing import serial
@@ -358,7 +358,7 @@ class LookaheadDecoder:
         for row, rule, tree, proposal, verdict, on in zip(rows, rules, trees, proposals,
                                                            verdicts, active):
             if on:
-                self._commit(row, rule, verdict, len(tree), proposal)
+                self._commit(row, rule, verdict.tokens, len(tree), proposal)
         # 4. Roll back: keep only the accepted slots of the KV cache.
         cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
         t3 = time.perf_counter()
@@ -368,12 +368,11 @@ class LookaheadDecoder:
                 row.stats.forward_seconds += t2 - t1
                 row.stats.bookkeeping_seconds += t3 - t2
 
-    def _commit(self, row: _Row, rule: StopRule, verdict: Verdict, drafted: int,
+    def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
                 proposal: TokenTree) -> None:
         """Append tokens one by one until a stop rule fires; teach the drafter what was kept,
         and the budget what the proposals would have kept."""
         before = len(row.context)
-        tokens = verdict.tokens
         for token in tokens:
             row.output.append(token)
             row.finish_reason = rule.finish_reason(row.output)
