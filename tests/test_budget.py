@@ -1,18 +1,22 @@
 """The adaptive budget: drafts stop while they miss, probes back off, a hit restores them; and
 the batch's tree size, from what each size keeps against what its step costs."""
 
-from rag_spec.decoding.budget import AdaptiveBudget, TreeSizer
+import math
+
+from rag_spec.decoding.budget import PROBE_SHARE, AdaptiveBudget, TreeSizer
 from rag_spec.decoding.step_costs import StepCosts
 
 
-def drafting_steps(budget: AdaptiveBudget, steps: int, hits=lambda step: 0) -> list[int]:
-    """The steps at which ``budget`` lets a draft through, with ``hits(step)`` accepted."""
+def drafting_steps(budget: AdaptiveBudget, steps: int, hits=lambda step: 0, cost: float = 0.0
+                   ) -> list[int]:
+    """The steps at which ``budget`` lets a draft through, with ``hits(step)`` accepted from
+    trees drafted at ``cost`` target steps."""
     drafted = []
     for step in range(steps):
         nodes = budget.current
         if nodes:
             drafted.append(step)
-        budget.update(nodes, hits(step) if nodes else 0)
+        budget.update(nodes, hits(step) if nodes else 0, cost)
     return drafted
 
 
@@ -28,6 +32,26 @@ def test_a_probe_that_hits_brings_drafting_back():
 
 def test_a_fixed_budget_always_drafts():
     assert len(drafting_steps(AdaptiveBudget(8, adaptive=False), 50)) == 50
+
+
+def test_drafts_that_cost_more_than_they_keep_stop_and_probe_within_their_share():
+    # Trees keep a token: enough when drafting is a lookup, not when it costs a step.
+    cheap, dear = AdaptiveBudget(8), AdaptiveBudget(8)
+    cheap.update(8, 1, cost=0.0)
+    dear.update(8, 1, cost=1.0)  # the first cost is taken as measured, not smoothed from 0
+    assert cheap.paying and not dear.paying and dear.cost == 1.0
+    # Probes then come no more often than keeps them within PROBE_SHARE of the steps' time.
+    interval = math.ceil(1.0 / PROBE_SHARE)
+    drafted = drafting_steps(dear, 3 * interval - 10, cost=1.0)
+    assert drafted == [interval - 1, 2 * interval - 1]
+
+
+def test_the_first_proposal_of_a_batch_is_not_its_typical_cost():
+    costs = StepCosts()
+    costs.record_proposal(0.5)  # a draft model's prefill of every prompt
+    assert costs.proposal is None
+    costs.record_proposal(0.01)
+    assert costs.proposal == 0.01
 
 
 def test_a_step_teaches_what_every_other_tree_size_would_have_kept():
@@ -101,6 +125,18 @@ def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying(
     assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == (12, True)  # fixed
     assert TreeSizer(12).size(rows(0.5, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.1})
                               ) == (5, True)
+
+
+def test_a_dear_proposal_must_pay_for_itself_and_probes_stay_within_their_share():
+    # 1.5 tokens for a 1.1-step verification pays, unless proposing costs a step more.
+    assert best(rows(0.5), StepCosts(target={1: 1.0, 13: 1.1}, proposal=0.0)) == 12
+    costs = StepCosts(target={1: 1.0, 13: 1.1}, proposal=1.0)
+    assert best(rows(0.5), costs) == 0
+    sizer = TreeSizer(12)
+    sizes = [sizer.size(rows(0.5), [64], costs) for _ in range(120)]
+    interval = math.ceil(1.0 / PROBE_SHARE)  # probes cost 1 step: one in 50 plain steps
+    assert [step for step, (_, propose) in enumerate(sizes) if propose] == [
+        interval - 1, 2 * interval - 1]
 
 
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():

@@ -63,8 +63,10 @@ def test_a_batch_gives_each_row_its_tokens_alone(target, name):
 
 def test_a_perfect_draft_is_accepted_whole(target):
     # The target drafting for itself agrees everywhere: every step keeps a full-depth path.
-    decoder = LookaheadDecoder(target, drafter=DraftModelDrafter(
-        target, expansion=Expansion(widths=(1,), max_depth=5, adaptive_depth=False)))
+    # (Its passes cost as much as the steps they save, so only a fixed budget keeps drafting.)
+    drafter = DraftModelDrafter(
+        target, expansion=Expansion(widths=(1,), max_depth=5, adaptive_depth=False))
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False), drafter=drafter)
     result = decoder.generate(repetitive_prompt(1), 30)
     assert result.token_ids == hf_greedy(target, repetitive_prompt(1), 30)
     assert result.stats.accepted_per_step[:-1] == [5] * (len(result.stats.accepted_per_step) - 1)
@@ -128,6 +130,26 @@ def test_the_early_exit_shares_weights_and_leaves_the_model_alone(target):
         decoder.runner.module.model.layers[0].self_attn.q_proj  # shared, not copied
     with pytest.raises(RagSpecError, match="layers < 4"):
         LookaheadDecoder(target, drafter=EarlyExitDrafter(4)).generate([5, 6], 3)
+
+
+def test_a_tree_carries_what_drafting_it_cost(target, monkeypatch):
+    # Counted in passes and weights, not timed: a sampled row drafts the same in any batch.
+    from rag_spec.decoding.budget import AdaptiveBudget
+    from rag_spec.decoding.model_drafter import _weights
+
+    costs = []
+    record = AdaptiveBudget.record
+    monkeypatch.setattr(AdaptiveBudget, "record", lambda self, drafted, path, cost=0.0: (
+        costs.append((drafted, cost)), record(self, drafted, path, cost))[1])
+    draft = tiny_llama(seed=0, layers=2)
+    share = _weights(draft) / _weights(target)
+    LookaheadDecoder(target, drafter=DraftModelDrafter(draft)).generate(repetitive_prompt(0), 12)
+    drafted = [cost for nodes, cost in costs if nodes]
+    assert drafted and all(cost >= share for cost in drafted)  # one pass at least per tree
+    assert 0 < share < 1
+    costs.clear()
+    LookaheadDecoder(target).generate(repetitive_prompt(0), 12)  # the trie only looks up
+    assert costs and all(cost == 0.0 for _, cost in costs)
 
 
 def test_a_draft_of_another_vocabulary_is_refused(target):

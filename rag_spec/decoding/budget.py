@@ -3,21 +3,27 @@ batch, from what that acceptance earns against what a wider step costs."""
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
 
 from rag_spec.decoding.step_costs import StepCosts
 
+PROBE_SHARE = 0.02  # the most of plain decoding's time that probes (drafts not verified) take
+
 
 class AdaptiveBudget:
     """The full budget while drafts pay for themselves; none while they keep missing.
 
-    A verified tree costs a little more than a one-token step (and a draft model's passes cost
-    more still), so when the recent mean of accepted tokens falls below ``threshold`` the next
-    steps draft nothing (a plain step's cost), except probe steps that measure whether drafts
-    pay again: one in ``probe_every`` at first, half as often after each probe that missed too
-    (down to one in ``max_probe_every``), as often as at first again once one hits.
+    A verified tree costs a little more than a one-token step, and a draft model's passes cost
+    more still (a tree's ``cost``, in target steps). So when the recent mean of accepted tokens
+    falls below ``threshold`` plus the recent drafts' cost, the next steps draft nothing (a
+    plain step's cost), except probe steps that measure whether drafts pay again: one in
+    ``probe_every`` at first, half as often after each probe that missed too (down to one in
+    ``max_probe_every``), as often as at first again once one hits; and never more often than
+    keeps probes within ``PROBE_SHARE`` of the steps' time. The costs are counted in target
+    steps, not timed, so a sampled row drafts the same whatever runs beside it.
     """
 
     def __init__(self, full: int, *, adaptive: bool = True, threshold: float = 0.2,
@@ -34,24 +40,35 @@ class AdaptiveBudget:
         # optimistic at first (``initial`` for one node, twice that for more), so the first
         # steps draft full trees and measure every size's acceptance
         self.kept = [initial * min(n, 2) for n in range(full + 1)]
-        self._measured = 0  # proposals recorded (each measures every size)
+        self._proposals = 0  # proposals recorded (each measures every size)
+        self.cost = 0.0  # smoothed cost of a proposal, in target steps
         self._interval = probe_every  # steps between probes now
         self._idle = 0
 
     @property
-    def current(self) -> int:
-        if not self.adaptive or self.mean_accepted >= self.threshold:
-            return self.full
-        return self.full if self._idle >= self._interval - 1 else 0
+    def paying(self) -> bool:
+        """Whether drafts keep more than they cost lately."""
+        return self.mean_accepted >= self.threshold + self.cost
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them."""
+    @property
+    def current(self) -> int:
+        if not self.adaptive or self.paying:
+            return self.full
+        interval = max(self._interval, math.ceil(self.cost / PROBE_SHARE))
+        return self.full if self._idle >= interval - 1 else 0
+
+    def update(self, drafted: int, accepted: int, cost: float = 0.0) -> None:
+        """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them, drafted
+        at ``cost`` target steps."""
         if drafted == 0:
             self._idle += 1
             return
-        probing = self.mean_accepted < self.threshold
+        probing = not self.paying
         self._idle = 0
+        self._proposals += 1
         self.mean_accepted = self.smoothing * self.mean_accepted + (1 - self.smoothing) * accepted
+        kept = self.smoothing if self._proposals > 1 else 0.0  # the first cost is measured
+        self.cost = kept * self.cost + (1 - kept) * cost
         if accepted:
             self._interval = self.probe_every
         elif probing:
@@ -63,9 +80,10 @@ class AdaptiveBudget:
         smaller ones."""
         return max(self.kept[:min(n, self.full) + 1])
 
-    def record(self, drafted: int, path: Sequence[int]) -> None:
-        """Record a proposed tree of ``drafted`` nodes whose path along the tokens committed
-        after it is ``path`` (node indices), with what each size would have kept.
+    def record(self, drafted: int, path: Sequence[int], cost: float = 0.0) -> None:
+        """Record a proposed tree of ``drafted`` nodes, drafted at ``cost`` target steps, whose
+        path along the tokens committed after it is ``path`` (node indices), with what each
+        size would have kept.
 
         Parents come before children, so a tree's first n nodes are a tree, and verifying that
         cut keeps the path up to its first node at index >= n (exactly so for greedy decoding;
@@ -73,14 +91,13 @@ class AdaptiveBudget:
         kept: the decoder proposes at the row's full budget, so a drafter that offered fewer
         nodes had no more to offer.
         """
-        self.update(drafted, len(path))
+        self.update(drafted, len(path), cost)
         if not drafted:
             return
         spans = list(accumulate((node + 1 for node in path), max))  # nodes each prefix spans
         # the first measurement replaces the optimistic start; a running mean over the first
         # few, then the smoothing
-        self._measured += 1
-        weight = max(1 - self.smoothing, 1 / self._measured)
+        weight = max(1 - self.smoothing, 1 / self._proposals)
         for n in range(1, self.full + 1):
             self.kept[n] += weight * (bisect_right(spans, n) - self.kept[n])
 
@@ -91,15 +108,17 @@ class TreeSizer:
 
     A step's cost is set by its widest tree, and a batch runs until its last row is done. So
     size ``n`` is worth ``min over rows of (1 + expected_r(n)) / remaining_r`` (the share of
-    its remaining tokens the slowest row commits per step) over ``costs.verify(1 + n)``, and
-    ``n = 0`` is a plain step. At batch 1 on a short prompt a wide step costs little more than
-    a plain one and drafts nearly always pay; at batch 16 and a long context it costs several
-    plain steps, and pays only while every row is copying. Sizes not measured yet look cheap
-    (``StepCosts``' prior), so they get tried. Rows propose full trees and verify the chosen
-    size; what the rest would have kept is learnt from the tokens committed next. While no
-    size pays, rows still propose (without verifying) every ``probe_every`` steps, half as
-    often after each such probe (down to one in ``max_probe_every``), so acceptance stays
-    measured at the cost of drafting alone.
+    its remaining tokens the slowest row commits per step) over the step's seconds:
+    ``costs.verify(1 + n)`` plus, for ``n > 0``, the drafter's proposal (``costs.proposal``:
+    nothing for a trie, several passes for a draft model). ``n = 0`` is a plain step. At batch
+    1 on a short prompt a wide step costs little more than a plain one and drafts nearly always
+    pay; at batch 16 and a long context it costs several plain steps, and pays only while every
+    row is copying. Sizes not measured yet look cheap (``StepCosts``' prior), so they get tried.
+    Rows propose full trees and verify the chosen size; what the rest would have kept is learnt
+    from the tokens committed next. While no size pays, rows still propose (without verifying)
+    every ``probe_every`` steps, half as often after each such probe (down to one in
+    ``max_probe_every``), and never more often than keeps probes within ``PROBE_SHARE`` of the
+    plain steps' time: acceptance stays measured at a bounded cost, however dear the drafter.
     """
 
     def __init__(self, full: int, *, adaptive: bool = True, probe_every: int = 4,
@@ -121,7 +140,7 @@ class TreeSizer:
             self._interval, self._idle = self.probe_every, 0
             return self.full, True
         self._idle += 1
-        if self._idle < self._interval:
+        if self._idle < max(self._interval, self._affordable_interval(costs)):
             return best, best > 0
         self._idle = 0
         self._interval = min(2 * self._interval, self.max_probe_every)
@@ -137,7 +156,18 @@ class TreeSizer:
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured
+            if n:
+                seconds += costs.proposal or 0.0
             slowest = min((1 + b.expected(n)) / max(left, 1)
                           for b, left in zip(budgets, remaining))
             rates[n] = slowest / seconds
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more
+
+    @staticmethod
+    def _affordable_interval(costs: StepCosts) -> int:
+        """Plain steps between probes that keeps probing within ``PROBE_SHARE`` of their
+        time (0 while a proposal or a plain step is unmeasured)."""
+        plain = costs.target.get(1)
+        if not costs.proposal or not plain:
+            return 0
+        return math.ceil(costs.proposal / (PROBE_SHARE * plain))

@@ -48,7 +48,7 @@ class _Both:
         """Nodes the model may draft this step, after learning what its last tree earned."""
         if self._asked_at:
             accepted = len(self._guess.follow(context[self._asked_at:]))
-            self.model_budget.update(max(len(self._guess), 1), accepted)
+            self.model_budget.update(max(len(self._guess), 1), accepted, self._guess.cost)
             self._asked_at = 0
         else:
             self.model_budget.update(0, 0)  # an idle step: counts toward the next probe

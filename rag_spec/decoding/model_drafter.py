@@ -27,6 +27,7 @@ from rag_spec.decoding.drafter import DraftRequest, TargetView
 from rag_spec.decoding.exit_adapter import ExitAdapter
 from rag_spec.decoding.runner import ModuleRunner, Runner, RunnerSettings
 from rag_spec.decoding.sampling import SamplingParams, processed_logits
+from rag_spec.decoding.step_costs import prior_cost
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.tree_expansion import Expansion
@@ -283,6 +284,7 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
             b: [(growing[b].row.tokens[n], growing[b].position(depth), growing[b].sees(n))
                 for n in new] for b, new in feeds.items()})
         for b, new in feeds.items():
+            growing[b].passes += prior_cost(len(new))
             for j, node in enumerate(new):
                 growing[b].row.slots[node] = first + j
             growing[b].set_q(new, logits[b, :len(new)])
@@ -315,6 +317,8 @@ class _Growth:
         self.q: dict[int, torch.Tensor] = {}  # node -> [vocab] draft distribution after it
         self.cumulative: dict[int, float] = {-1: 1.0}
         self.draft_rows: list[torch.Tensor] = []  # per node: the distribution it was drawn from
+        # one-token draft passes this row's feeds cost, about (the first: its pending tokens)
+        self.passes = prior_cost(len(row.chain))
 
     def position(self, depth: int) -> int:
         return self.base + len(self.row.chain) - 1 + depth
@@ -370,7 +374,8 @@ class _Growth:
     def tree(self) -> TokenTree:
         sampled = self.params.do_sample and self.draft_rows
         probs = torch.stack(self.draft_rows) if sampled else None
-        return TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs)
+        return TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs,
+                         cost=self.passes * self.cost)
 
     def _children(self, q: torch.Tensor, count: int) -> list[int]:
         """The likeliest tokens (greedy), or ``count`` draws without replacement from q in draw

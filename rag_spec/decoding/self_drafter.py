@@ -106,7 +106,10 @@ class _SelfBatch(_Batch):
         self.cache: TreeKVCache = target.cache
         self.costs: StepCosts = target.costs
         self.rows = [_Row() for _ in range(rows)]
-        self.cost = 1.0  # only read by adaptive depth, which the chain expansion turns off
+        # its passes are weighed by its own timed cost model (``_gamma``), so its trees carry
+        # no cost for the decoder's budgets to weigh again (adaptive depth, which also reads
+        # it, is off for its chains)
+        self.cost = 0.0
         self.acceptance = [Acceptance() for _ in range(rows)]
         self.stats = SelfSpecStats(self.costs, self.acceptance)
         self.bases = [0] * rows  # each row's root position when it was last drafted for

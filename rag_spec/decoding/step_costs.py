@@ -24,6 +24,11 @@ _PRIOR_SLOPE = 0.05
 _SMOOTHING = 0.7
 
 
+def prior_cost(width: int) -> float:
+    """A pass ``width`` tokens wide in one-token passes, before any is measured."""
+    return 1.0 + _PRIOR_SLOPE * (width - 1)
+
+
 def expected_tokens(gamma: int, alpha: float) -> float:
     """Tokens a row commits per round: accepted draft tokens plus the target's own one."""
     if alpha >= 1.0:
@@ -34,10 +39,12 @@ def expected_tokens(gamma: int, alpha: float) -> float:
 @dataclass
 class StepCosts:
     """Smoothed seconds of a batch's forward passes: target passes by width (tokens per row),
-    and one draft pass."""
+    and one draft pass; and of the drafter's proposals for the whole batch."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: float | None = None
+    proposal: float | None = None  # None until a proposal after the first is timed
+    proposals: int = 0  # proposals timed (the first, which sets the drafter up, is not kept)
 
     def record_target(self, width: int, seconds: float) -> None:
         self.target[width] = _smooth(self.target.get(width), seconds)
@@ -45,6 +52,13 @@ class StepCosts:
     def record_draft(self, seconds: float, passes: int) -> None:
         if passes:
             self.draft = _smooth(self.draft, seconds / passes)
+
+    def record_proposal(self, seconds: float) -> None:
+        """Time one proposal of trees for the batch. The first is counted but not kept: it pays
+        once for what later ones reuse (a draft model's prefill of every prompt)."""
+        self.proposals += 1
+        if self.proposals > 1:
+            self.proposal = _smooth(self.proposal, seconds)
 
     def verify(self, width: int) -> float | None:
         """Seconds of a target pass ``width`` tokens wide: measured, interpolated between
@@ -64,14 +78,14 @@ class StepCosts:
         base = self.target[nearest]
         others = sorted(self.target, key=lambda w: abs(w - nearest))[1:]
         if not others:  # one width measured: a prior slope
-            prior = 1.0 + _PRIOR_SLOPE * abs(width - nearest)
+            prior = prior_cost(1 + abs(width - nearest))
             return base * prior if width > nearest else base / prior
         # the line through the two nearest measured widths; a wider pass is no cheaper than
         # the prior says, and a narrower one costs at least its share of the tokens
         near = others[0]
         line = base + (base - self.target[near]) / (nearest - near) * (width - nearest)
         if width > nearest:
-            return max(line, base * (1.0 + _PRIOR_SLOPE * (width - nearest)))
+            return max(line, base * prior_cost(1 + width - nearest))
         return max(line, base * width / nearest)
 
     def best_gamma(self, alphas: Sequence[float], max_gamma: int) -> int | None:

@@ -30,6 +30,8 @@ class TokenTree:
     # [n, vocab] the draft distribution each node's token was drawn from (siblings share their
     # parent's); None for drafts without probabilities (the trie)
     draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # what drafting it took, in one-token target steps (0: a lookup, such as the trie's)
+    cost: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -98,7 +100,8 @@ class TokenTree:
             extra = torch.zeros(len(tokens) - len(self), probs.shape[1], dtype=probs.dtype)
             extra[torch.arange(len(extra)), torch.tensor(tokens[len(self):])] = 1.0
             probs = torch.cat([probs, extra])
-        return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs)
+        return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs,
+                         cost=self.cost + other.cost)
 
     def first(self, n: int) -> TokenTree:
         """The tree of the first ``n`` nodes (parents come before children, so it is one).
@@ -110,7 +113,7 @@ class TokenTree:
         if n >= len(self):
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:n]
-        return TokenTree(self.tokens[:n], self.parents[:n], probs)
+        return TokenTree(self.tokens[:n], self.parents[:n], probs, self.cost)
 
     def __len__(self) -> int:
         return len(self.tokens)
