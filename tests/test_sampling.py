@@ -99,3 +99,18 @@ def test_a_seed_fixes_the_sample_whatever_the_drafts(model, knobs):
 def test_invalid_knobs_are_refused_with_the_fix(bad):
     with pytest.raises(RagSpecError, match="must"):
         SamplingParams(do_sample=True, **bad)
+
+
+def test_verification_processes_only_the_path_it_walks():
+    # Top-p sorts the whole vocabulary per row: rows verification never reads are not computed.
+    from rag_spec.decoding.acceptance import accept
+    from rag_spec.decoding.sampling import target_choices
+    from rag_spec.decoding.tree import TokenTree
+
+    tree = TokenTree.from_paths([[1, 2, 3], [4, 5], [6]])
+    logits = torch.full((1 + len(tree), 8), -5.0)
+    logits[0, 1] = logits[1, 2] = logits[2, 7] = 5.0  # the target says 1, 2, then 7
+    choices = target_choices(logits, [0], tree, SamplingParams(do_sample=True, top_p=0.9),
+                             torch.full((4,), 0.5))
+    assert accept(tree, choices) == ([0, 1], 7)
+    assert sorted(choices.rows) == [0, 1, 2]  # the root, node 0, node 1: not the other 4

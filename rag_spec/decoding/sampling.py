@@ -10,8 +10,9 @@ whatever the drafts were, which is what makes sampled speculation testable token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,14 +122,18 @@ def processed_logits(logits: torch.Tensor, seen: Sequence[Sequence[int]],
 
 
 def target_probs(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
-                 params: SamplingParams) -> torch.Tensor:
-    """[1 + n, vocab] the target's sampling distribution after the root and after each node."""
-    return torch.softmax(_processed_tree(logits, context, tree, params), dim=-1)
+                 params: SamplingParams) -> Sequence[torch.Tensor]:
+    """The target's sampling distribution ([vocab]) after the root (index 0) and after each
+    node (index 1 + node), each computed when first read."""
+    return _PerNode(logits, context, tree, params,
+                    lambda row, processed: torch.softmax(processed, dim=-1))
 
 
 def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
-                   params: SamplingParams, uniforms: torch.Tensor | None = None) -> list[int]:
-    """The target's token after the root and after each node.
+                   params: SamplingParams, uniforms: torch.Tensor | None = None
+                   ) -> Sequence[int]:
+    """The target's token after the root (index 0) and after each node (index 1 + node), each
+    computed when first read.
 
     Args:
         logits: [1 + n, vocab] logits for the root then the n tree nodes.
@@ -137,35 +142,51 @@ def target_choices(logits: torch.Tensor, context: Sequence[int], tree: TokenTree
         uniforms: [>= 1 + depth] uniform numbers in [0, 1) for the next output positions
             (sampling only).
     """
-    logits = _processed_tree(logits, context, tree, params)
     if not params.do_sample:
-        return logits.argmax(dim=-1).tolist()
+        return _PerNode(logits, context, tree, params,
+                        lambda row, processed: int(processed.argmax()))
     if uniforms is None:
         msg = "sampling needs one uniform number per output position"
         raise ValueError(msg)
-    depth = torch.zeros(1 + len(tree), dtype=torch.long)
-    depth[1:] = torch.from_numpy(tree.depths)
-    cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-    cdf = cdf / cdf[:, -1:]  # exactly 1.0 at the end, so u < 1 always lands on a token
-    u = uniforms[depth].to(cdf.device, cdf.dtype)[:, None]
-    # The first token whose cumulative probability exceeds u; zero-probability tokens never do.
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).tolist()
+    depths = [0, *tree.depths.tolist()]
+
+    def sample(row: int, processed: torch.Tensor) -> int:
+        cdf = torch.softmax(processed, dim=-1).cumsum(dim=-1)
+        cdf = cdf / cdf[-1]  # exactly 1.0 at the end, so u < 1 always lands on a token
+        u = uniforms[depths[row]].to(cdf.device, cdf.dtype).reshape(1)
+        # The first token whose cumulative probability exceeds u; zero-probability tokens never do.
+        return int(torch.searchsorted(cdf, u, right=True))
+
+    return _PerNode(logits, context, tree, params, sample)
 
 
-def _processed_tree(logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
-                    params: SamplingParams) -> torch.Tensor:
-    """``processed_logits`` for the root and every node, each with its own context."""
-    if params.repetition_penalty == 1.0:
-        return processed_logits(logits, (), params)
-    logits = logits.float()
-    seen = torch.zeros_like(logits, dtype=torch.bool)
-    seen[:, torch.as_tensor(list(context), dtype=torch.long)] = True
-    if len(tree):
-        node, ancestor = tree.ancestor_mask.nonzero()
-        tokens = torch.as_tensor(tree.tokens, dtype=torch.long)
-        seen[torch.as_tensor(node + 1), tokens[torch.as_tensor(ancestor)]] = True
-    penalised = _penalise(logits, seen, params.repetition_penalty)
-    return processed_logits(penalised, (), replace(params, repetition_penalty=1.0))
+class _PerNode(Sequence):
+    """``finish(row, processed logits)`` for the root (row 0) and each node (row 1 + node),
+    computed when first read. Verification reads one path of the tree, and processing a row
+    costs a sort of the vocabulary under top-p: every row of a 12-node tree took longer than the
+    step's forward pass saves on the embedded model."""
+
+    def __init__(self, logits: torch.Tensor, context: Sequence[int], tree: TokenTree,
+                 params: SamplingParams, finish: Callable[[int, torch.Tensor], Any]) -> None:
+        self.logits, self.context, self.tree, self.params = logits, context, tree, params
+        self.finish = finish
+        self.rows: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, row: int) -> Any:  # type: ignore[override]
+        if row not in self.rows:
+            self.rows[row] = self.finish(row, self._processed(row))
+        return self.rows[row]
+
+    def _processed(self, row: int) -> torch.Tensor:
+        """``processed_logits`` for one row, seeing the context and the node's ancestors."""
+        seen: list[list[int]] = []
+        if self.params.repetition_penalty != 1.0:
+            ancestors = self.tree.ancestor_mask[row - 1].nonzero()[0] if row else ()
+            seen = [[*self.context, *(self.tree.tokens[a] for a in ancestors)]]
+        return processed_logits(self.logits[row:row + 1], seen, self.params)[0]
 
 
 def _penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
