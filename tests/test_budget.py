@@ -46,14 +46,6 @@ def test_drafts_that_cost_more_than_they_keep_stop_and_probe_within_their_share(
     assert drafted == [interval - 1, 2 * interval - 1]
 
 
-def test_the_first_proposal_of_a_batch_is_not_its_typical_cost():
-    costs = StepCosts()
-    costs.record_proposal(0.5)  # a draft model's prefill of every prompt
-    assert costs.proposal is None
-    costs.record_proposal(0.01)
-    assert costs.proposal == 0.01
-
-
 def test_a_step_teaches_what_every_other_tree_size_would_have_kept():
     budget = AdaptiveBudget(8, smoothing=0.0)  # no smoothing: the curve is the last step's
     # A 5-node tree kept nodes 0 then 3: its first n nodes keep node 0 from n = 1 and node 3
@@ -127,14 +119,16 @@ def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying(
                               ) == (5, True)
 
 
-def test_a_dear_proposal_must_pay_for_itself_and_probes_stay_within_their_share():
-    # 1.5 tokens for a 1.1-step verification pays, unless proposing costs a step more.
-    assert best(rows(0.5), StepCosts(target={1: 1.0, 13: 1.1}, proposal=0.0)) == 12
-    costs = StepCosts(target={1: 1.0, 13: 1.1}, proposal=1.0)
-    assert best(rows(0.5), costs) == 0
+def test_a_dear_draft_must_pay_for_itself_and_probes_stay_within_their_share():
+    # 1.5 tokens for a 1.1-step verification pays, unless drafting costs a step more.
+    costs = StepCosts(target={1: 1.0, 13: 1.1})
+    assert best(rows(0.5), costs) == 12
+    dear = rows(0.5, 0.5)
+    dear[1].cost = 1.0  # one row's trees cost a plain step: the batch's passes do
+    assert best(dear, costs) == 0
     sizer = TreeSizer(12)
-    sizes = [sizer.size(rows(0.5), [64], costs) for _ in range(120)]
-    interval = math.ceil(1.0 / PROBE_SHARE)  # probes cost 1 step: one in 50 plain steps
+    sizes = [sizer.size(dear, [64, 64], costs) for _ in range(120)]
+    interval = math.ceil(1.0 / PROBE_SHARE)  # probes cost a step: one in 50 plain steps
     assert [step for step, (_, propose) in enumerate(sizes) if propose] == [
         interval - 1, 2 * interval - 1]
 

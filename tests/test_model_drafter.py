@@ -150,6 +150,12 @@ def test_a_tree_carries_what_drafting_it_cost(target, monkeypatch):
     costs.clear()
     LookaheadDecoder(target).generate(repetitive_prompt(0), 12)  # the trie only looks up
     assert costs and all(cost == 0.0 for _, cost in costs)
+    # A merged tree carries none: the model's own budget weighs its passes, and a row must not
+    # stop verifying the trie's free copies for them.
+    costs.clear()
+    merged = MergedDrafter(DraftModelDrafter(draft), eager=True)
+    LookaheadDecoder(target, drafter=merged).generate(repetitive_prompt(0), 12)
+    assert costs and all(cost == 0.0 for _, cost in costs)
 
 
 def test_a_draft_of_another_vocabulary_is_refused(target):

@@ -54,7 +54,7 @@ class AdaptiveBudget:
     def current(self) -> int:
         if not self.adaptive or self.paying:
             return self.full
-        interval = max(self._interval, math.ceil(self.cost / PROBE_SHARE))
+        interval = max(self._interval, _affordable_interval(self.cost))
         return self.full if self._idle >= interval - 1 else 0
 
     def update(self, drafted: int, accepted: int, cost: float = 0.0) -> None:
@@ -109,8 +109,9 @@ class TreeSizer:
     A step's cost is set by its widest tree, and a batch runs until its last row is done. So
     size ``n`` is worth ``min over rows of (1 + expected_r(n)) / remaining_r`` (the share of
     its remaining tokens the slowest row commits per step) over the step's seconds:
-    ``costs.verify(1 + n)`` plus, for ``n > 0``, the drafter's proposal (``costs.proposal``:
-    nothing for a trie, several passes for a draft model). ``n = 0`` is a plain step. At batch
+    ``costs.verify(1 + n)`` plus, for ``n > 0``, what drafting costs (the rows' recent trees'
+    ``cost`` in plain steps: nothing for a trie, several passes for a draft model). ``n = 0``
+    is a plain step. At batch
     1 on a short prompt a wide step costs little more than a plain one and drafts nearly always
     pay; at batch 16 and a long context it costs several plain steps, and pays only while every
     row is copying. Sizes not measured yet look cheap (``StepCosts``' prior), so they get tried.
@@ -140,7 +141,7 @@ class TreeSizer:
             self._interval, self._idle = self.probe_every, 0
             return self.full, True
         self._idle += 1
-        if self._idle < max(self._interval, self._affordable_interval(costs)):
+        if self._idle < max(self._interval, _affordable_interval(_drafting(budgets))):
             return best, best > 0
         self._idle = 0
         self._interval = min(2 * self._interval, self.max_probe_every)
@@ -153,21 +154,24 @@ class TreeSizer:
         if not self.adaptive or not budgets or not costs.target:
             return self.full
         rates = {}
+        drafting = _drafting(budgets) * (costs.verify(1) or 0.0)  # seconds, batched passes
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured
             if n:
-                seconds += costs.proposal or 0.0
+                seconds += drafting
             slowest = min((1 + b.expected(n)) / max(left, 1)
                           for b, left in zip(budgets, remaining))
             rates[n] = slowest / seconds
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more
 
-    @staticmethod
-    def _affordable_interval(costs: StepCosts) -> int:
-        """Plain steps between probes that keeps probing within ``PROBE_SHARE`` of their
-        time (0 while a proposal or a plain step is unmeasured)."""
-        plain = costs.target.get(1)
-        if not costs.proposal or not plain:
-            return 0
-        return math.ceil(costs.proposal / (PROBE_SHARE * plain))
+
+def _drafting(budgets: Sequence[AdaptiveBudget]) -> float:
+    """What a batch's proposal costs, in plain steps: its dearest row's (passes are batched)."""
+    return max((b.cost for b in budgets), default=0.0)
+
+
+def _affordable_interval(cost: float) -> int:
+    """Plain steps between probes costing ``cost`` plain steps that keeps them within
+    ``PROBE_SHARE`` of the steps' time."""
+    return math.ceil(cost / PROBE_SHARE)

@@ -343,14 +343,11 @@ class LookaheadDecoder:
         requests = [DraftRequest(r.session, r.context,
                                  r.budget.current if on and propose_any else 0, r.sampler)
                     for r, on in zip(rows, active)]
-        proposing = time.perf_counter()
         proposals = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
         trees = [tree.first(cap) for tree in proposals]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        if any(r.budget for r in requests):
-            target.costs.record_proposal(t1 - proposing)
         logits = cache.forward(runner, cache.step(trees, runner.dtype))
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()

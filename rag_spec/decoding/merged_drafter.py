@@ -105,6 +105,8 @@ class MergedDrafter:
         for r, share, guess in zip(requests, shares, guesses):
             if share:
                 r.session.guessed(r.context, guess)
-        return [guess.merged(copy, r.budget) if len(guess) else copy
+        # The model's passes are weighed by its own budget (fed with its trees' cost), so the
+        # merged tree carries none: a row must not stop verifying the trie's free copies for it.
+        return [replace(guess.merged(copy, r.budget), cost=0.0) if len(guess) else copy
                 for r, guess, copy in zip(requests, guesses, copies)]
 

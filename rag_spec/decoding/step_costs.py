@@ -39,12 +39,10 @@ def expected_tokens(gamma: int, alpha: float) -> float:
 @dataclass
 class StepCosts:
     """Smoothed seconds of a batch's forward passes: target passes by width (tokens per row),
-    and one draft pass; and of the drafter's proposals for the whole batch."""
+    and one draft pass."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: float | None = None
-    proposal: float | None = None  # None until a proposal after the first is timed
-    proposals: int = 0  # proposals timed (the first, which sets the drafter up, is not kept)
 
     def record_target(self, width: int, seconds: float) -> None:
         self.target[width] = _smooth(self.target.get(width), seconds)
@@ -52,13 +50,6 @@ class StepCosts:
     def record_draft(self, seconds: float, passes: int) -> None:
         if passes:
             self.draft = _smooth(self.draft, seconds / passes)
-
-    def record_proposal(self, seconds: float) -> None:
-        """Time one proposal of trees for the batch. The first is counted but not kept: it pays
-        once for what later ones reuse (a draft model's prefill of every prompt)."""
-        self.proposals += 1
-        if self.proposals > 1:
-            self.proposal = _smooth(self.proposal, seconds)
 
     def verify(self, width: int) -> float | None:
         """Seconds of a target pass ``width`` tokens wide: measured, interpolated between
