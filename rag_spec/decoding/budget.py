@@ -113,7 +113,8 @@ class TreeSizer:
     ``cost`` in plain steps: nothing for a trie, several passes for a draft model). ``n = 0``
     is a plain step. At batch 1 on a short prompt a wide step costs little more than a plain
     one and drafts nearly always pay; at batch 16 and a long context it costs several plain
-    steps, and pays only while every row is copying. Sizes not measured yet look cheap (``StepCosts``' prior), so they get tried.
+    steps, and pays only while every row is copying. Sizes not measured yet look cheap
+    (``StepCosts``' prior), so they get tried.
     Rows propose full trees and verify the chosen size; what the rest would have kept is learnt
     from the tokens committed next. While no size pays, rows still propose (without verifying)
     every ``probe_every`` steps, half as often after each such probe (down to one in
