@@ -132,6 +132,37 @@ def test_the_early_exit_shares_weights_and_leaves_the_model_alone(target):
         LookaheadDecoder(target, drafter=EarlyExitDrafter(4)).generate([5, 6], 3)
 
 
+def test_the_early_exit_drafts_on_the_targets_own_cache(target):
+    # Its layers are the target's first layers: no prefill, no second cache; each round feeds
+    # the newest token and the tree's nodes, and leaves the target's cache as it found it.
+    widths, lengths = [], []
+
+    class Watched(EarlyExitDrafter):
+        def draft_runner(self, view):
+            runner = super().draft_runner(view)
+
+            class Spy(ModuleRunner):
+                def __call__(self, **inputs):
+                    widths.append(inputs["input_ids"].shape[1])
+                    return runner(**inputs)
+
+            return Spy(runner.module)
+
+        def propose(self, requests, view):
+            before = view.cache.cache.get_seq_length()
+            trees = super().propose(requests, view)
+            lengths.append((before, view.cache.cache.get_seq_length()))
+            return trees
+
+    budget = 6
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=budget, adaptive=False),
+                               drafter=Watched(2))
+    prompt = repetitive_prompt(1, length=40)
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(target, prompt, 20)
+    assert widths and widths[0] == 1 and max(widths) <= budget
+    assert all(before == after for before, after in lengths)
+
+
 def test_a_tree_carries_what_drafting_it_cost(target, monkeypatch):
     # Counted in passes and weights, not timed: a sampled row drafts the same in any batch.
     from rag_spec.decoding.budget import AdaptiveBudget
@@ -243,6 +274,12 @@ def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
     adapter = train_exit(target, 1, sequences, vocabulary=48, epochs=3, progress=False)
     assert adapter.agreement["trained"] > adapter.agreement["untrained"] + 0.1
     assert all(p.grad is None for p in target.parameters())  # training never wrote the model
+    # its keys and values are the target's next layer's: it reads that layer's cache entries
+    exit_layer = target.model.layers[1].state_dict()
+    for name in ("input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+        assert torch.equal(adapter.layer_state[name], exit_layer[name])
+    assert not torch.equal(adapter.layer_state["self_attn.q_proj.weight"],
+                           exit_layer["self_attn.q_proj.weight"])
     adapter.save(tmp_path / "exit.safetensors")
     loaded = ExitAdapter.load(tmp_path / "exit.safetensors")
     assert loaded.agreement == adapter.agreement and torch.equal(loaded.subset, adapter.subset)

@@ -1,7 +1,9 @@
 """A trained exit for early-exit drafting, in the spirit of Kangaroo and EAGLE: one decoder layer
 on the target's first ``layers`` layers, trained to match the full model's next-token
 distribution on the user's own corpus, then the target's final norm and an LM head over the
-tokens that corpus and the model use most.
+tokens that corpus and the model use most. The layer's keys and values stay the target's (its
+input norm, key and value projections are not trained): the exit drafts on the target's own KV
+cache, whose entries for that layer are then exactly the adapter's.
 
 An untrained exit (the first layers, then the final norm and LM head) agrees with the full model
 rarely, because those layers were never trained to be read out. The adapter layer learns that
@@ -30,7 +32,7 @@ import torch
 from rag_spec.errors import RagSpecError
 
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
-_VERSION = 1  # bump when training changes: cached adapters are trained again
+_VERSION = 2  # bump when training changes: cached adapters are trained again
 
 
 class SubsetHead(torch.nn.Module):
@@ -188,8 +190,9 @@ class _Trainer:
     def __init__(self, model: Any, layers: int, subset: torch.Tensor, lr: float) -> None:
         decoder = model.get_decoder()
         self.layer = copy.deepcopy(decoder.layers[layers]).float().train()
-        for p in self.layer.parameters():
-            p.requires_grad_(True)
+        frozen = _key_value_parameters(self.layer)
+        for name, p in self.layer.named_parameters():
+            p.requires_grad_(name not in frozen)
         self.norm = copy.deepcopy(decoder.norm).float().requires_grad_(False)  # the user's
         # norm must not collect gradients: training reads the model, never writes it
         self.rotary = decoder.rotary_emb
@@ -198,7 +201,8 @@ class _Trainer:
         self.position_in_subset = torch.full((model.get_output_embeddings().weight.shape[0],),
                                              -1, dtype=torch.long)
         self.position_in_subset[subset] = torch.arange(len(subset))
-        self.optimiser = torch.optim.AdamW(self.layer.parameters(), lr=lr)
+        self.optimiser = torch.optim.AdamW([p for p in self.layer.parameters()
+                                            if p.requires_grad], lr=lr)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, subset] draft logits after each position of one text."""
@@ -223,6 +227,21 @@ class _Trainer:
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.subset[self.logits(hidden).argmax(-1)]
+
+
+def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
+    """The names of the parameters that make a decoder layer's keys and values (its input norm,
+    key and value projections, a key norm): kept as the target's, so the target's entries for
+    that layer are the adapter's and the exit drafts on the target's own cache."""
+    frozen = {name for name, _ in layer.named_parameters()
+              if name.startswith("input_layernorm.")
+              or name.split(".")[-2] in {"k_proj", "v_proj", "k_norm"}}
+    if not any(".k_proj." in name for name in frozen) or not any(".v_proj." in name
+                                                               for name in frozen):
+        msg = (f"{type(layer).__name__} has no separate k_proj and v_proj: an exit adapter "
+               "reads the target's cache through them. Use DraftModelDrafter instead.")
+        raise RagSpecError(msg)
+    return frozen
 
 
 @torch.inference_mode()

@@ -1,10 +1,12 @@
 """Drafters that compute: a smaller model of the same vocabulary (SpecInfer's SSM), or the
 target's own first layers (``assistant_early_exit``), growing token trees with probabilities.
 
-Each keeps a KV cache of its own per batch, in step with what the target committed: after a
-step it keeps the slots of the draft tokens the target accepted and feeds only what it has not
-seen (at least the newest token), never the whole context again. A round is one forward pass
-for the pending tokens and one per further depth, for every row of the batch at once.
+A draft model keeps a KV cache of its own per batch, in step with what the target committed:
+after a step it keeps the slots of the draft tokens the target accepted and feeds only what it
+has not seen (at least the newest token), never the whole context again. An early exit keeps
+none: its layers are the target's first layers, so it drafts on the target's own cache. A round
+is one forward pass for the pending tokens and one per further depth, for every row of the
+batch at once.
 
 Greedy decoding: each node's children are its likeliest tokens. Sampling: they are drawn
 without replacement from the node's draft distribution (processed like the target's:
@@ -64,19 +66,28 @@ class _Row:
     slots: list[int | None] = field(default_factory=list)  # round slot of each node (None: leaf)
     mean_accepted: float = 1.0  # draft tokens the target kept per round (smoothed)
 
+    def accepted(self, context: Sequence[int], root: int) -> list[int]:
+        """The drafted nodes the target accepted, drafted below the token at ``root`` of
+        ``context`` (committed since, but for the newest token)."""
+        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
+        return tree.follow(context[root + 1:len(context) - 1])
+
+    def learn(self, accepted: Sequence[int]) -> None:
+        """End the round: weigh what the target kept, forget the drafts."""
+        if self.chain:
+            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * len(accepted)
+        self.chain, self.tokens, self.parents, self.slots = [], [], [], []
+
     def kept(self, context: Sequence[int], base: int) -> list[int]:
         """Round slots to commit: the chain, then the drafted nodes the target accepted (not the
         newest token, which the next round feeds)."""
-        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
-        accepted = tree.follow(context[base + len(self.chain):len(context) - 1])
+        accepted = self.accepted(context, base + len(self.chain) - 1)
         slots = list(range(len(self.chain)))
         for node in accepted:
             if self.slots[node] is None:  # a leaf no pass wrote
                 break
             slots.append(self.slots[node])
-        if self.chain:
-            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * len(accepted)
-        self.chain, self.tokens, self.parents, self.slots = [], [], [], []
+        self.learn(accepted)
         return slots
 
 
@@ -106,6 +117,35 @@ class _Batch:
 
     def end_round(self) -> None:
         """The round's passes are done (their KV entries stay for the next ``begin_round``)."""
+
+
+class _SharedBatch(_Batch):
+    """An early exit's drafting state: its passes run on the target's own cache, in a round of
+    their own dropped before the target verifies.
+
+    The exit's layers are the target's first layers, so the target's committed entries are the
+    ones the exit would compute: nothing is prefilled or kept in step, and no KV is stored
+    twice. A trained adapter's layer reads the entries of the target's layer in its place,
+    which its frozen key and value projections (``exit_adapter``) make its own.
+    """
+
+    def __init__(self, runner: ModuleRunner, target: TargetView, rows: int) -> None:
+        self.runner = runner
+        self.cache: TreeKVCache = target.cache
+        self.rows = [_Row() for _ in range(rows)]
+        self.roots = [0] * rows  # each row's root position when it was last drafted for
+        self.cost = _weights(runner.module) / _weights(target.runner.module)
+
+    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
+                    ) -> Expansion | None:
+        for b, (row, request) in enumerate(zip(self.rows, requests)):
+            row.learn(row.accepted(request.context, self.roots[b]))
+            self.roots[b] = len(request.context) - 1
+        return expansion
+
+    def end_round(self) -> None:
+        """Drop the draft's KV entries: the target writes its own for what it accepts."""
+        self.cache.discard_round()
 
 
 class ModelDrafter:
@@ -169,8 +209,9 @@ class DraftModelDrafter(ModelDrafter):
 
 class EarlyExitDrafter(ModelDrafter):
     """Drafts with the target's own first ``layers`` layers, final norm and LM head: the weights
-    are shared (no copy), the draft keeps a KV cache of those layers only. The same draft as
-    transformers' ``generate(assistant_early_exit=layers)``.
+    are shared (no copy), and so is the KV cache (the target's entries for those layers are the
+    exit's: nothing is prefilled twice). The same draft as transformers'
+    ``generate(assistant_early_exit=layers)``.
 
     Untrained, an early exit agrees with the full model far less often than a trained draft;
     the budget throttles it while it keeps missing. ``adapter`` (``rag-spec draft train``, or
@@ -201,6 +242,10 @@ class EarlyExitDrafter(ModelDrafter):
                 module = self.adapter.attach(module)
             view = self._views[target.runner] = ModuleRunner(module)
         return view
+
+    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
+        """Drafting on the target's own cache (its first layers' entries are the exit's)."""
+        return _SharedBatch(self.draft_runner(target), target, len(requests))
 
 
 def first_layers(module: Any, count: int) -> Any:

@@ -27,7 +27,6 @@ from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _Row
 from rag_spec.decoding.runner import ModuleRunner
 from rag_spec.decoding.sink_window import SinkWindow
 from rag_spec.decoding.step_costs import Acceptance, StepCosts, settle
-from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
@@ -123,11 +122,10 @@ class _SelfBatch(_Batch):
         """Learn from the last round's drafts what each row accepts, pick this round's gamma
         (None: no draft this round), and select the slots the draft reads."""
         for b, (row, request) in enumerate(zip(self.rows, requests)):
+            accepted = row.accepted(request.context, self.bases[b])
             if row.tokens:
-                tree = TokenTree(tuple(row.tokens), tuple(row.parents))
-                committed = request.context[self.bases[b] + 1:len(request.context) - 1]
-                self.acceptance[b].record(len(row.tokens), len(tree.follow(committed)))
-            row.tokens, row.parents, row.slots = [], [], []
+                self.acceptance[b].record(len(row.tokens), len(accepted))
+            row.learn(accepted)
             self.bases[b] = len(request.context) - 1
         self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
         self.stats.gammas[self.gamma] += 1
