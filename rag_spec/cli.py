@@ -188,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--source", action="append",
                        help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
     train.add_argument("--layers", type=int, default=8, help="exit after N layers (default 8)")
-    train.add_argument("--texts", type=int, default=160, help="passages to train on")
+    train.add_argument("--texts", type=int, default=800, help="passages to train on")
     train.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
     train.set_defaults(run=_draft_train)
 

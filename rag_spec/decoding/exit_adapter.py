@@ -100,7 +100,7 @@ class ExitAdapter:
 
 
 def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
-                texts: int = 160, progress: bool = True) -> ExitAdapter:
+                texts: int = 800, progress: bool = True) -> ExitAdapter:
     """The adapter for ``lm`` exiting after ``layers`` layers, trained on ``texts`` passages of
     ``sources`` the first time (minutes on a CPU) and loaded from rag-spec's cache after."""
     from rag_spec.corpus import fingerprint, load_passages
