@@ -233,11 +233,10 @@ def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
     """The names of the parameters that make a decoder layer's keys and values (its input norm,
     key and value projections, a key norm): kept as the target's, so the target's entries for
     that layer are the adapter's and the exit drafts on the target's own cache."""
-    frozen = {name for name, _ in layer.named_parameters()
-              if name.startswith("input_layernorm.")
-              or name.split(".")[-2] in {"k_proj", "v_proj", "k_norm"}}
-    if not any(".k_proj." in name for name in frozen) or not any(".v_proj." in name
-                                                               for name in frozen):
+    makers = {"input_layernorm", "k_proj", "v_proj", "k_norm"}
+    frozen = {name for name, _ in layer.named_parameters() if makers & set(name.split("."))}
+    parts = {part for name in frozen for part in name.split(".")}
+    if not {"k_proj", "v_proj"} <= parts:
         msg = (f"{type(layer).__name__} has no separate k_proj and v_proj: an exit adapter "
                "reads the target's cache through them. Use DraftModelDrafter instead.")
         raise RagSpecError(msg)

@@ -120,28 +120,36 @@ class _Batch:
 
 
 class _SharedBatch(_Batch):
-    """An early exit's drafting state: its passes run on the target's own cache, in a round of
-    their own dropped before the target verifies.
+    """Drafting on the target's own cache, in a round of its own dropped before the target
+    verifies: for drafts whose committed entries are the target's (an early exit, the target
+    itself), so nothing is prefilled or kept in step and no KV is stored twice.
 
-    The exit's layers are the target's first layers, so the target's committed entries are the
-    ones the exit would compute: nothing is prefilled or kept in step, and no KV is stored
-    twice. A trained adapter's layer reads the entries of the target's layer in its place,
-    which its frozen key and value projections (``exit_adapter``) make its own.
+    An exit's layers are the target's first layers. A trained adapter's layer reads the
+    entries of the target's layer in its place, which its frozen key and value projections
+    (``exit_adapter``) make its own.
     """
 
-    def __init__(self, runner: ModuleRunner, target: TargetView, rows: int) -> None:
+    def __init__(self, runner: ModuleRunner, target: TargetView, rows: int,
+                 cost: float | None = None) -> None:
         self.runner = runner
         self.cache: TreeKVCache = target.cache
         self.rows = [_Row() for _ in range(rows)]
         self.roots = [0] * rows  # each row's root position when it was last drafted for
-        self.cost = _weights(runner.module) / _weights(target.runner.module)
+        self.cost = _weights(runner.module) / _weights(target.runner.module) \
+            if cost is None else cost
 
     def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
                     ) -> Expansion | None:
+        """Learn what the target accepted of each row's last drafts."""
         for b, (row, request) in enumerate(zip(self.rows, requests)):
-            row.learn(row.accepted(request.context, self.roots[b]))
+            accepted = row.accepted(request.context, self.roots[b])
+            self.record(b, len(row.tokens), len(accepted))
+            row.learn(accepted)
             self.roots[b] = len(request.context) - 1
         return expansion
+
+    def record(self, row: int, drafted: int, accepted: int) -> None:
+        """Row ``row`` kept ``accepted`` of the ``drafted`` tokens of its last round."""
 
     def end_round(self) -> None:
         """Drop the draft's KV entries: the target writes its own for what it accepts."""

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rag_spec.decoding.drafter import DraftRequest, TargetView
-from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _Row
+from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _SharedBatch
 from rag_spec.decoding.runner import ModuleRunner
 from rag_spec.decoding.sink_window import SinkWindow
 from rag_spec.decoding.step_costs import Acceptance, StepCosts, settle
-from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
 
@@ -96,22 +95,18 @@ class SelfSpecStats:
                 "rounds_per_gamma": dict(sorted(self.gammas.items()))}
 
 
-class _SelfBatch(_Batch):
+class _SelfBatch(_SharedBatch):
     """A batch's self-drafting state: its rows' acceptance, the measured costs, the view."""
 
     def __init__(self, drafter: SelfSpecDrafter, target: TargetView, rows: int) -> None:
-        self.drafter = drafter
-        self.runner = target.runner
-        self.cache: TreeKVCache = target.cache
-        self.costs: StepCosts = target.costs
-        self.rows = [_Row() for _ in range(rows)]
         # its passes are weighed by its own timed cost model (``_gamma``), so its trees carry
         # no cost for the decoder's budgets to weigh again (adaptive depth, which also reads
         # it, is off for its chains)
-        self.cost = 0.0
+        super().__init__(target.runner, target, rows, cost=0.0)
+        self.drafter = drafter
+        self.costs: StepCosts = target.costs
         self.acceptance = [Acceptance() for _ in range(rows)]
         self.stats = SelfSpecStats(self.costs, self.acceptance)
-        self.bases = [0] * rows  # each row's root position when it was last drafted for
         self.plain_rounds = 0
         self.started = 0.0
         self.gamma = 0
@@ -121,12 +116,7 @@ class _SelfBatch(_Batch):
                     ) -> Expansion | None:
         """Learn from the last round's drafts what each row accepts, pick this round's gamma
         (None: no draft this round), and select the slots the draft reads."""
-        for b, (row, request) in enumerate(zip(self.rows, requests)):
-            accepted = row.accepted(request.context, self.bases[b])
-            if row.tokens:
-                self.acceptance[b].record(len(row.tokens), len(accepted))
-            row.learn(accepted)
-            self.bases[b] = len(request.context) - 1
+        super().begin_round(requests, expansion)
         self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
         self.stats.gammas[self.gamma] += 1
         if self.gamma == 0:
@@ -141,9 +131,13 @@ class _SelfBatch(_Batch):
         self.started, self.passes = time.perf_counter(), 0
         return Expansion(widths=(1,), max_depth=self.gamma, adaptive_depth=False)
 
+    def record(self, row: int, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance[row].record(drafted, accepted)
+
     def end_round(self) -> None:
         """Drop the draft's KV entries and record what its passes cost."""
-        self.cache.discard_round()
+        super().end_round()
         settle(self.runner.device)
         self.costs.record_draft(time.perf_counter() - self.started, self.passes)
 
