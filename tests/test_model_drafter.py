@@ -120,6 +120,37 @@ def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatc
     assert sum(result.stats.accepted_per_step) > 0
 
 
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_draft_model_reads_long_contexts_whole_only_once_its_drafts_pay(target, monkeypatch,
+                                                                          pays):
+    import rag_spec.decoding.model_drafter as module
+
+    prefilled = []
+
+    class Recording(module.TreeKVCache):
+        @classmethod
+        def prefill(cls, model, prompts):
+            prefilled.append([len(p) for p in prompts])
+            return super().prefill(model, prompts)
+
+    monkeypatch.setattr(module, "TreeKVCache", Recording)
+    # the target drafting for itself is always right; another random model almost never
+    draft = tiny_llama(seed=0, layers=4) if pays else tiny_llama(seed=9, layers=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (100, 150)]
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
+                               drafter=DraftModelDrafter(draft))
+    results = decoder.generate(prompts, 30)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in prompts]
+    # a window of each prompt first; the whole contexts (prompt and answer so far) once paying
+    assert prefilled[0] == [module.TRIAL_CONTEXT] * 2
+    if pays:
+        assert len(prefilled) == 2
+        assert all(n > len(p) for n, p in zip(prefilled[1], prompts))
+    else:
+        assert len(prefilled) == 1
+
+
 def test_the_early_exit_shares_weights_and_leaves_the_model_alone(target):
     layers, config = len(target.model.layers), target.config.to_dict()
     decoder = LookaheadDecoder(target, drafter=EarlyExitDrafter(1))

@@ -8,6 +8,8 @@ from typing import Any
 
 from rag_spec.errors import RagSpecError
 
+DRAFT_MODES = ("greedy", "sampling", "batch")  # the runs of ``bench draft``
+
 
 def add_bench_commands(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks against the peers")
@@ -24,6 +26,9 @@ def add_bench_commands(commands: Any) -> None:
     draft.add_argument("--limit", type=int, default=6, help="prompts per set (default 6)")
     draft.add_argument("--batch", type=int, default=4, help="batch size of the batch runs")
     draft.add_argument("--max-new-tokens", type=int, default=64)
+    draft.add_argument("--modes", nargs="+", choices=DRAFT_MODES, default=list(DRAFT_MODES),
+                       help="which runs: greedy, sampling and batch (greedy, batched; all by "
+                            "default)")
     draft.add_argument("--json", dest="json_out", help="write the report here")
     draft.set_defaults(run=_draft)
     ralm = kinds.add_parser("ralm", help="speculative retrieval vs the naive RaLM loop")
@@ -133,7 +138,7 @@ def _draft(args: argparse.Namespace) -> int:
             msg = f"{flag} must be at least 1 (got {value})."
             raise RagSpecError(msg)
     run(json_out=args.json_out, max_new_tokens=args.max_new_tokens, limit=args.limit,
-        layers=args.layers, batch=args.batch)
+        layers=args.layers, batch=args.batch, modes=args.modes)
     return 0
 
 

@@ -12,12 +12,13 @@ outputs differ by design, not their distribution: the tests check that).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rag_spec.bench.cli import DRAFT_MODES
 from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.report import (
     Run,
@@ -38,13 +39,15 @@ GREEDY_SYSTEMS = ("hf", "hf_assisted", "hf_assisted_heuristic", "hf_early_exit",
                   "rag_spec_merged", "rag_spec_merged_trained_exit")
 SAMPLED_SYSTEMS = ("hf", "hf_assisted", "rag_spec_no_drafts", "rag_spec_draft_tree",
                    "rag_spec_merged")
-BATCH_SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_draft_tree", "rag_spec_merged")
+BATCH_SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_trie", "rag_spec_draft_tree",
+                 "rag_spec_merged")
 
 
 def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
-        layers: int = 8, batch: int = 4, model_name: str = "smollm2-135m-instruct"
-        ) -> dict[str, Any]:
-    """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
+        layers: int = 8, batch: int = 4, model_name: str = "smollm2-135m-instruct",
+        modes: Sequence[str] = DRAFT_MODES) -> dict[str, Any]:
+    """Run the benchmark (the runs ``modes`` names), print a table, write JSON and a PNG plot;
+    return the report."""
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
@@ -59,6 +62,8 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
                               "max_new_tokens": max_new_tokens, "machine": machine()}
     for mode, names, options in (("greedy", GREEDY_SYSTEMS, {}),
                                  ("sampling", SAMPLED_SYSTEMS, SAMPLING)):
+        if mode not in modes:
+            continue
         systems = _systems(lm, draft.model, adapter, max_new_tokens, options)
         systems = {name: systems[name] for name in names}
         for system in systems.values():  # warm up: runners built, kernels primed
@@ -68,11 +73,12 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
             print(f"{mode}, {name}: {len(prompts)} prompts")
             runs = interleaved(systems, [[p] for p in prompts])
             report[mode][name] = _summarise(runs, check=not options)
-    systems = _systems(lm, draft.model, adapter, max_new_tokens, {})
-    batches = [rag[i:i + batch] for i in range(0, len(rag) - batch + 1, batch)] or [rag]
-    print(f"greedy, batch {batch}: {len(batches)} batches")
-    runs = interleaved({name: systems[name] for name in BATCH_SYSTEMS}, batches)
-    report[f"greedy_batch{batch}"] = {"rag": _summarise(runs, check=True)}
+    if "batch" in modes:
+        systems = _systems(lm, draft.model, adapter, max_new_tokens, {})
+        batches = [rag[i:i + batch] for i in range(0, len(rag) - batch + 1, batch)] or [rag]
+        print(f"greedy, batch {batch}: {len(batches)} batches")
+        runs = interleaved({name: systems[name] for name in BATCH_SYSTEMS}, batches)
+        report[f"greedy_batch{batch}"] = {"rag": _summarise(runs, check=True)}
     publish(report, json_out, "draft", _plot, _print_table)
     return report
 
@@ -190,9 +196,9 @@ def _summarise(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    panels = [(mode, name) for mode in ("greedy", "sampling") for name in ("rag", "open_ended")]
-    fig, axes = figure(len(panels), (5 * len(panels), 5), sharey=True)
-    for ax, (mode, name) in zip(axes, panels):
+    panels = [(mode, name) for mode in _modes(report) for name in report[mode]]
+    fig, axes = figure(len(panels), (5 * len(panels), 5), sharey=True, squeeze=False)
+    for ax, (mode, name) in zip(axes[0], panels):
         data = report[mode][name]["systems"]
         ax.boxplot([data[s]["per_prompt_speedup"] for s in data], tick_labels=list(data))
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
@@ -204,7 +210,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    for mode in ("greedy", "sampling", *(k for k in report if k.startswith("greedy_batch"))):
+    for mode in _modes(report):
         for name, summary in report[mode].items():
             print(f"\n{mode}, {name} ({summary['prompts']} prompts)")
             print(f"{'system':24} {'tok/s':>7} {'vs hf':>7} {'vs assisted':>12} "
@@ -214,3 +220,8 @@ def _print_table(report: dict[str, Any]) -> None:
                       f"{s.get('speedup_vs_hf_assisted', float('nan')):11.2f}x "
                       f"{s.get('tokens_per_step', 1.0):9.2f} "
                       f"{s.get('identical_to_hf', '-')!s:>10}")
+
+
+def _modes(report: dict[str, Any]) -> list[str]:
+    """The report's runs, in the order they ran."""
+    return [key for key in report if key in ("greedy", "sampling") or key.startswith("greedy_b")]

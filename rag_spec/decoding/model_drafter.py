@@ -3,7 +3,10 @@ target's own first layers (``assistant_early_exit``), growing token trees with p
 
 A draft model keeps a KV cache of its own per batch, in step with what the target committed:
 after a step it keeps the slots of the draft tokens the target accepted and feeds only what it
-has not seen (at least the newest token), never the whole context again. An early exit keeps
+has not seen (at least the newest token), never the whole context again. Its prefill is put off
+until its drafts pay: it first reads only the last ``TRIAL_CONTEXT`` tokens of each context, and
+reads them whole once its drafts on that window keep ``TRIAL_PAYS`` tokens a round (a draft that
+keeps missing so never costs a prefill of a long prompt). An early exit keeps
 none: its layers are the target's first layers, so it drafts on the target's own cache. A round
 is one forward pass for the pending tokens and one per further depth, for every row of the
 batch at once.
@@ -37,6 +40,8 @@ from rag_spec.errors import RagSpecError
 from rag_spec_kernels import SparseView
 
 _GREEDY = SamplingParams()
+TRIAL_CONTEXT = 64  # tokens of each context a draft model reads until its drafts pay
+TRIAL_PAYS = 0.5  # draft tokens kept per round, on that window, that earn the whole context
 
 
 class _Stateless:
@@ -65,6 +70,8 @@ class _Row:
     parents: list[int] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)  # round slot of each node (None: leaf)
     mean_accepted: float = 1.0  # draft tokens the target kept per round (smoothed)
+    rounds: int = 0  # rounds drafted
+    total_accepted: int = 0  # draft tokens the target kept, all rounds
 
     def accepted(self, context: Sequence[int], root: int) -> list[int]:
         """The drafted nodes the target accepted, drafted below the token at ``root`` of
@@ -76,6 +83,8 @@ class _Row:
         """End the round: weigh what the target kept, forget the drafts."""
         if self.chain:
             self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * len(accepted)
+            self.rounds += 1
+            self.total_accepted += len(accepted)
         self.chain, self.tokens, self.parents, self.slots = [], [], [], []
 
     def kept(self, context: Sequence[int], base: int) -> list[int]:
@@ -93,7 +102,11 @@ class _Row:
 
 class _Batch:
     """A draft KV cache for one batch of the target (one row per target row), the passes that
-    fill it, and what a pass costs in target steps (estimated by the weights each reads)."""
+    fill it, and what a pass costs in target steps (estimated by the weights each reads).
+
+    On trial the cache holds only each context's last ``TRIAL_CONTEXT`` tokens (``offsets``:
+    where in the context it starts); once the drafts pay it is prefilled with whole contexts.
+    """
 
     sparse: SparseView | None = None  # committed slots the draft reads (None: all)
     passes = 0  # forward passes run so far
@@ -102,17 +115,31 @@ class _Batch:
                  contexts: Sequence[Sequence[int]]) -> None:
         _check_vocabularies(runner.config, target.config)
         self.runner = runner
-        self.cache = TreeKVCache.prefill(runner, contexts)
+        self.offsets = [max(len(c) - TRIAL_CONTEXT, 0) for c in contexts]
+        self.cache = TreeKVCache.prefill(runner, [c[o:] for c, o in zip(contexts, self.offsets)])
         self.rows = [_Row() for _ in contexts]
         self.cost = _weights(runner.module) / _weights(target.module)
 
+    @property
+    def on_trial(self) -> bool:
+        return any(self.offsets)
+
+    def start(self, row: int) -> int:
+        """Where in row ``row``'s context its pending tokens begin."""
+        return self.offsets[row] + self.cache.positions[row]
+
     def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
                     ) -> Expansion | None:
-        """Commit what the target accepted of the last round's drafts; returns this round's
-        tree shape (None: no draft this round)."""
-        kept = [row.kept(r.context, base)
-                for row, r, base in zip(self.rows, requests, self.cache.positions)]
+        """Commit what the target accepted of the last round's drafts (after a trial that paid,
+        read the whole contexts); returns this round's tree shape (None: no draft)."""
+        kept = [row.kept(r.context, self.start(b))
+                for b, (row, r) in enumerate(zip(self.rows, requests))]
         self.cache.keep_slots(kept, [r.context[-1] for r in requests])
+        rounds = sum(row.rounds for row in self.rows)
+        if self.on_trial and rounds > 1 \
+                and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
+            self.cache = TreeKVCache.prefill(self.runner, [r.context for r in requests])
+            self.offsets = [0] * len(requests)
         return expansion
 
     def end_round(self) -> None:
@@ -134,6 +161,7 @@ class _SharedBatch(_Batch):
         self.runner = runner
         self.cache: TreeKVCache = target.cache
         self.rows = [_Row() for _ in range(rows)]
+        self.offsets = [0] * rows
         self.roots = [0] * rows  # each row's root position when it was last drafted for
         self.cost = _weights(runner.module) / _weights(target.runner.module) \
             if cost is None else cost
@@ -315,12 +343,12 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
            ) -> list[TokenTree]:
     """One round for every row: commit what the target accepted, feed the pending tokens, then
     one pass per depth."""
-    cache = batch.cache
     shape = batch.begin_round(requests, expansion)
     if shape is None:
         return [TokenTree.empty() for _ in requests]
-    expansion = shape
-    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], expansion, batch.cost)
+    cache, expansion = batch.cache, shape
+    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], batch.offsets[b], expansion,
+                          batch.cost)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
     logits, _ = _forward(batch, len(requests), {
@@ -349,11 +377,11 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
 class _Growth:
     """One row's tree as it grows this round, with each frontier node's draft distribution."""
 
-    def __init__(self, request: DraftRequest, row: _Row, base: int, expansion: Expansion,
-                 cost: float) -> None:
+    def __init__(self, request: DraftRequest, row: _Row, base: int, offset: int,
+                 expansion: Expansion, cost: float) -> None:
         self.row = row
-        self.base = base  # position of the first pending token
-        row.chain = list(request.context[base:])
+        self.base = base  # position of the first pending token in the draft's cache
+        row.chain = list(request.context[offset + base:])
         self.context = request.context  # committed tokens (read for repetition penalty)
         self.budget = request.budget
         sampler = request.sampler
