@@ -123,13 +123,15 @@ def _draft_train(args: argparse.Namespace) -> int:
     from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
 
-    for flag, value in (("--layers", args.layers), ("--texts", args.texts)):
-        if value < 1:
-            msg = f"{flag} must be at least 1 (got {value})."
+    for flag, value, least in (("--layers", args.layers, 1), ("--texts", args.texts, 1),
+                               ("--answers", args.answers, 0)):
+        if value < least:
+            msg = f"{flag} must be at least {least} (got {value})."
             raise RagSpecError(msg)
     started = time.perf_counter()
     lm = load_model(args.model)
-    adapter = cached_exit(lm, args.layers, args.source or ["stdlib"], texts=args.texts)
+    adapter = cached_exit(lm, args.layers, args.source or ["stdlib"], texts=args.texts,
+                          answers=args.answers)
     agreement = adapter.agreement
     print(f"exit after {args.layers} layers: the draft's greedy token is the model's "
           f"{agreement['untrained']:.1%} of the time untrained, {agreement['trained']:.1%} "
@@ -189,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
     train.add_argument("--layers", type=int, default=8, help="exit after N layers (default 8)")
     train.add_argument("--texts", type=int, default=800, help="passages to train on")
+    train.add_argument("--answers", type=int, default=240,
+                       help="the model's own answers to train on too (default 240; 0: none)")
     train.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
     train.set_defaults(run=_draft_train)
 

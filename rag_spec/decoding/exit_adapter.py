@@ -1,6 +1,7 @@
 """A trained exit for early-exit drafting, in the spirit of Kangaroo and EAGLE: one decoder layer
 on the target's first ``layers`` layers, trained to match the full model's next-token
-distribution on the user's own corpus, then the target's final norm and an LM head over the
+distribution on the user's own corpus and on the model's own answers (``own_answers``), then
+the target's final norm and an LM head over the
 tokens that corpus and the model use most. The layer's keys and values stay the target's (its
 input norm, key and value projections are not trained): the exit drafts on the target's own KV
 cache, whose entries for that layer are then exactly the adapter's.
@@ -30,9 +31,11 @@ from typing import Any
 import torch
 
 from rag_spec.errors import RagSpecError
+from rag_spec.progress import progress as progress_bar
 
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
-_VERSION = 2  # bump when training changes: cached adapters are trained again
+_VERSION = 3  # bump when training changes: cached adapters are trained again
+_LENGTH = 256  # tokens of a text trained on (the last ones of an answer)
 
 
 class SubsetHead(torch.nn.Module):
@@ -100,14 +103,16 @@ class ExitAdapter:
 
 
 def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
-                texts: int = 800, progress: bool = True) -> ExitAdapter:
-    """The adapter for ``lm`` exiting after ``layers`` layers, trained on ``texts`` passages of
-    ``sources`` the first time (minutes on a CPU) and loaded from rag-spec's cache after."""
+                texts: int = 800, answers: int = 240, progress: bool = True) -> ExitAdapter:
+    """The adapter for ``lm`` exiting after ``layers`` layers, trained the first time (minutes
+    on a CPU) on ``texts`` passages of ``sources`` and ``answers`` of the model's own answers
+    (``own_answers``), and loaded from rag-spec's cache after."""
     from rag_spec.corpus import fingerprint, load_passages
+    from rag_spec.decoding.own_answers import own_answers
     from rag_spec.paths import atomic_file, cache_dir
 
     passages = load_passages(sources)
-    key = f"{lm.name}|{layers}|{fingerprint(passages)}|{texts}|{_VERSION}"
+    key = f"{lm.name}|{layers}|{fingerprint(passages)}|{texts}|{answers}|{_VERSION}"
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     path = cache_dir() / "drafts" / f"{Path(lm.name).name}-exit{layers}-{digest}.safetensors"
     if path.is_file():
@@ -117,7 +122,10 @@ def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
             path.unlink(missing_ok=True)
     chosen = random.Random(0).sample(passages, min(texts, len(passages)))
     sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
-                             max_length=256, add_special_tokens=False)["input_ids"]
+                             max_length=_LENGTH, add_special_tokens=False)["input_ids"]
+    sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in own_answers(
+        lm.model, lm.tokenizer, passages, answers, progress=progress)]
+    random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
     adapter = train_exit(lm.model, layers, sequences, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as scratch:
@@ -146,7 +154,7 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
     order = list(range(len(held_out), len(samples)))
     shuffled = [i for epoch in range(epochs) for i in random.Random(epoch).sample(order,
                                                                                   len(order))]
-    for i in _progress(progress, shuffled, "training the exit"):
+    for i in progress_bar(shuffled, "training the exit", "text", enabled=progress):
         trainer.step(samples[i])
     after = _agreement(samples=held_out, predict=trainer.predict)
     state = {k: v.detach().clone() for k, v in trainer.layer.state_dict().items()}
@@ -167,7 +175,8 @@ class _Sample:
 def _teacher(model: Any, sequences: list[list[int]], layers: int, progress: bool
              ) -> list[_Sample]:
     samples = []
-    for ids in _progress(progress, sequences, "reading the full model's predictions"):
+    for ids in progress_bar(sequences, "reading the full model's predictions", "text",
+                            enabled=progress):
         out = model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True)
         top = out.logits[0].float().log_softmax(-1).topk(_TOP)
         samples.append(_Sample(out.hidden_states[layers][0].float().cpu(), top.indices.cpu(),
@@ -257,12 +266,3 @@ def _agreement(samples: list[_Sample], predict: Callable[[torch.Tensor], torch.T
         agree += int((predict(s.hidden) == s.top_ids[:, 0]).sum())
         total += len(s.top_ids)
     return agree / max(total, 1)
-
-
-def _progress(enabled: bool, items: list[Any], what: str) -> Any:
-    """``items``, with a progress bar on stderr when ``enabled``."""
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=f"rag-spec: {what}", unit="text")

@@ -1,0 +1,41 @@
+"""The model's own answers, to train a draft on: prompts about the user's passages and questions
+the model writes itself, each answered with exactly the model's greedy tokens."""
+
+from conftest import char_tokenizer, tiny_llama
+from rag_spec.corpus import Passage
+from rag_spec.decoding import LookaheadDecoder
+from rag_spec.decoding.own_answers import own_answers, user_turn_opening, written_questions
+from test_decoder_greedy import hf_greedy
+
+PASSAGES = [Passage(f"topic {c}", f"some words about {c} and more {c}") for c in "abcdef"]
+TEMPLATE = ("{% for m in messages %}q {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}a {% endif %}")
+
+
+def test_answers_are_the_models_own_greedy_answers_to_questions_about_the_passages():
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()  # no chat template
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    answered = own_answers(model, tokenizer, PASSAGES, 4, max_new_tokens=6, progress=False)
+    assert len(answered) == 4  # all about passages: without a template it writes no questions
+    for prompt, answer in answered:
+        assert any(p.text in tokenizer.decode(prompt) for p in PASSAGES)
+        assert answer == hf_greedy(model, prompt, 6)
+    assert all(v.equal(weights[k]) for k, v in model.state_dict().items())
+
+
+def test_the_model_writes_questions_when_its_template_opens_a_user_turn():
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    assert user_turn_opening(tokenizer) == "q "
+    assert user_turn_opening(char_tokenizer()) is None
+    decoder = LookaheadDecoder(model, tokenizer)
+    questions = written_questions(decoder, 3, seed=0)
+    assert 0 < len(questions) <= 3 and all(q == q.strip() and q for q in questions)
+    assert written_questions(decoder, 3, seed=0) == questions  # seeded
+    answered = own_answers(model, tokenizer, PASSAGES, 6, max_new_tokens=6, progress=False)
+    texts = [tokenizer.decode(prompt) for prompt, _ in answered]
+    assert all(t.startswith("q ") and t.endswith("a ") for t in texts)  # the template's turns
+    about = [t for t in texts if any(p.text in t for p in PASSAGES)]
+    assert len(about) == 6 - len(questions)
+    assert [f"q {q}\na " for q in questions] == texts[len(about):]
+    assert all(answer == hf_greedy(model, prompt, 6) for prompt, answer in answered)
