@@ -37,7 +37,7 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
     from rag_spec.decoding import LookaheadDecoder
 
     decoder = LookaheadDecoder(model, tokenizer)
-    questions = written_questions(decoder, count - count // 2, seed=seed)
+    questions = written_questions(decoder, count - count // 2, seed=seed, progress=progress)
     chosen = random.Random(seed).sample(list(passages), min(count - len(questions),
                                                             len(passages)))
     prompts = [chat_input_ids(tokenizer, rag_messages(f"What is {p.title} used for?",
@@ -55,18 +55,20 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
 
 
 def written_questions(decoder: Any, count: int, *, seed: int = 0, attempts: int = 3,
-                      max_new_tokens: int = 48) -> list[str]:
+                      max_new_tokens: int = 48, progress: bool = False) -> list[str]:
     """Up to ``count`` questions the model writes when its chat template opens a user turn
-    (sampled, seeded; only those it ends itself are kept). None without a chat template."""
+    (sampled, seeded; only those it ends itself are kept, in at most ``attempts`` times the
+    batches ``count`` needs). None without a chat template."""
     opening = user_turn_opening(decoder.tokenizer)
     if opening is None or count <= 0:
         return []
     ids = decoder.tokenizer(opening, add_special_tokens=False)["input_ids"]
     questions: list[str] = []
-    for attempt in range(attempts):
-        rows = decoder.generate([ids] * _BATCH * -(-(count - len(questions)) // _BATCH),
-                                max_new_tokens=max_new_tokens, do_sample=True,
-                                temperature=1.0, top_p=0.95, seed=seed + attempt * 7919)
+    batches = attempts * -(-count // _BATCH)
+    for batch in progress_bar(range(batches), f"the model writing {count} questions", "batch",
+                              enabled=progress):
+        rows = decoder.generate([ids] * _BATCH, max_new_tokens=max_new_tokens, do_sample=True,
+                                temperature=1.0, top_p=0.95, seed=seed + batch * _BATCH)
         questions += [text for r in rows if r.finish_reason == "eos"
                       and (text := r.text.strip())]
         if len(questions) >= count:
