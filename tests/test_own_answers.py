@@ -7,7 +7,7 @@ from rag_spec.decoding import LookaheadDecoder
 from rag_spec.decoding.own_answers import own_answers, user_turn_opening, written_questions
 from test_decoder_greedy import hf_greedy
 
-PASSAGES = [Passage(f"topic {c}", f"some words about {c} and more {c}") for c in "abcdef"]
+PASSAGES = [Passage(f"t{c}", f"words on {c}") for c in "abcdef"]
 TEMPLATE = ("{% for m in messages %}q {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a {% endif %}")
 
@@ -17,6 +17,8 @@ def test_answers_are_the_models_own_greedy_answers_to_questions_about_the_passag
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     answered = own_answers(model, tokenizer, PASSAGES, 4, max_new_tokens=6, progress=False)
     assert len(answered) == 4  # all about passages: without a template it writes no questions
+    long = [Passage("t", "many words " * 30)] * 3  # three of them overflow the 256-token window
+    assert own_answers(model, tokenizer, long, 2, max_new_tokens=6, progress=False) == []
     for prompt, answer in answered:
         assert any(p.text in tokenizer.decode(prompt) for p in PASSAGES)
         assert answer == hf_greedy(model, prompt, 6)

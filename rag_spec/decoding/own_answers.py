@@ -6,7 +6,8 @@ trained on 800 passages agreed with it on 19% of open-ended answer tokens and 27
 with 240 of the model's answers about the corpus added, 25% and 44%. So an exit also trains on
 chat prompts followed by the model's own greedy answers, of two kinds:
 
-- questions about the user's passages, shown with the passage (the RAG answers it will draft);
+- questions about the user's passages, shown with that passage and its neighbours in the
+  corpus, as a retriever would (the RAG answers it will draft);
 - open-ended questions the model writes itself: given only the chat template's opening of a
   user turn, an instruct model writes a plausible user question (Magpie, Xu et al. 2024).
 
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rag_spec.corpus import Passage
+from rag_spec.models.limits import context_window
 from rag_spec.progress import progress as progress_bar
 from rag_spec.retrieval.types import Hit
 from rag_spec.serving.prompts import chat_input_ids, rag_messages
@@ -32,18 +34,23 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
                 max_new_tokens: int = 64, seed: int = 0, progress: bool = True
                 ) -> list[tuple[list[int], list[int]]]:
     """``count`` chat prompts and the model's greedy answers to them (token ids): half of them
-    questions about ``passages``, the rest questions the model writes itself (all about
-    passages where its tokenizer has no chat template). The model is only read."""
+    questions about ``passages`` (in corpus order), the rest questions the model writes itself
+    (all about passages where its tokenizer has no chat template), fewer where some do not fit
+    the model's context window. The model is only read."""
     from rag_spec.decoding import LookaheadDecoder
 
     decoder = LookaheadDecoder(model, tokenizer)
     questions = written_questions(decoder, count - count // 2, seed=seed, progress=progress)
-    chosen = random.Random(seed).sample(list(passages), min(count - len(questions),
-                                                            len(passages)))
-    prompts = [chat_input_ids(tokenizer, rag_messages(f"What is {p.title} used for?",
-                                                      [Hit(0, 0.0, p.title, p.text)]))
-               for p in chosen]
+    chosen = random.Random(seed).sample(range(len(passages)), min(count - len(questions),
+                                                                  len(passages)))
+    prompts = [chat_input_ids(tokenizer, rag_messages(
+        f"What is {passages[i].title} used for?",
+        [Hit(j, 0.0, p.title, p.text) for j, p in enumerate(passages[max(i - 1, 0):i + 2])]))
+        for i in chosen]
     prompts += [chat_input_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    window = context_window(model.config, tokenizer)
+    if window is not None:  # a model of a short window is asked what fits
+        prompts = [p for p in prompts if len(p) + max_new_tokens <= window]
     answered = []
     for start in progress_bar(range(0, len(prompts), _BATCH),
                               f"the model answering {len(prompts)} prompts", "batch",
