@@ -3,6 +3,8 @@ the batch's tree size, from what each size keeps against what its step costs."""
 
 import math
 
+import pytest
+
 from rag_spec.decoding.budget import PROBE_SHARE, AdaptiveBudget, TreeSizer
 from rag_spec.decoding.step_costs import StepCosts
 
@@ -131,6 +133,17 @@ def test_a_dear_draft_must_pay_for_itself_and_probes_stay_within_their_share():
     interval = math.ceil(1.0 / PROBE_SHARE)  # probes cost a step: one in 50 plain steps
     assert [step for step, (_, propose) in enumerate(sizes) if propose] == [
         interval - 1, 2 * interval - 1]
+
+
+def test_drafting_is_weighed_at_what_proposals_took_not_only_at_their_count():
+    costs = StepCosts(target={1: 1.0, 13: 1.1})
+    budgets = rows(0.5)
+    budgets[0].cost = 0.3  # counted by the weights its passes read
+    assert costs.drafting(0.3) == 0.3  # nothing timed yet: the count
+    assert best(budgets, costs) == 12  # 1.5 tokens for 1.1 + 0.3 steps pays
+    costs.record_proposal(0.3, 0.9)  # per-pass overheads: three times what the count says
+    assert costs.drafting(0.3) == pytest.approx(0.9)
+    assert best(budgets, costs) == 0  # 1.5 tokens for 2.0 steps does not
 
 
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():

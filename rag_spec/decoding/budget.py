@@ -110,7 +110,8 @@ class TreeSizer:
     size ``n`` is worth ``min over rows of (1 + expected_r(n)) / remaining_r`` (the share of
     its remaining tokens the slowest row commits per step) over the step's seconds:
     ``costs.verify(1 + n)`` plus, for ``n > 0``, what drafting costs (the rows' recent trees'
-    ``cost`` in plain steps: nothing for a trie, several passes for a draft model). ``n = 0``
+    ``cost`` in plain steps: nothing for a trie, several passes for a draft model; scaled by
+    what proposals were timed to take, ``StepCosts.drafting``). ``n = 0``
     is a plain step. At batch 1 on a short prompt a wide step costs little more than a plain
     one and drafts nearly always pay; at batch 16 and a long context it costs several plain
     steps, and pays only while every row is copying. Sizes not measured yet look cheap
@@ -141,7 +142,8 @@ class TreeSizer:
             self._interval, self._idle = self.probe_every, 0
             return self.full, True
         self._idle += 1
-        if self._idle < max(self._interval, _affordable_interval(_drafting(budgets))):
+        if self._idle < max(self._interval,
+                            _affordable_interval(costs.drafting(_drafting(budgets)))):
             return best, best > 0
         self._idle = 0
         self._interval = min(2 * self._interval, self.max_probe_every)
@@ -154,7 +156,8 @@ class TreeSizer:
         if not self.adaptive or not budgets or not costs.target:
             return self.full
         rates = {}
-        drafting = _drafting(budgets) * (costs.verify(1) or 0.0)  # seconds, batched passes
+        # seconds (the batch's passes are shared), the count scaled by what proposals took
+        drafting = costs.drafting(_drafting(budgets)) * (costs.verify(1) or 0.0)
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured

@@ -348,6 +348,7 @@ class LookaheadDecoder:
         trees = [tree.first(cap) for tree in proposals]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
+        target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
         logits = cache.forward(runner, cache.step(trees, runner.dtype))
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()

@@ -43,6 +43,8 @@ class StepCosts:
 
     target: dict[int, float] = field(default_factory=dict)
     draft: float | None = None
+    # seconds a proposal took per target step its tree's count (weights read) says it costs
+    counted_step: float | None = None
 
     def record_target(self, width: int, seconds: float) -> None:
         self.target[width] = _smooth(self.target.get(width), seconds)
@@ -50,6 +52,20 @@ class StepCosts:
     def record_draft(self, seconds: float, passes: int) -> None:
         if passes:
             self.draft = _smooth(self.draft, seconds / passes)
+
+    def record_proposal(self, counted: float, seconds: float) -> None:
+        """A proposal whose trees were counted at ``counted`` target steps took ``seconds``."""
+        if counted > 0:
+            self.counted_step = _smooth(self.counted_step, seconds / counted)
+
+    def drafting(self, counted: float) -> float:
+        """What a proposal counted at ``counted`` target steps costs in measured plain steps:
+        a count by weights misses per-pass overheads (small layers, a head's full-vocabulary
+        softmax), so once both are timed the count is scaled by what proposals took."""
+        plain = self.verify(1)
+        if self.counted_step is None or not plain:
+            return counted
+        return counted * self.counted_step / plain
 
     def verify(self, width: int) -> float | None:
         """Seconds of a target pass ``width`` tokens wide: measured, interpolated between
