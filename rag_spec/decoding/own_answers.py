@@ -3,8 +3,8 @@
 A draft agrees with the model best on the kind of text the model writes, not on the corpus as
 it stands. Measured on the embedded model's own answers to the benchmark's prompts, an exit
 trained on 800 passages agreed with it on 19% of open-ended answer tokens and 27% of RAG ones;
-with 240 of the model's answers about the corpus added, 25% and 44%. So an exit also trains on
-chat prompts followed by the model's own greedy answers, of two kinds:
+with 240 of the model's own answers (below) added, 25% and 34%. So an exit also trains on chat
+prompts followed by the model's own greedy answers, of two kinds:
 
 - questions about the user's passages, shown with that passage and its neighbours in the
   corpus, as a retriever would (the RAG answers it will draft);
