@@ -1,10 +1,10 @@
 """A trained exit for early-exit drafting, in the spirit of Kangaroo and EAGLE: one decoder layer
 on the target's first ``layers`` layers, trained to match the full model's next-token
-distribution on the user's own corpus and on the model's own answers (``own_answers``), then
-the target's final norm and an LM head over the
-tokens that corpus and the model use most. The layer's keys and values stay the target's (its
-input norm, key and value projections are not trained): the exit drafts on the target's own KV
-cache, whose entries for that layer are then exactly the adapter's.
+distribution on the user's own corpus and on the model's own answers (``own_answers``), then the
+target's final norm and an LM head over the tokens the model predicts most there. The layer's
+keys and values stay the target's (its input norm, key and value projections are not trained):
+the exit drafts on the target's own KV cache, whose entries for that layer are then exactly the
+adapter's.
 
 An untrained exit (the first layers, then the final norm and LM head) agrees with the full model
 rarely, because those layers were never trained to be read out. The adapter layer learns that
@@ -13,7 +13,7 @@ embedded model's 49152) cuts the head's cost, a fifth of the embedded model's we
 sixth of that. Tokens outside it get probability 0 in the draft: they are never drafted, and
 verification is exact whatever the draft offers.
 
-Trained once per (model, exit layer, corpus) and cached like the indexes; ``rag-spec draft
+Trained once per (model, exit layer, corpus, sizes) and cached like the indexes; ``rag-spec draft
 train`` shows progress and reports top-1 agreement with the full model before and after.
 """
 
