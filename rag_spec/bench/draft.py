@@ -224,4 +224,5 @@ def _print_table(report: dict[str, Any]) -> None:
 
 def _modes(report: dict[str, Any]) -> list[str]:
     """The report's runs, in the order they ran."""
-    return [key for key in report if key in ("greedy", "sampling") or key.startswith("greedy_b")]
+    return [key for key in report
+            if key in ("greedy", "sampling") or key.startswith("greedy_batch")]

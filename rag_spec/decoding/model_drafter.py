@@ -134,12 +134,13 @@ class _Batch:
         read the whole contexts); returns this round's tree shape (None: no draft)."""
         kept = [row.kept(r.context, self.start(b))
                 for b, (row, r) in enumerate(zip(self.rows, requests))]
-        self.cache.keep_slots(kept, [r.context[-1] for r in requests])
         rounds = sum(row.rounds for row in self.rows)
         if self.on_trial and rounds > 1 \
                 and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
             self.cache = TreeKVCache.prefill(self.runner, [r.context for r in requests])
             self.offsets = [0] * len(requests)
+        else:
+            self.cache.keep_slots(kept, [r.context[-1] for r in requests])
         return expansion
 
     def end_round(self) -> None:
@@ -347,7 +348,7 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
     if shape is None:
         return [TokenTree.empty() for _ in requests]
     cache, expansion = batch.cache, shape
-    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], batch.offsets[b], expansion,
+    growing = {b: _Growth(r, batch.rows[b], cache.positions[b], batch.start(b), expansion,
                           batch.cost)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
@@ -377,11 +378,11 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
 class _Growth:
     """One row's tree as it grows this round, with each frontier node's draft distribution."""
 
-    def __init__(self, request: DraftRequest, row: _Row, base: int, offset: int,
+    def __init__(self, request: DraftRequest, row: _Row, base: int, start: int,
                  expansion: Expansion, cost: float) -> None:
         self.row = row
         self.base = base  # position of the first pending token in the draft's cache
-        row.chain = list(request.context[offset + base:])
+        row.chain = list(request.context[start:])  # from ``start`` of the context
         self.context = request.context  # committed tokens (read for repetition penalty)
         self.budget = request.budget
         sampler = request.sampler
