@@ -171,3 +171,28 @@ def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(m
     assert built == [True]  # sampled: each row keeps its own budget
     LookaheadDecoder(model, drafter=SelfSpecDrafter(budget=8)).generate(prompt, 4)
     assert built == [True]  # the self-drafter chooses its own draft lengths
+
+
+@pytest.mark.parametrize(("committed", "learnt"), [
+    ([9], []),  # left the tree at its root: settled on the step that verified it
+    ([5, 9], [0]),  # left it below a node
+    ([5, 6, 7], [0, 1, 2]),  # reached a leaf
+    ([5], None),  # inside the tree, a child may still follow: wait for the next tokens
+])
+def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_path(
+        committed, learnt):
+    from rag_spec.decoding.decoder import _learn, _Row
+    from rag_spec.decoding.tree import TokenTree
+
+    class Recording(AdaptiveBudget):
+        paths: list[list[int]] = []
+
+        def record(self, drafted, path, cost=0.0):
+            self.paths.append(list(path))
+
+    budget = Recording(8)
+    row = _Row(prompt=[1, 2], session=None, budget=budget, sampler=None, output=committed)
+    row.proposals.append((TokenTree.from_paths([[5, 6, 7], [5, 8, 3]]), 2))
+    _learn(row)
+    assert budget.paths == ([] if learnt is None else [learnt])
+    assert len(row.proposals) == (learnt is None)

@@ -415,16 +415,22 @@ class LookaheadDecoder:
 
 
 def _learn(row: _Row) -> None:
-    """Record what each proposal would have kept, once the row has committed as many tokens
-    after it as it is deep (or has finished): for greedy decoding, exactly the path its
-    verification would have accepted, whatever part of it was verified."""
+    """Record what each proposal would have kept, as soon as the tokens committed after it
+    settle that (or the row has finished): for greedy decoding, exactly the path its
+    verification would have accepted, whatever part of it was verified.
+
+    The path is settled once the committed tokens leave the tree (a token no child has) or
+    reach a leaf; a proposal that missed at its root is thus learnt from on the very step that
+    verified it, before the next step drafts again at the old, optimistic estimate."""
     while row.proposals:
         proposal, start = row.proposals[0]
-        depth = int(proposal.depths.max()) if len(proposal) else 0
-        if row.finish_reason is None and len(row.context) - start < depth:
+        committed = row.context[start:]
+        path = proposal.follow(committed)
+        settled = len(path) < len(committed) or not proposal.children(path[-1] if path else -1)
+        if row.finish_reason is None and not settled:
             return
         row.proposals.pop(0)
-        row.budget.record(len(proposal), proposal.follow(row.context[start:]), proposal.cost)
+        row.budget.record(len(proposal), path, proposal.cost)
 
 
 def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool]:
