@@ -18,12 +18,12 @@ USER_CACHE = os.environ.get("RAG_SPEC_CACHE")  # before the fixtures below redir
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 64, init: float = 0.3, layers: int = 2,
-               eos: int | None = None, window: int = 256):
+               eos: int | None = None, window: int = 256, hidden: int = 32):
     """A 2-layer Llama with grouped-query attention and peaked logits (few near ties)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=window, initializer_range=init, bos_token_id=1,
                          eos_token_id=eos, pad_token_id=0)

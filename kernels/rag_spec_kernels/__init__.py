@@ -1,8 +1,16 @@
 """Kernels for verifying token trees: attention under a compact tree mask that reads each KV
 head once (torch on the CPU, Triton on a GPU), and oneDNN linear layers that keep few-token
-steps cheap on the CPU. Nothing here modifies a caller's model:
+steps cheap on the CPU, and exact numerics for half precision (each token of a step bit for
+bit as a one-token step). Nothing here modifies a caller's model:
 the decoder's runner puts these into its private copy of the module tree."""
 
+from rag_spec_kernels.exact import (
+    EXACT_TREE_ATTENTION,
+    RowChunkedLinear,
+    exact_tree_attention,
+    invariant_rows,
+    whole_rows,
+)
 from rag_spec_kernels.onednn_linear import (
     LinearStack,
     OneDNNLinear,
@@ -22,7 +30,8 @@ from rag_spec_kernels.tree_attention import (
     tree_attention,
 )
 
-__all__ = ["TREE_ATTENTION", "LinearStack", "OneDNNLinear", "is_plain_linear", "linear_stacks",
-           "onednn_available", "onednn_ops_available", "pack_weight", "packed_linear",
-           "reference_attention", "register_tree_attention", "tree_attention", "SparseView",
-           "TreeMask"]
+__all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "LinearStack", "OneDNNLinear",
+           "RowChunkedLinear", "SparseView", "TreeMask", "exact_tree_attention",
+           "invariant_rows", "is_plain_linear", "linear_stacks", "onednn_available",
+           "onednn_ops_available", "pack_weight", "packed_linear", "reference_attention",
+           "register_tree_attention", "tree_attention", "whole_rows"]

@@ -27,6 +27,7 @@ import torch
 TREE_ATTENTION = "rag_spec_tree"
 
 
+
 class SparseView:
     """Committed slots that a draft reads instead of all of them (e.g. StreamingLLM's attention
     sinks plus a recent window), ``select``: [B, K] slot indices; ``update`` moves it on.
@@ -110,6 +111,8 @@ class TreeMask:
     sparse: SparseView | None = None
     _dense: dict[tuple[int, torch.dtype, torch.device], torch.Tensor | None] = field(
         default_factory=dict, repr=False, compare=False)
+    _visible: dict[torch.device, list[VisibleKeys]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def select(self) -> torch.Tensor | None:
@@ -138,6 +141,14 @@ class TreeMask:
                 ~allowed, torch.finfo(dtype).min)
         return self._dense[key]
 
+    def visible(self, device: torch.device) -> list[VisibleKeys]:
+        """Per row: the keys read (selected committed slots, then the round's) that each query
+        sees; built once per pass, shared by its layers."""
+        if device not in self._visible:
+            self._visible[device] = [VisibleKeys.of(c, r, device)
+                                     for c, r in zip(self.committed, self.recent)]
+        return self._visible[device]
+
     def over_cache(self, committed_slots: int) -> torch.Tensor:
         """[B, q, S + R] bool over every slot of the cache (selected committed bits scattered
         back to their slots): the same mask for attention that reads the whole cache."""
@@ -148,6 +159,35 @@ class TreeMask:
                 1, self.select.to(committed.device), self.committed)
         batch, q_len, _ = self.recent.shape
         return torch.cat([committed[:, None, :].expand(batch, q_len, -1), self.recent], dim=-1)
+
+
+@dataclass(frozen=True)
+class VisibleKeys:
+    """The keys each query token of one row sees, in order, for attention that reads them one
+    query at a time: the ``base`` every query of the row sees (its committed slots), then
+    each query's ``tails`` (round slots). Where a query's keys are a prefix of all keys, its
+    tail is a count and they are read as a view; otherwise its keys are copied together.
+    """
+
+    offset: int  # where the tails' keys begin (the number of committed keys read)
+    base: int | torch.Tensor  # a prefix length, or the indices of the committed keys seen
+    tails: list[int | torch.Tensor]  # per query: keys just after the base (count), or indices
+
+    @classmethod
+    def of(cls, committed: torch.Tensor, recent: torch.Tensor, device: torch.device
+           ) -> VisibleKeys:
+        """From ``committed`` [K] (the committed keys the row sees) and ``recent`` [q, R] (the
+        later keys each query sees), both bool."""
+        offset = committed.shape[0]
+        index = committed.cpu().nonzero().flatten()
+        whole = len(index) == offset  # every committed key: a prefix
+        base: int | torch.Tensor = offset if whole else index.to(device)
+        tails: list[int | torch.Tensor] = []
+        for bits in recent.cpu():
+            tail = bits.nonzero().flatten()
+            view = whole and (not len(tail) or int(tail[-1]) == len(tail) - 1)
+            tails.append(len(tail) if view else (tail + offset).to(device))
+        return cls(offset, base, tails)
 
 
 def gather_keys(key: torch.Tensor, value: torch.Tensor, mask: TreeMask, layer: Any = None
@@ -226,13 +266,18 @@ def _kernel(query: torch.Tensor) -> Any:
     return reference_attention
 
 
-def register_tree_attention() -> str:
-    """Register ``tree_attention`` in transformers' public attention registry, with SDPA's mask
-    builder for the masks a model makes itself (causal and sliding-window prefills); idempotent.
-    Returns the name a config's ``_attn_implementation`` selects it by."""
+def register_tree_attention(exact: bool = False) -> str:
+    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``) in transformers' public
+    attention registry, with SDPA's mask builder for the masks a model makes itself (causal and
+    sliding-window prefills); idempotent. Returns the name a config's ``_attn_implementation``
+    selects it by."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(TREE_ATTENTION, tree_attention)
-    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
-    return TREE_ATTENTION
+    from rag_spec_kernels.exact import EXACT_TREE_ATTENTION, exact_tree_attention
+
+    name, function = (EXACT_TREE_ATTENTION, exact_tree_attention) if exact \
+        else (TREE_ATTENTION, tree_attention)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

@@ -19,6 +19,8 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--json", dest="json_out", help="write the report here")
     lookahead.add_argument("--max-new-tokens", type=int, default=128)
     lookahead.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    lookahead.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                           help="model dtype (bfloat16: ours runs exact numerics)")
     lookahead.set_defaults(run=_lookahead)
     draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
     draft.add_argument("--layers", type=int, default=8,
@@ -125,7 +127,7 @@ def _lookahead(args: argparse.Namespace) -> int:
     from rag_spec.bench.lookahead import run
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
-        limit=args.limit)
+        limit=args.limit, dtype=args.dtype)
     return 0
 
 

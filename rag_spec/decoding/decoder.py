@@ -34,7 +34,7 @@ class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
     Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``mode``,
-    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear`` (``.runner``).
+    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``exact`` (``.runner``).
     """
 
     budget: int = 12  # most draft nodes verified per step
@@ -45,6 +45,10 @@ class LookaheadConfig:
     # CPU: oneDNN matrix products on a reordered weight copy (cheap tree steps). "auto": only
     # while the copy fits a quarter of the available memory; True forces it, False turns it off.
     onednn_linear: bool | Literal["auto"] = "auto"
+    # every token of a step computed bit for bit as a one-token step, so output equals
+    # ``generate``'s in half precision too (slower steps). "auto": for bfloat16 / float16
+    # models on the CPU; False: float32-exact kernels only (rounding may differ in the last bit)
+    exact: bool | Literal["auto"] = "auto"
 
     @property
     def trie(self) -> TrieConfig:
@@ -52,7 +56,7 @@ class LookaheadConfig:
 
     @property
     def runner(self) -> RunnerSettings:
-        return RunnerSettings(onednn_linear=self.onednn_linear)
+        return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact)
 
 
 @dataclass
@@ -307,9 +311,18 @@ class LookaheadDecoder:
                 started: float) -> Iterator[None]:
         runner = self.runner
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
-            target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))
+            if runner.exact:  # generate's prefill, which gives the first token too
+                cache, logits = TreeKVCache.prefill_whole(runner, [r.prompt for r in rows])
+                target = TargetView(runner, cache)
+                self._first_tokens(rows, rules, cache, logits)
+            else:
+                target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
+        if runner.exact:
+            if stream is not None:
+                stream.update(rows[0].output, rows[0].finish_reason is not None)
+            yield
         # Greedy output never depends on the drafts, so the batch may size its rows' trees.
         # A sampled row's does under multi-step speculative sampling: it keeps its own budget,
         # so it samples the same tokens in any batch. A drafter that sizes its drafts from
@@ -368,6 +381,17 @@ class LookaheadDecoder:
                 row.stats.draft_seconds += t1 - t0
                 row.stats.forward_seconds += t2 - t1
                 row.stats.bookkeeping_seconds += t3 - t2
+
+    def _first_tokens(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache,
+                      logits: torch.Tensor) -> None:
+        """Commit each row's first token, chosen from the logits after its whole prompt; it
+        becomes the row's root."""
+        empty = TokenTree.empty()
+        verdicts = [verify(logits[b:b + 1], empty, row.sampler, row.context, 0)
+                    for b, row in enumerate(rows)]
+        for row, rule, verdict in zip(rows, rules, verdicts):
+            self._commit(row, rule, verdict.tokens, 0, empty)
+        cache.roots = [v.next_token for v in verdicts]
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
                 proposal: TokenTree) -> None:

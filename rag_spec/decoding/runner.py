@@ -12,6 +12,11 @@ copy per module: its own child, parameter and hook tables, the same tensors). In
   available when the runner is built (on the machine DESIGN.md describes: yes for models up to
   ~1.5B parameters in fp32); ``Runner.extra_bytes`` says what was spent.
 
+With ``exact`` (by default for half-precision models on the CPU), the copy instead computes
+every token of a step bit for bit as a one-token step (``rag_spec_kernels.exact``): per-token
+attention, stock linear kernels in row chunks they compute row-invariantly. Output then equals
+``generate``'s in bfloat16 too, where rounding differences otherwise change tokens.
+
 Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
 not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
 stock kernels. Runners are built once per (model, settings) and held weakly by the model.
@@ -31,8 +36,12 @@ from typing import Any, Literal
 import torch
 
 from rag_spec_kernels import (
+    EXACT_TREE_ATTENTION,
     TREE_ATTENTION,
     LinearStack,
+    RowChunkedLinear,
+    invariant_rows,
+    is_plain_linear,
     linear_stacks,
     onednn_available,
     register_tree_attention,
@@ -47,6 +56,10 @@ class RunnerSettings:
 
     onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
+    # every token of a step computed bit for bit as a one-token step (``rag_spec_kernels.exact``;
+    # stock linear kernels, no oneDNN copy). "auto": for half-precision models on the CPU,
+    # where rounding differences change greedy tokens
+    exact: bool | Literal["auto"] = False
 
 
 class ModuleRunner:
@@ -70,7 +83,9 @@ class ModuleRunner:
         take compact tree masks (not where a user's wrapped module keeps its own config)."""
         configs = [config for module in self.module.modules()
                    if hasattr(config := vars(module).get("config"), "_attn_implementation")]
-        return bool(configs) and all(c._attn_implementation == TREE_ATTENTION for c in configs)
+        return bool(configs) and all(c._attn_implementation in (TREE_ATTENTION,
+                                                                  EXACT_TREE_ATTENTION)
+                                     for c in configs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,11 +111,14 @@ class Runner(ModuleRunner):
     def __init__(self, model: Any, settings: RunnerSettings) -> None:
         self.settings = settings
         self.source = _structure(model)
-        module, own = _private_tree(model)
+        self.exact = _wants_exact(model, settings)
+        module, own = _private_tree(model, self.exact)
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
-        if _wants_onednn(model, settings):
+        if self.exact:
+            _chunk_rows(self.module, own)
+        elif _wants_onednn(model, settings):
             for parent, name, stack, index in linear_stacks(self.module, own):
                 parent._modules[name] = stack.modules()[index]
                 if index == 0:
@@ -129,10 +147,11 @@ def _structure(model: Any) -> tuple[int, ...]:
     return (*map(id, model.modules()), *map(id, model.parameters()))
 
 
-def _private_tree(model: Any) -> tuple[Any, set[int]]:
-    """A copy of ``model``'s module tree sharing its parameters, with private attention configs;
-    also the ids of the copied modules (the ones the runner may change)."""
-    implementation = register_tree_attention()
+def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
+    """A copy of ``model``'s module tree sharing its parameters, with private attention configs
+    (tree attention, exact or not); also the ids of the copied modules (the ones the runner may
+    change)."""
+    implementation = register_tree_attention(exact)
     memo: dict[int, Any] = {}
     configs: dict[int, Any] = {}
     for module in model.modules():
@@ -162,6 +181,28 @@ def _private_tree(model: Any) -> tuple[Any, set[int]]:
         log.info("rag-spec: %s.forward is wrapped; decoding through the wrapper on the stock "
                  "kernels.", type(model).__name__)
     return clone(model), own
+
+
+def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
+    if settings.exact == "auto":
+        return model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
+    return bool(settings.exact)
+
+
+def _chunk_rows(root: torch.nn.Module, own: set[int]) -> None:
+    """Wrap every plain linear layer under ``root`` (among the modules in ``own``) to multiply
+    rows in chunks its kernel computes as it computes each row alone."""
+    probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
+    for parent in list(root.modules()):
+        if id(parent) not in own:
+            continue
+        for name, child in list(parent._modules.items()):
+            if id(child) in own and is_plain_linear(child):
+                shape = (*child.weight.shape, child.weight.dtype, child.weight.device,
+                         child.bias is None)
+                if shape not in probed:
+                    probed[shape] = invariant_rows(child)
+                parent._modules[name] = RowChunkedLinear(child, probed[shape])
 
 
 def _wants_onednn(model: Any, settings: RunnerSettings) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from rag_spec.decoding.kv_cache import attention_window, crop, fill_only, layers, new_cache
 from rag_spec.decoding.tree import TokenTree
-from rag_spec_kernels import SparseView, TreeMask
+from rag_spec_kernels import SparseView, TreeMask, whole_rows
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
 # pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
@@ -76,6 +76,34 @@ class TreeKVCache:
         if width:
             tree._fill(model, ids.to(device))
         return tree
+
+    @classmethod
+    def prefill_whole(cls, model: Any, prompts: Sequence[Sequence[int]]
+                      ) -> tuple[TreeKVCache, torch.Tensor]:
+        """Run every prompt whole and alone, as ``generate`` runs a prompt, so that the cache
+        and the logits after it are bit for bit ``generate``'s (exact decoding); rows are then
+        left-padded into one cache. Returns it and the logits [B, vocab] the first tokens
+        come from; the caller sets them as ``roots``."""
+        caches, logits = [], []
+        for prompt in prompts:
+            cache = new_cache()
+            with whole_rows():
+                out = model(input_ids=torch.tensor([list(prompt)], device=model.device),
+                            past_key_values=cache, use_cache=True, **fill_only(model))
+            caches.append(cache)
+            logits.append(out.logits[0, -1])
+        width = max(len(p) for p in prompts)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=model.device)
+        for b, prompt in enumerate(prompts):
+            valid[b, width - len(prompt):] = True
+        cache = caches[0] if len(caches) == 1 else new_cache()
+        if len(caches) > 1:
+            for index, rows in enumerate(zip(*map(layers, caches))):
+                keys, values = (_left_padded([getattr(r, name) for r in rows], width)
+                                for name in ("keys", "values"))
+                cache.update(keys, values, index)
+        tree = cls(cache, valid, [0] * len(prompts), attention_window(model.config))
+        return tree, torch.stack(logits)
 
     @classmethod
     def of_row(cls, cache: Any, root: int, window: int | None) -> TreeKVCache:
@@ -234,3 +262,13 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+def _left_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[1, heads, n_b, D] tensors as one [B, heads, width, D], each right-aligned (zeros before
+    it: padding slots, masked as holes)."""
+    first = rows[0]
+    out = first.new_zeros(len(rows), first.shape[1], width, first.shape[3])
+    for b, row in enumerate(rows):
+        out[b, :, width - row.shape[2]:] = row[0]
+    return out

@@ -1,0 +1,147 @@
+"""Exact numerics: every token of a multi-token step computed bit for bit as a one-token step.
+
+A verification step computes many tokens at once. Its outputs equal a one-token step's only up
+to rounding: matrix kernels pick their blocking by the number of rows, and attention over a
+tree mask sums over keys in another order than attention over a plain prefix. In float32 that
+rounding has not changed a greedy token in any of our tests; in bfloat16 a logit has 8 bits of
+mantissa, exact ties between the top two tokens are common, and the smallest rounding
+difference changes the output. So for half precision the decoder can run exactly:
+
+- ``exact_tree_attention``: each query token attends through transformers' own SDPA call for a
+  one-token step, over exactly the keys it sees, in sequence order (a prefix view where they
+  are one, a gathered copy otherwise);
+- ``RowChunkedLinear``: a linear layer fed more than one row multiplies them in chunks of a
+  row count its kernel was measured to compute row by row identically (``invariant_rows``),
+  padded to that count; except under ``whole_rows()``, for a prompt's prefill,
+  which multiplies all its rows at once as ``generate``'s prefill does.
+
+Every other operator of a decoder layer (norms, rotary embeddings, activations) is per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from rag_spec_kernels.tree_attention import TreeMask, VisibleKeys, gather_keys
+
+EXACT_TREE_ATTENTION = "rag_spec_tree_exact"
+_PROBED_ROWS = (32, 16, 8, 4, 2)
+_WHOLE = ContextVar("rag_spec_whole_rows", default=False)
+
+
+def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         dropout: float = 0.0, scaling: float | None = None,
+                         tree_mask: TreeMask | None = None, **kwargs: Any
+                         ) -> tuple[torch.Tensor, None]:
+    """transformers attention interface, as ``tree_attention`` takes it; [B, q, heads, D].
+
+    A prefill (no mask) runs the stock causal path, as ``generate``'s prefill does. Any pass
+    with a mask (a tree mask, or a dense one) runs one stock one-token call per query token.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling,
+                                      **kwargs)[0]
+
+    if tree_mask is None and attention_mask is None:
+        return stock(query, key, value), None
+    if tree_mask is not None:
+        key, value = gather_keys(key, value, tree_mask, module)
+        visible = tree_mask.visible(key.device)
+    else:
+        assert attention_mask is not None
+        allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool \
+            else attention_mask[:, 0] == 0
+        nothing = allowed.new_zeros(0)
+        visible = [VisibleKeys.of(nothing, row, key.device) for row in allowed]
+    batch, heads, q_len, dim = query.shape
+    out = query.new_empty(batch, q_len, heads, dim)
+    for b, row in enumerate(visible):
+        keys, values = key[b:b + 1], value[b:b + 1]
+        scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        for j, tail in enumerate(row.tails):
+            if isinstance(tail, int):  # a prefix of the keys: a view
+                k, v = keys[:, :, :row.offset + tail], values[:, :, :row.offset + tail]
+            else:
+                scratch = scratch or _with_base(keys, values, row)
+                seen = _length(row.base) + len(tail)
+                for held, source in zip(scratch, (keys, values)):
+                    held[:, :, _length(row.base):seen] = source.index_select(2, tail)
+                k, v = scratch[0][:, :, :seen], scratch[1][:, :, :seen]
+            out[b, j] = stock(query[b:b + 1, :, j:j + 1], k, v)[0, 0]
+    return out, None
+
+
+def _length(base: int | torch.Tensor) -> int:
+    return base if isinstance(base, int) else len(base)
+
+
+def _with_base(keys: torch.Tensor, values: torch.Tensor, row: VisibleKeys
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for one row's copied keys and values, holding its base keys (copied once), with
+    room for the longest tail."""
+    room = _length(row.base) + max(len(t) if isinstance(t, torch.Tensor) else t
+                                   for t in row.tails)
+    buffers = []
+    for source in (keys, values):
+        held = source.new_empty(1, source.shape[1], room, source.shape[3])
+        held[:, :, :_length(row.base)] = source[:, :, :row.base] if isinstance(row.base, int) \
+            else source.index_select(2, row.base)
+        buffers.append(held)
+    return buffers[0], buffers[1]
+
+
+def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
+    """The row counts (of 2, 4, ... 32) that ``linear``'s kernel multiplies exactly as it
+    multiplies each row alone, measured on random rows. Kernels choose their blocking by
+    shape, not by values, so one product per count tells."""
+    weight = linear.weight
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(max(_PROBED_ROWS), linear.in_features, generator=generator).to(weight)
+    with torch.inference_mode():
+        alone = torch.cat([torch.nn.functional.linear(row, weight, linear.bias)
+                           for row in x.split(1)])
+        return tuple(rows for rows in sorted(_PROBED_ROWS) if torch.equal(
+            torch.nn.functional.linear(x[:rows], weight, linear.bias), alone[:rows]))
+
+
+@contextmanager
+def whole_rows() -> Iterator[None]:
+    """Within this context (on this thread or task), ``RowChunkedLinear`` multiplies all rows
+    at once: a prefill computed as ``generate`` computes it."""
+    token = _WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+class RowChunkedLinear(torch.nn.Module):
+    """A linear layer whose multi-row products run in chunks of a row count in ``counts``
+    (padded up to it: the smallest that holds them all, else chunks of the largest), so each
+    row comes out as it would alone; row by row where no count is invariant. Shares the
+    weights of the layer it wraps."""
+
+    def __init__(self, linear: torch.nn.Linear, counts: tuple[int, ...]) -> None:
+        super().__init__()
+        self.linear = linear
+        self.counts = counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.linear.weight, self.linear.bias
+        flat = x.reshape(-1, x.shape[-1])
+        count = flat.shape[0]
+        if count == 1 or _WHOLE.get():
+            return torch.nn.functional.linear(x, weight, bias)
+        size = next((c for c in self.counts if c >= count), max(self.counts, default=1))
+        padded = flat.new_zeros(-(-count // size) * size, flat.shape[1])
+        padded[:count] = flat
+        chunks = [torch.nn.functional.linear(chunk, weight, bias) for chunk in padded.split(size)]
+        return torch.cat(chunks)[:count].reshape(*x.shape[:-1], weight.shape[0])

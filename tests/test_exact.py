@@ -1,0 +1,79 @@
+"""Exact numerics for half precision: in bfloat16 our greedy tokens equal transformers' bf16
+``generate`` token for token, with drafts, trees and batches, because every token of a step is
+computed bit for bit as ``generate``'s one-token step computes it."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+from rag_spec.decoding.model_drafter import DraftModelDrafter
+from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec_kernels import RowChunkedLinear, invariant_rows
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+VOCAB = 512
+
+
+def flat_bf16_llama(seed: int = 0, layers: int = 2):
+    """A bf16 Llama whose logits are flat (a small init over a large vocabulary): top-2 ties
+    and near ties are common, so the smallest rounding difference changes greedy tokens."""
+    return tiny_llama(seed=seed, vocab_size=VOCAB, init=0.02, layers=layers,
+                      hidden=256).to(torch.bfloat16)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [repetitive_prompt(s, vocab=VOCAB, length=24 + 9 * s) for s in range(count)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return flat_bf16_llama()
+
+
+@pytest.mark.parametrize("budget", [0, 4, 16])
+def test_bf16_greedy_equals_bf16_generate(model, budget):
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(budget=budget, adaptive=False))
+    assert decoder.runner.exact  # "auto": half precision on the CPU
+    for prompt in prompts(4):
+        assert decoder.generate(prompt, 40).token_ids == hf_greedy(model, prompt, 40)
+
+
+def test_bf16_batches_and_draft_models_equal_generate(model):
+    draft = flat_bf16_llama(seed=0, layers=1)
+    for drafter in (None, DraftModelDrafter(draft)):
+        decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
+                                   drafter=drafter)
+        batch = prompts(3)
+        results = decoder.generate(batch, 30)
+        assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in batch]
+
+
+def test_without_exact_numerics_bf16_output_parts_from_generate(model):
+    # What the exact path is for: the fast kernels round differently, and on this model that
+    # changes tokens (if it ever stops doing so, the tests above no longer prove anything).
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False, exact=False))
+    assert not decoder.runner.exact
+    assert any(decoder.generate(p, 40).token_ids != hf_greedy(model, p, 40) for p in prompts(4))
+
+
+def test_exact_numerics_leave_the_users_model_alone(model):
+    implementation = model.config._attn_implementation
+    linears = [type(m) for m in model.modules()]
+    runner = Runner.of(model, RunnerSettings(exact=True))
+    assert any(isinstance(m, RowChunkedLinear) for m in runner.module.modules())
+    assert [type(m) for m in model.modules()] == linears
+    assert model.config._attn_implementation == implementation
+
+
+def test_chunked_rows_come_out_as_each_row_alone():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200).to(torch.bfloat16)
+    counts = invariant_rows(linear)
+    chunked = RowChunkedLinear(linear, counts)
+    x = torch.randn(3, 23, 96).to(torch.bfloat16)  # 69 rows: chunks, the last padded
+    with torch.inference_mode():
+        alone = torch.stack([torch.stack([linear(row[None])[0] for row in seq]) for seq in x])
+        assert torch.equal(chunked(x), alone)
+        # no invariant count: row by row
+        assert torch.equal(RowChunkedLinear(linear, ())(x), alone)
