@@ -30,7 +30,7 @@ import torch
 from rag_spec_kernels.tree_attention import TreeMask, VisibleKeys, gather_keys
 
 EXACT_TREE_ATTENTION = "rag_spec_tree_exact"
-_PROBED_ROWS = (32, 16, 8, 4, 2)
+_MOST_ROWS = 32  # row counts up to this are probed
 _WHOLE = ContextVar("rag_spec_whole_rows", default=False)
 
 
@@ -61,12 +61,12 @@ def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             else attention_mask[:, 0] == 0
         nothing = allowed.new_zeros(0)
         visible = [VisibleKeys.of(nothing, row, key.device) for row in allowed]
-    batch, heads, q_len, dim = query.shape
-    out = query.new_empty(batch, q_len, heads, dim)
+    rows = []
     for b, row in enumerate(visible):
         keys, values = key[b:b + 1], value[b:b + 1]
         scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        for j, tail in enumerate(row.tails):
+        outs = []
+        for q, tail in zip(query[b:b + 1].split(1, dim=2), row.tails):
             if isinstance(tail, int):  # a prefix of the keys: a view
                 k, v = keys[:, :, :row.offset + tail], values[:, :, :row.offset + tail]
             else:
@@ -75,8 +75,9 @@ def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 for held, source in zip(scratch, (keys, values)):
                     held[:, :, _length(row.base):seen] = source.index_select(2, tail)
                 k, v = scratch[0][:, :, :seen], scratch[1][:, :, :seen]
-            out[b, j] = stock(query[b:b + 1, :, j:j + 1], k, v)[0, 0]
-    return out, None
+            outs.append(stock(q, k, v))  # [1, 1, heads, D]
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows), None
 
 
 def _length(base: int | torch.Tensor) -> int:
@@ -99,16 +100,16 @@ def _with_base(keys: torch.Tensor, values: torch.Tensor, row: VisibleKeys
 
 
 def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
-    """The row counts (of 2, 4, ... 32) that ``linear``'s kernel multiplies exactly as it
-    multiplies each row alone, measured on random rows. Kernels choose their blocking by
-    shape, not by values, so one product per count tells."""
+    """The row counts (2 to 32) that ``linear``'s kernel multiplies exactly as it multiplies
+    each row alone, measured on random rows. Kernels choose their blocking by shape, not by
+    values, so one product per count tells."""
     weight = linear.weight
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(max(_PROBED_ROWS), linear.in_features, generator=generator).to(weight)
+    x = torch.randn(_MOST_ROWS, linear.in_features, generator=generator).to(weight)
     with torch.inference_mode():
         alone = torch.cat([torch.nn.functional.linear(row, weight, linear.bias)
                            for row in x.split(1)])
-        return tuple(rows for rows in sorted(_PROBED_ROWS) if torch.equal(
+        return tuple(rows for rows in range(2, _MOST_ROWS + 1) if torch.equal(
             torch.nn.functional.linear(x[:rows], weight, linear.bias), alone[:rows]))
 
 
@@ -138,7 +139,7 @@ class RowChunkedLinear(torch.nn.Module):
         weight, bias = self.linear.weight, self.linear.bias
         flat = x.reshape(-1, x.shape[-1])
         count = flat.shape[0]
-        if count == 1 or _WHOLE.get():
+        if count == 1 or count in self.counts or _WHOLE.get():
             return torch.nn.functional.linear(x, weight, bias)
         size = next((c for c in self.counts if c >= count), max(self.counts, default=1))
         padded = flat.new_zeros(-(-count // size) * size, flat.shape[1])
