@@ -30,7 +30,8 @@ def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
     model = tiny_llama()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     costs = step_seconds(model, list(range(3, 40)), widths=(1, 5), repeats=3)
-    assert set(costs) == {"hf_1", "rag_spec_1", "rag_spec_5"}
+    assert set(costs) == {"hf_1", "rag_spec_1", "rag_spec_5", "rag_spec_exact_1",
+                          "rag_spec_exact_5"}
     assert all(0 < seconds < 10 for seconds in costs.values())
     assert all((model.state_dict()[k] == v).all() for k, v in state.items())
 

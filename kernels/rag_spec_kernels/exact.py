@@ -124,25 +124,26 @@ def whole_rows() -> Iterator[None]:
         _WHOLE.reset(token)
 
 
-class RowChunkedLinear(torch.nn.Module):
+class RowChunkedLinear(torch.nn.Linear):
     """A linear layer whose multi-row products run in chunks of a row count in ``counts``
     (padded up to it: the smallest that holds them all, else chunks of the largest), so each
-    row comes out as it would alone; row by row where no count is invariant. Shares the
-    weights of the layer it wraps."""
+    row comes out as it would alone; row by row where no count is invariant. It holds the
+    very parameters of the layer it stands for (no copy), in that layer's place."""
 
     def __init__(self, linear: torch.nn.Linear, counts: tuple[int, ...]) -> None:
-        super().__init__()
-        self.linear = linear
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
         self.counts = counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
         flat = x.reshape(-1, x.shape[-1])
         count = flat.shape[0]
         if count == 1 or count in self.counts or _WHOLE.get():
-            return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         size = next((c for c in self.counts if c >= count), max(self.counts, default=1))
         padded = flat.new_zeros(-(-count // size) * size, flat.shape[1])
         padded[:count] = flat
-        chunks = [torch.nn.functional.linear(chunk, weight, bias) for chunk in padded.split(size)]
-        return torch.cat(chunks)[:count].reshape(*x.shape[:-1], weight.shape[0])
+        chunks = [torch.nn.functional.linear(chunk, self.weight, self.bias)
+                  for chunk in padded.split(size)]
+        return torch.cat(chunks)[:count].reshape(*x.shape[:-1], self.out_features)

@@ -45,7 +45,8 @@ def weight_bytes(model: Any) -> int:
 def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 1 + TREE_NODES),
                  repeats: int = 9) -> dict[str, float]:
     """Median seconds of transformers' one-token step (``hf_1``) and of our runner's steps
-    ``widths`` tokens wide (``rag_spec_W``), after ``prompt``'s prefill."""
+    ``widths`` tokens wide (``rag_spec_W``; with exact numerics ``rag_spec_exact_W``), after
+    ``prompt``'s prefill."""
     ids = torch.tensor([list(prompt)], device=model.device)
     past = model(input_ids=ids, use_cache=True).past_key_values
     token = ids[:, -1:]
@@ -53,21 +54,25 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
     def hf_step() -> None:
         model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
 
+    from rag_spec.decoding import RunnerSettings
+
     costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
-    for width, seconds in runner_step_seconds(model, prompt, widths, repeats).items():
-        costs[f"rag_spec_{width}"] = seconds
+    for name, exact in (("rag_spec", False), ("rag_spec_exact", True)):
+        for width, seconds in runner_step_seconds(model, prompt, widths, repeats,
+                                                  RunnerSettings(exact=exact)).items():
+            costs[f"{name}_{width}"] = seconds
     return costs
 
 
 @torch.inference_mode()
 def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int],
-                        repeats: int = 9) -> dict[int, float]:
-    """Median seconds of our runner's forward pass over a root plus a chain of ``width - 1``
-    draft tokens after ``prompt``'s prefill, per width (the first pass of a width, which
-    prepares its kernels, is not timed)."""
+                        repeats: int = 9, settings: Any = None) -> dict[int, float]:
+    """Median seconds of our runner's forward pass (``settings``: default kernels) over a root
+    plus a chain of ``width - 1`` draft tokens after ``prompt``'s prefill, per width (the first
+    pass of a width, which prepares its kernels, is not timed)."""
     from rag_spec.decoding import Runner, TokenTree, TreeKVCache
 
-    runner = Runner.of(model)
+    runner = Runner.of(model, settings)
     costs = {}
     for width in widths:
         cache = TreeKVCache.prefill(runner, [list(prompt)])
@@ -99,13 +104,15 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
         weights = weight_bytes(lm.model)
         floor = weights / bandwidth
         steps = step_seconds(lm.model, prompt)
-        plain, tree = steps["rag_spec_1"], steps[f"rag_spec_{1 + TREE_NODES}"]
+        tree_over_plain = {name: round(steps[f"{name}_{1 + TREE_NODES}"] / steps[f"{name}_1"], 2)
+                           for name in ("rag_spec", "rag_spec_exact")}
         report["prompt_tokens"] = len(prompt)
         report["dtypes"][dtype] = {
             "weight_mb": round(weights / 2**20, 1), "floor_ms": round(1e3 * floor, 2),
             "step_ms": {name: round(1e3 * s, 2) for name, s in steps.items()},
             "over_floor": {name: round(s / floor, 2) for name, s in steps.items()},
-            "tree_over_plain": round(tree / plain, 2)}
+            "tree_over_plain": tree_over_plain["rag_spec"],
+            "exact_tree_over_plain": tree_over_plain["rag_spec_exact"]}
     publish(report, json_out, "floor", _plot, _print_table)
     return report
 
@@ -145,4 +152,4 @@ def _print_table(report: dict[str, Any]) -> None:
         steps = ", ".join(f"{name} {ms} ms ({row['over_floor'][name]}x)"
                           for name, ms in row["step_ms"].items())
         print(f"{dtype}: weights {row['weight_mb']} MB, floor {row['floor_ms']} ms; {steps}; "
-              f"tree/plain {row['tree_over_plain']}x")
+              f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x)")

@@ -190,8 +190,9 @@ def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
 
 
 def _chunk_rows(root: torch.nn.Module, own: set[int]) -> None:
-    """Wrap every plain linear layer under ``root`` (among the modules in ``own``) to multiply
-    rows in chunks its kernel computes as it computes each row alone."""
+    """Put a ``RowChunkedLinear`` (same parameters) in place of every plain linear layer
+    under ``root`` among the modules in ``own``: it multiplies rows in chunks its kernel
+    computes as it computes each row alone."""
     probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
     for parent in list(root.modules()):
         if id(parent) not in own:
