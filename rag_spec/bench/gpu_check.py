@@ -3,9 +3,9 @@
 Machines with a GPU here reach no model hub, so the check builds a Llama of Llama-3-8B's shape
 (fewer layers by default, to fit a short lease) with random weights in bf16, and reports:
 
-- greedy identity with transformers ``generate`` for the trie, a draft model (the target's
-  first layers, saved as a model of its own), the early-exit draft and the merged drafter, at
-  batch 1 and 4;
+- greedy identity with transformers ``generate`` for the trie (also with exact numerics), a
+  draft model (the target's first layers, saved as a model of its own), the early-exit draft
+  and the merged drafter, at batch 1 and 4;
 - multi-step speculative sampling against plain sampling on the first token (total variation
   distance between the two empirical distributions, with the bound that sampling noise allows);
 - step costs: one verification step over 1, 8, 16 and 32 tokens at a long context;
@@ -114,7 +114,7 @@ def _prompts(vocab: int, count: int, length: int = 48) -> list[list[int]]:
 
 
 def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 
     prompts = _prompts(target.config.vocab_size, 4)
     expected = []
@@ -123,9 +123,12 @@ def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=new_tokens)
         expected.append(out[0, len(p):].tolist())
+    decoders = {name: LookaheadDecoder(target, drafter=drafter)
+                for name, drafter in _drafters(target, draft_layers).items()}
+    # exact numerics (per-token attention, row-invariant products): bit for bit generate's
+    decoders["trie_exact"] = LookaheadDecoder(target, config=LookaheadConfig(exact=True))
     results = {}
-    for name, drafter in _drafters(target, draft_layers).items():
-        decoder = LookaheadDecoder(target, drafter=drafter)
+    for name, decoder in decoders.items():
         alone = [decoder.generate(p, new_tokens) for p in prompts]
         batch = decoder.generate(prompts, new_tokens)
         results[name] = {
