@@ -5,10 +5,11 @@ computed bit for bit as ``generate``'s one-token step computes it."""
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import char_tokenizer, tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 from rag_spec.decoding.model_drafter import DraftModelDrafter
 from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec.errors import RagSpecError
 from rag_spec_kernels import RowChunkedLinear, invariant_rows
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
@@ -47,6 +48,31 @@ def test_bf16_batches_and_draft_models_equal_generate(model):
         batch = prompts(3)
         results = decoder.generate(batch, 30)
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in batch]
+
+
+def test_exact_decoding_takes_its_first_token_from_the_prefill_and_streams(model):
+    # the first token comes from the whole prompt's prefill, as generate's does; one token
+    # is that token alone, and a stream shows it before the steps that follow
+    decoder = LookaheadDecoder(model)
+    prompt = prompts(1)[0]
+    assert decoder.generate(prompt, 1).token_ids == hf_greedy(model, prompt, 1)
+    tokenizer = char_tokenizer()
+    chars = tiny_llama(seed=2, vocab_size=len(tokenizer), hidden=64).to(torch.bfloat16)
+    streaming = LookaheadDecoder(chars, tokenizer)
+    ids = tokenizer("the cat sat on the mat. the cat")["input_ids"]
+    expected = streaming.generate(ids, max_new_tokens=20)
+    stream = streaming.stream(ids, max_new_tokens=20)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == expected.text
+    assert stream.result.token_ids == expected.token_ids
+
+
+def test_exact_numerics_need_sdpa_attention():
+    eager = tiny_llama(hidden=64).to(torch.bfloat16)
+    eager.set_attn_implementation("eager")
+    assert not Runner.of(eager, RunnerSettings(exact="auto")).exact  # auto: not for eager
+    with pytest.raises(RagSpecError, match="attn_implementation='sdpa'"):
+        Runner.of(eager, RunnerSettings(exact=True))
 
 
 def test_without_exact_numerics_bf16_output_parts_from_generate(model):

@@ -47,7 +47,8 @@ class LookaheadConfig:
     onednn_linear: bool | Literal["auto"] = "auto"
     # every token of a step computed bit for bit as a one-token step, so output equals
     # ``generate``'s in half precision too (slower steps). "auto": for bfloat16 / float16
-    # models on the CPU; False: float32-exact kernels only (rounding may differ in the last bit)
+    # models on the CPU (with SDPA attention); False: the fast kernels, whose rounding differs
+    # from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
 
     @property

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from rag_spec.errors import RagSpecError
 from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,
     TREE_ATTENTION,
@@ -57,8 +58,8 @@ class RunnerSettings:
     onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
     # every token of a step computed bit for bit as a one-token step (``rag_spec_kernels.exact``;
-    # stock linear kernels, no oneDNN copy). "auto": for half-precision models on the CPU,
-    # where rounding differences change greedy tokens
+    # stock linear kernels, no oneDNN copy). "auto": for half-precision models on the CPU that
+    # run SDPA attention, where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
 
 
@@ -184,8 +185,17 @@ def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
 
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
+    """Whether to run exact numerics; they reproduce transformers' SDPA attention, so a model
+    set to another attention cannot have them."""
+    implementation = getattr(model.config, "_attn_implementation", None)
     if settings.exact == "auto":
-        return model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
+        return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
+                and implementation == "sdpa")
+    if settings.exact and implementation != "sdpa":
+        msg = (f"Exact numerics reproduce transformers' SDPA attention, but this model runs "
+               f"{implementation!r} attention: load it with attn_implementation='sdpa', or use "
+               f"LookaheadConfig(exact=False).")
+        raise RagSpecError(msg)
     return bool(settings.exact)
 
 
