@@ -151,10 +151,10 @@ def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
     assert 0 < costs.verify(1) < costs.verify(5) < 2.0 < costs.verify(20)
 
 
-def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(monkeypatch):
+def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch):
     import rag_spec.decoding.decoder as decoder_module
     from conftest import tiny_llama
-    from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
+    from rag_spec.decoding import EarlyExitDrafter, LookaheadDecoder, SelfSpecDrafter
 
     built = []
 
@@ -168,9 +168,12 @@ def test_the_decoder_sizes_trees_for_greedy_drafts_that_do_not_size_themselves(m
     LookaheadDecoder(model).generate(prompt, 4)
     assert built == [True]  # the trie, greedy: sized
     LookaheadDecoder(model).generate(prompt, 4, do_sample=True, seed=1)
-    assert built == [True]  # sampled: each row keeps its own budget
+    assert built == [True, True]  # sampled, but the trie's drafts are not drawn: sized
+    LookaheadDecoder(model, drafter=EarlyExitDrafter(1)).generate(prompt, 4, do_sample=True,
+                                                                  seed=1)
+    assert built == [True, True]  # drawn drafts, sampled: each row keeps its own budget
     LookaheadDecoder(model, drafter=SelfSpecDrafter(budget=8)).generate(prompt, 4)
-    assert built == [True]  # the self-drafter chooses its own draft lengths
+    assert built == [True, True]  # the self-drafter chooses its own draft lengths
 
 
 @pytest.mark.parametrize(("committed", "learnt"), [

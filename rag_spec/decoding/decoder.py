@@ -324,12 +324,14 @@ class LookaheadDecoder:
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
-        # Greedy output never depends on the drafts, so the batch may size its rows' trees.
-        # A sampled row's does under multi-step speculative sampling: it keeps its own budget,
-        # so it samples the same tokens in any batch. A drafter that sizes its drafts from
-        # measured costs itself (``sizes_own_drafts``) is left to do so.
-        sized = not rows[0].sampler.params.do_sample \
-            and not getattr(self.drafter, "sizes_own_drafts", False)
+        # Greedy output never depends on the drafts, so the batch may size its rows' trees;
+        # nor does sampled output under drafts that are not drawn (sample-and-match). A sampled
+        # row's does under multi-step speculative sampling: it keeps its own budget, so it
+        # samples the same tokens in any batch. A drafter that sizes its drafts from measured
+        # costs itself (``sizes_own_drafts``) is left to do so.
+        fixed = not rows[0].sampler.params.do_sample \
+            or not getattr(self.drafter, "draws_drafts", True)
+        sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive) if sized else None
         while any(r.finish_reason is None for r in rows):
             self._step(rows, rules, target, sizer)

@@ -75,7 +75,9 @@ class Drafter(Protocol):
     Under greedy decoding the decoder verifies the first nodes of each tree that pay for the
     batch's step (``TreeSizer``); a drafter that chooses its own draft lengths from measured
     step costs sets a class attribute ``sizes_own_drafts = True`` to have its trees verified
-    whole.
+    whole. Sampled rows keep budgets of their own, since multi-step speculative sampling makes
+    their tokens depend on the drafts; a drafter whose trees never carry ``draft_probs`` says
+    so with ``draws_drafts = False``, and its sampled batches are sized as greedy ones.
     """
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()

@@ -38,6 +38,10 @@ class TrieDrafter:
         memory_mb: bound on the output memory kept across requests.
     """
 
+    # its drafts are copied, not drawn from a distribution: sampled output does not depend on
+    # them (sample-and-match), so a sampled batch sizes them as a greedy one does
+    draws_drafts = False
+
     def __init__(self, *, branch_length: int = 8, mode: TrieMode = "tree",
                  memory_mb: float = 64.0, max_key: int = 3) -> None:
         self.branch_length = branch_length
