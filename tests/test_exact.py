@@ -12,6 +12,7 @@ from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import RowChunkedLinear, invariant_rows
 from test_decoder_greedy import hf_greedy, repetitive_prompt
+from test_stopping_and_streaming import assert_stream_matches_generate
 
 VOCAB = 512
 
@@ -58,13 +59,8 @@ def test_exact_decoding_takes_its_first_token_from_the_prefill_and_streams(model
     assert decoder.generate(prompt, 1).token_ids == hf_greedy(model, prompt, 1)
     tokenizer = char_tokenizer()
     chars = tiny_llama(seed=2, vocab_size=len(tokenizer), hidden=64).to(torch.bfloat16)
-    streaming = LookaheadDecoder(chars, tokenizer)
     ids = tokenizer("the cat sat on the mat. the cat")["input_ids"]
-    expected = streaming.generate(ids, max_new_tokens=20)
-    stream = streaming.stream(ids, max_new_tokens=20)
-    pieces = list(stream)
-    assert len(pieces) > 1 and "".join(pieces) == expected.text
-    assert stream.result.token_ids == expected.token_ids
+    assert_stream_matches_generate(LookaheadDecoder(chars, tokenizer), ids, 20)
 
 
 def test_exact_numerics_need_sdpa_attention():

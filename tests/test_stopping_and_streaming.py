@@ -97,17 +97,24 @@ def test_generation_stops_at_the_context_window(tokenizer):
     assert result.finish_reason == "length"
 
 
-def test_decoder_stream_on_the_callers_thread_matches_generate(tokenizer):
-    decoder = LookaheadDecoder(tiny_llama(vocab_size=len(tokenizer)), tokenizer)
-    prompt = tokenizer("the cat sat on the mat. the cat")["input_ids"]
-    expected = decoder.generate(prompt, max_new_tokens=30)
-    stream = decoder.stream(prompt, max_new_tokens=30)
+def assert_stream_matches_generate(decoder, prompt, max_new_tokens: int):
+    """``decoder.stream`` yields several pieces that join to ``generate``'s text, and ends
+    with its tokens."""
+    expected = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+    stream = decoder.stream(prompt, max_new_tokens=max_new_tokens)
     pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == expected.text
     assert stream.result.token_ids == expected.token_ids
+    return stream
+
+
+def test_decoder_stream_on_the_callers_thread_matches_generate(tokenizer):
+    decoder = LookaheadDecoder(tiny_llama(vocab_size=len(tokenizer)), tokenizer)
+    prompt = tokenizer("the cat sat on the mat. the cat")["input_ids"]
+    stream = assert_stream_matches_generate(decoder, prompt, 30)
     assert list(stream) == []  # a finished stream yields nothing more
     early = decoder.stream(prompt, max_new_tokens=30)
     for _ in early:
         break
     assert early.result is None
-    assert decoder.generate(prompt, max_new_tokens=30).token_ids == expected.token_ids  # freed
+    assert decoder.generate(prompt, max_new_tokens=30).token_ids == stream.result.token_ids  # freed
