@@ -71,32 +71,28 @@ def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 k, v = keys[:, :, :row.offset + tail], values[:, :, :row.offset + tail]
             else:
                 scratch = scratch or _with_base(keys, values, row)
-                seen = _length(row.base) + len(tail)
+                seen = row.base_length + len(tail)
                 for held, source in zip(scratch, (keys, values)):
-                    held[:, :, _length(row.base):seen] = source.index_select(2, tail)
+                    held[:, :, row.base_length:seen] = source.index_select(2, tail)
                 k, v = scratch[0][:, :, :seen], scratch[1][:, :, :seen]
             outs.append(stock(q, k, v))  # [1, 1, heads, D]
         rows.append(torch.cat(outs, dim=1))
     return torch.cat(rows), None
 
 
-def _length(base: int | torch.Tensor) -> int:
-    return base if isinstance(base, int) else len(base)
-
-
 def _with_base(keys: torch.Tensor, values: torch.Tensor, row: VisibleKeys
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Buffers for one row's copied keys and values, holding its base keys (copied once), with
     room for the longest tail."""
-    room = _length(row.base) + max(len(t) if isinstance(t, torch.Tensor) else t
-                                   for t in row.tails)
-    buffers = []
-    for source in (keys, values):
-        held = source.new_empty(1, source.shape[1], room, source.shape[3])
-        held[:, :, :_length(row.base)] = source[:, :, :row.base] if isinstance(row.base, int) \
+    room = row.base_length + max(len(t) if isinstance(t, torch.Tensor) else t for t in row.tails)
+
+    def held(source: torch.Tensor) -> torch.Tensor:
+        buffer = source.new_empty(1, source.shape[1], room, source.shape[3])
+        buffer[:, :, :row.base_length] = source[:, :, :row.offset] if row.base is None \
             else source.index_select(2, row.base)
-        buffers.append(held)
-    return buffers[0], buffers[1]
+        return buffer
+
+    return held(keys), held(values)
 
 
 def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:

@@ -27,7 +27,6 @@ import torch
 TREE_ATTENTION = "rag_spec_tree"
 
 
-
 class SparseView:
     """Committed slots that a draft reads instead of all of them (e.g. StreamingLLM's attention
     sinks plus a recent window), ``select``: [B, K] slot indices; ``update`` moves it on.
@@ -170,8 +169,12 @@ class VisibleKeys:
     """
 
     offset: int  # where the tails' keys begin (the number of committed keys read)
-    base: int | torch.Tensor  # a prefix length, or the indices of the committed keys seen
+    base: torch.Tensor | None  # indices of the committed keys seen (None: all ``offset``)
     tails: list[int | torch.Tensor]  # per query: keys just after the base (count), or indices
+
+    @property
+    def base_length(self) -> int:
+        return self.offset if self.base is None else len(self.base)
 
     @classmethod
     def of(cls, committed: torch.Tensor, recent: torch.Tensor, device: torch.device
@@ -181,13 +184,12 @@ class VisibleKeys:
         offset = committed.shape[0]
         index = committed.cpu().nonzero().flatten()
         whole = len(index) == offset  # every committed key: a prefix
-        base: int | torch.Tensor = offset if whole else index.to(device)
         tails: list[int | torch.Tensor] = []
         for bits in recent.cpu():
             tail = bits.nonzero().flatten()
             view = whole and (not len(tail) or int(tail[-1]) == len(tail) - 1)
             tails.append(len(tail) if view else (tail + offset).to(device))
-        return cls(offset, base, tails)
+        return cls(offset, None if whole else index.to(device), tails)
 
 
 def gather_keys(key: torch.Tensor, value: torch.Tensor, mask: TreeMask, layer: Any = None

@@ -47,14 +47,14 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
     """Median seconds of transformers' one-token step (``hf_1``) and of our runner's steps
     ``widths`` tokens wide (``rag_spec_W``; with exact numerics ``rag_spec_exact_W``), after
     ``prompt``'s prefill."""
+    from rag_spec.decoding import RunnerSettings
+
     ids = torch.tensor([list(prompt)], device=model.device)
     past = model(input_ids=ids, use_cache=True).past_key_values
     token = ids[:, -1:]
 
     def hf_step() -> None:
         model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
-
-    from rag_spec.decoding import RunnerSettings
 
     costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
     for name, exact in (("rag_spec", False), ("rag_spec_exact", True)):

@@ -48,11 +48,11 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     # decoder on the stock linear kernels (what our kernels buy) or, where ours is exact, on
     # the fast ones (what exactness costs).
     plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
-    ablation = ("rag_spec_fast_kernels", LookaheadConfig(exact=False)) if decoder.runner.exact \
-        else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
+    ablation, config = ("rag_spec_fast_kernels", LookaheadConfig(exact=False)) \
+        if decoder.runner.exact else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
     systems = _systems(lm.model, {"rag_spec": decoder, "rag_spec_no_drafts": plain,
-                                  ablation[0]: LookaheadDecoder(lm.model, lm.tokenizer,
-                                                                ablation[1])}, max_new_tokens)
+                                  ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)},
+                       max_new_tokens)
     _warm_up(systems, rag[0])
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,

@@ -314,10 +314,10 @@ class LookaheadDecoder:
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
             if runner.exact:  # generate's prefill, which gives the first token too
                 cache, logits = TreeKVCache.prefill_whole(runner, [r.prompt for r in rows])
-                target = TargetView(runner, cache)
                 self._first_tokens(rows, rules, cache, logits)
             else:
-                target = TargetView(runner, TreeKVCache.prefill(runner, [r.prompt for r in rows]))
+                cache = TreeKVCache.prefill(runner, [r.prompt for r in rows])
+        target = TargetView(runner, cache)
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
         if runner.exact:

@@ -96,8 +96,10 @@ class TreeKVCache:
         valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=model.device)
         for b, prompt in enumerate(prompts):
             valid[b, width - len(prompt):] = True
-        cache = caches[0] if len(caches) == 1 else new_cache()
-        if len(caches) > 1:
+        if len(caches) == 1:
+            cache = caches[0]
+        else:
+            cache = new_cache()
             for index, rows in enumerate(zip(*map(layers, caches))):
                 keys, values = (_left_padded([getattr(r, name) for r in rows], width)
                                 for name in ("keys", "values"))
