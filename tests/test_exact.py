@@ -36,7 +36,7 @@ def model():
 @pytest.mark.parametrize("budget", [0, 4, 16])
 def test_bf16_greedy_equals_bf16_generate(model, budget):
     decoder = LookaheadDecoder(model, config=LookaheadConfig(budget=budget, adaptive=False))
-    assert decoder.runner.exact  # "auto": half precision on the CPU
+    assert decoder.runner.exact  # "auto": half precision
     for prompt in prompts(4):
         assert decoder.generate(prompt, 40).token_ids == hf_greedy(model, prompt, 40)
 

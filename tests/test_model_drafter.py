@@ -290,7 +290,12 @@ def test_the_gpu_check_runs_on_a_tiny_model():
     for name, counts in report["greedy_identical"].items():
         assert counts["batch1"] == counts["batch4"] == counts["of"], name
     assert report["sampling"]["total_variation"] < 4 * report["sampling"]["noise_level"]
-    assert set(report["step_ms"]) == {"1_tokens", "8_tokens", "16_tokens", "32_tokens"}
+    assert {"hf_1", "rag_spec_1", "rag_spec_32", "rag_spec_exact_32"} <= set(report["step_ms"])
+    speed = report["speed"]
+    for name in ("hf_prompt_lookup", "hf_assisted", "rag_spec_no_drafts", "rag_spec_trie",
+                 "rag_spec_no_drafts_fast", "rag_spec_trie_fast", "rag_spec_draft_model",
+                 "rag_spec_merged"):
+        assert speed[name]["identical_to_hf"] == speed["prompts"], name
     assert "skipped" in report["attention_kernel"]  # Triton needs a GPU here
     long_batch = report["long_context_batch"]
     assert long_batch["identical_to_no_drafts"] == long_batch["of"] == 4

@@ -111,7 +111,16 @@ def test_the_triton_kernel_matches_the_reference_under_the_interpreter(tmp_path)
            f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "errors.json"
     subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=600)
-    errors = json.loads(out.read_text())
+    assert_within_tolerance(json.loads(out.read_text()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and Triton (`make gpu-check` runs it)")
+def test_the_triton_kernel_matches_the_reference_on_a_gpu():
+    assert_within_tolerance(triton_errors(torch.device("cuda")))
+
+
+def assert_within_tolerance(errors: list) -> None:
     assert len(errors) == len(TRITON_CASES)
     for case, (dtype, error) in zip(TRITON_CASES, errors):
         assert error <= (1e-5 if dtype == "float32" else 1e-2), (case, dtype, error)
@@ -130,18 +139,18 @@ TRITON_CASES = [
 ]
 
 
-def _run_triton_cases(path: str) -> None:
+def triton_errors(device: torch.device) -> list[tuple[str, float]]:
+    """The kernel's largest error against the reference, per case, with inputs on ``device``."""
     from rag_spec_kernels.triton_tree_attention import triton_tree_attention
 
     errors = []
     for seed, (*shape, select, dim, dtype) in enumerate(TRITON_CASES):
         query, key, value, mask = random_case(seed, *shape, select, dim)
-        cast = getattr(torch, dtype)
-        query, key, value = query.to(cast), key.to(cast), value.to(cast)
+        query, key, value = (t.to(device, getattr(torch, dtype)) for t in (query, key, value))
         expected = reference_attention(query.float(), key.float(), value.float(), mask)
         got = triton_tree_attention(query, key, value, mask).float()
         errors.append((dtype, (got - expected).abs().max().item()))
-    Path(path).write_text(json.dumps(errors))
+    return errors
 
 
 @pytest.mark.parametrize("inference", [False, True])
@@ -174,5 +183,5 @@ def slab_appends_in_place():
     keys, _ = cache.update(big, big, 0)
     torch.testing.assert_close(keys, torch.cat([expected, big], dim=2))
 
-if __name__ == "__main__":
-    _run_triton_cases(sys.argv[1])
+if __name__ == "__main__":  # the interpreter's child process
+    Path(sys.argv[1]).write_text(json.dumps(triton_errors(torch.device("cpu"))))

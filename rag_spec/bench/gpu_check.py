@@ -8,7 +8,10 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   and the merged drafter, at batch 1 and 4;
 - multi-step speculative sampling against plain sampling on the first token (total variation
   distance between the two empirical distributions, with the bound that sampling noise allows);
-- step costs: one verification step over 1, 8, 16 and 32 tokens at a long context;
+- speed: greedy tokens per second beside ``generate``, its prompt lookup and assisted
+  generation, and our no-drafts ablation;
+- step costs: transformers' one-token step, and ours over 1, 8, 16 and 32 tokens (also with
+  exact numerics) at a long context;
 - the tree-attention kernel (Triton) against its torch reference and against transformers'
   attention (KV heads repeated, a dense mask) at batch 16 and a long context, chains of 1 to 8
   tokens and a StreamingLLM selection; and self-speculation's steps at that batch: a one-token
@@ -16,7 +19,9 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
 
 Random weights make near ties rarer than a trained model's; peaked logits (a large
 initializer) keep greedy decoding stable under bf16. Run ``python -m rag_spec.bench.gpu_check
---tiny`` anywhere (the tests do, on the CPU) to check the script itself.
+--tiny`` anywhere (the tests do, on the CPU) to check the script itself; ``--only`` runs some
+sections. A section that fails leaves its traceback in the report, the others still run, and
+the check exits non-zero.
 """
 
 from __future__ import annotations
@@ -24,13 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rag_spec.bench.report import figure, machine, save_figure
+
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
+SECTIONS = ("greedy_identical", "sampling", "speed", "step_ms", "attention_kernel",
+            "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
@@ -42,22 +52,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=2048, help="context of the step costs")
     parser.add_argument("--json", default=None, help="also write the report here")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections alone")
+    parser.add_argument("--replot", metavar="JSON", help="draw a saved report's PNG, and stop")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return {}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = _random_llama(TINY if args.tiny else LLAMA3_8B, args.layers, device, dtype)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
                               else "cpu", "dtype": str(dtype), "layers": args.layers,
-                              "shape": "tiny" if args.tiny else "Llama-3-8B"}
-    report["greedy_identical"] = _greedy(target, args.draft_layers, 24 if args.tiny else 64)
-    report["sampling"] = _sampling(target, args.draft_layers, 400 if args.tiny else 2000)
-    report["step_ms"] = _step_costs(target, 64 if args.tiny else args.context)
-    report["attention_kernel"] = _attention_kernel(target, 16, 64 if args.tiny else 4096)
-    report["long_context_batch"] = _long_batch(target, 4 if args.tiny else 16,
-                                               64 if args.tiny else args.context)
-    print(json.dumps(report, indent=2))
+                              "shape": "tiny" if args.tiny else "Llama-3-8B",
+                              "machine": machine()}
+    sections = {
+        "greedy_identical": lambda: _greedy(target, args.draft_layers, 24 if args.tiny else 64),
+        "sampling": lambda: _sampling(target, args.draft_layers, 400 if args.tiny else 2000),
+        "speed": lambda: _speed(target, args.draft_layers, 24 if args.tiny else 128),
+        "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
+        "attention_kernel": lambda: _attention_kernel(target, 16, 64 if args.tiny else 4096),
+        "long_context_batch": lambda: _long_batch(target, 4 if args.tiny else 16,
+                                                  64 if args.tiny else args.context)}
+    failed = []
+    for name in args.only or sections:
+        try:
+            report[name] = sections[name]()
+        except Exception:  # the other sections still run: a lease is short
+            report[name] = {"error": traceback.format_exc()}
+            failed.append(name)
+        print(name, json.dumps(report[name], indent=2), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, Path(args.json).with_suffix(".png"))
+    if failed:
+        message = f"gpu-check: {', '.join(failed)} failed (tracebacks in the report)"
+        raise SystemExit(message)
     return report
 
 
@@ -88,7 +117,8 @@ def _first_layers(model: Any, count: int) -> Any:
     return draft
 
 
-def _drafters(target: Any, draft_layers: int) -> dict[str, Any]:
+def _drafters(draft: Any, draft_layers: int) -> dict[str, Any]:
+    """Each drafter by name (the trie: None), ``draft`` being the target's first layers."""
     from rag_spec.decoding import (
         DraftModelDrafter,
         EarlyExitDrafter,
@@ -96,7 +126,6 @@ def _drafters(target: Any, draft_layers: int) -> dict[str, Any]:
         SelfSpecDrafter,
     )
 
-    draft = _first_layers(target, draft_layers)
     return {"trie": None, "draft_model": DraftModelDrafter(draft),
             "early_exit": EarlyExitDrafter(draft_layers),
             "merged": MergedDrafter(DraftModelDrafter(draft)),
@@ -124,9 +153,12 @@ def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
                               max_new_tokens=new_tokens)
         expected.append(out[0, len(p):].tolist())
     decoders = {name: LookaheadDecoder(target, drafter=drafter)
-                for name, drafter in _drafters(target, draft_layers).items()}
-    # exact numerics (per-token attention, row-invariant products): bit for bit generate's
-    decoders["trie_exact"] = LookaheadDecoder(target, config=LookaheadConfig(exact=True))
+                for name, drafter in _drafters(_first_layers(target, draft_layers),
+                                               draft_layers).items()}
+    # exact numerics (per-token attention, row-invariant products; bf16's default), and the
+    # fast kernels, whose rounding differs from a one-token step's
+    for name, exact in (("trie_exact", True), ("trie_fast", False)):
+        decoders[name] = LookaheadDecoder(target, config=LookaheadConfig(exact=exact))
     results = {}
     for name, decoder in decoders.items():
         alone = [decoder.generate(p, new_tokens) for p in prompts]
@@ -165,12 +197,72 @@ def _sampling(target: Any, draft_layers: int, samples: int) -> dict[str, Any]:
             "accepted_draft_tokens": accepted}
 
 
+def _speed(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
+    """Greedy decoding of six prompts, one at a time, systems interleaved: medians of
+    per-prompt ratios to ``generate`` and to our no-drafts ablation (same kernels), beside the
+    peers a user would pick instead (prompt lookup, assisted generation with the same draft);
+    ours on the default kernels (exact numerics in half precision) and on the fast ones.
+    Random weights make acceptance meaningless: read the ratios with tokens per step."""
+    from rag_spec.bench.report import Run, interleaved, median
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+
+    draft = _first_layers(target, draft_layers)
+
+    def hf(prompt: list[int], **kwargs: Any) -> Run:
+        ids = torch.tensor([prompt], device=target.device)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, **kwargs)
+        return Run(0.0, out[0, len(prompt):].tolist())
+
+    def ours(decoder: Any) -> Any:
+        def generate(prompt: list[int]) -> Run:
+            result = decoder.generate(prompt, new_tokens)
+            return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step})
+        return generate
+
+    drafters = _drafters(draft, draft_layers)
+    systems = {"hf": hf, "hf_prompt_lookup": lambda p: hf(p, prompt_lookup_num_tokens=10),
+               "hf_assisted": lambda p: hf(p, assistant_model=draft)}
+    for suffix, exact in (("", "auto"), ("_fast", False)):  # default kernels, fast kernels
+        systems[f"rag_spec_no_drafts{suffix}"] = ours(LookaheadDecoder(
+            target, config=LookaheadConfig(budget=0, exact=exact)))
+        systems[f"rag_spec_trie{suffix}"] = ours(LookaheadDecoder(
+            target, config=LookaheadConfig(exact=exact)))
+    for name in ("draft_model", "merged"):
+        systems[f"rag_spec_{name}"] = ours(LookaheadDecoder(target, drafter=drafters[name]))
+    prompts = _prompts(target.config.vocab_size, 7)
+    for system in systems.values():  # warm-up: kernels chosen, step costs timed
+        system(prompts[0])
+    runs = interleaved(systems, prompts[1:], progress=lambda _: None)
+
+    def ratios(name: str, baseline: str) -> float:
+        return round(median([b.seconds / r.seconds for b, r in zip(runs[baseline], runs[name])]),
+                     3)
+
+    report: dict[str, Any] = {"prompts": len(prompts) - 1, "new_tokens": new_tokens}
+    for name, system_runs in runs.items():
+        entry = {"tok_per_s": round(median([len(r.tokens) / r.seconds for r in system_runs]), 1),
+                 "speedup_vs_hf": ratios(name, "hf"),
+                 "identical_to_hf": sum(r.tokens == b.tokens
+                                        for r, b in zip(system_runs, runs["hf"]))}
+        if name.startswith("rag_spec"):  # against the ablation on the same kernels
+            entry["speedup_vs_no_drafts"] = ratios(name, "rag_spec_no_drafts_fast"
+                                                   if name.endswith("_fast")
+                                                   else "rag_spec_no_drafts")
+            entry["tokens_per_step"] = round(median([r.extra["tokens_per_step"]
+                                                     for r in system_runs]), 3)
+        report[name] = entry
+    return report
+
+
 def _step_costs(target: Any, context: int) -> dict[str, float]:
-    from rag_spec.bench.floor import runner_step_seconds
+    """Milliseconds of transformers' one-token step and of ours 1 to 32 tokens wide (also with
+    exact numerics), after a ``context``-token prefill."""
+    from rag_spec.bench.floor import step_seconds
 
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
-    costs = runner_step_seconds(target, prompt, (1, 8, 16, 32), repeats=5)
-    return {f"{width}_tokens": round(1000 * seconds, 2) for width, seconds in costs.items()}
+    costs = step_seconds(target, prompt, (1, 8, 16, 32), repeats=5)
+    return {name: round(1000 * seconds, 2) for name, seconds in costs.items()}
 
 
 def _sync(model: Any) -> None:
@@ -256,6 +348,38 @@ def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
             "identical_to_no_drafts": sum(a.token_ids == b.token_ids
                                           for a, b in zip(got, expected)),
             "of": batch, "self_spec": drafter.last.as_dict() if drafter.last else None}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Speed against ``generate`` (hatched: output not identical to it) and step costs by
+    width, where the report has them; nothing without matplotlib (a GPU machine may lack it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("gpu-check: no matplotlib, no plot")
+        return
+    speed, steps = report.get("speed", {}), report.get("step_ms", {})
+    fig, (left, right) = figure(2, (13, 4.5))
+    names = [n for n, e in speed.items() if isinstance(e, dict) and "speedup_vs_hf" in e]
+    bars = left.barh(names, [speed[n]["speedup_vs_hf"] for n in names])
+    for bar, name in zip(bars, names):
+        if speed[name]["identical_to_hf"] < speed["prompts"]:
+            bar.set_hatch("//")
+            bar.set_alpha(0.5)
+    left.axvline(1.0, color="k", lw=0.8)
+    left.invert_yaxis()
+    left.set_xlabel("speed vs generate (median per prompt; hatched: not identical)")
+    for prefix, label in (("rag_spec_exact_", "ours, exact"), ("rag_spec_", "ours, fast"),
+                          ("hf_", "transformers")):
+        points = sorted((int(k[len(prefix):]), v) for k, v in steps.items()
+                        if k.startswith(prefix) and k[len(prefix):].isdigit())
+        if points:
+            right.plot(*zip(*points), marker="o", label=label)
+    right.set_xlabel("tokens in the step")
+    right.set_ylabel("ms per step")
+    right.legend()
+    save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, random weights), "
+                           f"{report['dtype']}, {report['device']}")
 
 
 if __name__ == "__main__":

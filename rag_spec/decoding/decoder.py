@@ -47,8 +47,8 @@ class LookaheadConfig:
     onednn_linear: bool | Literal["auto"] = "auto"
     # every token of a step computed bit for bit as a one-token step, so output equals
     # ``generate``'s in half precision too (slower steps). "auto": for bfloat16 / float16
-    # models on the CPU (with SDPA attention); False: the fast kernels, whose rounding differs
-    # from a one-token step's (in half precision that changes tokens where logits tie)
+    # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
+    # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
 
     @property

@@ -461,10 +461,11 @@ class _Growth:
 
     def _children(self, q: torch.Tensor, count: int) -> list[int]:
         """The likeliest tokens (greedy), or ``count`` draws without replacement from q in draw
-        order (Gumbel top-k with the row's draft generator)."""
+        order (Gumbel top-k with the row's draft generator, drawn on the CPU: a seed draws
+        alike on any device)."""
         if self.generator is None:
             return q.topk(count).indices.tolist()
-        uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64)
+        uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64).to(q.device)
         keys = q.double().log() - (-uniform.clamp(min=1e-300).log()).log()
         return keys.topk(count).indices.tolist()
 

@@ -58,8 +58,8 @@ class RunnerSettings:
     onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
     # every token of a step computed bit for bit as a one-token step (``rag_spec_kernels.exact``;
-    # stock linear kernels, no oneDNN copy). "auto": for half-precision models on the CPU that
-    # run SDPA attention, where rounding differences change greedy tokens
+    # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
+    # attention (CPU or GPU), where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
 
 
@@ -189,8 +189,7 @@ def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
     set to another attention cannot have them."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if settings.exact == "auto":
-        return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
-                and implementation == "sdpa")
+        return model.dtype in (torch.bfloat16, torch.float16) and implementation == "sdpa"
     if settings.exact and implementation != "sdpa":
         msg = (f"Exact numerics reproduce transformers' SDPA attention, but this model runs "
                f"{implementation!r} attention: load it with attn_implementation='sdpa', or use "
