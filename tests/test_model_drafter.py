@@ -297,6 +297,9 @@ def test_the_gpu_check_runs_on_a_tiny_model():
                  "rag_spec_merged"):
         assert speed[name]["identical_to_hf"] == speed["prompts"], name
     assert "skipped" in report["attention_kernel"]  # Triton needs a GPU here
+    for name, counts in report["sampled_drafters"].items():
+        assert counts["reproducible"] == counts["of"] and counts["tokens"] > 0, name
+    assert report["trained_exit"]["identical_to_hf"] == report["trained_exit"]["of"]
     long_batch = report["long_context_batch"]
     assert long_batch["identical_to_no_drafts"] == long_batch["of"] == 4
     assert long_batch["self_spec"]["draft_seconds"] is not None  # the sparse view drafted

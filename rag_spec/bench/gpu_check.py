@@ -8,6 +8,8 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   and the merged drafter, at batch 1 and 4;
 - multi-step speculative sampling against plain sampling on the first token (total variation
   distance between the two empirical distributions, with the bound that sampling noise allows);
+  sampling with every drafter and knob, batched, reproducible from its seed;
+- an exit adapter trained on the device, and greedy identity through it;
 - speed: greedy tokens per second beside ``generate``, its prompt lookup and assisted
   generation, and our no-drafts ablation;
 - step costs: transformers' one-token step, and ours over 1, 8, 16 and 32 tokens (also with
@@ -39,8 +41,8 @@ from rag_spec.bench.report import figure, machine, save_figure
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
-SECTIONS = ("greedy_identical", "sampling", "speed", "step_ms", "attention_kernel",
-            "long_context_batch")
+SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "speed",
+            "step_ms", "attention_kernel", "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sections = {
         "greedy_identical": lambda: _greedy(target, args.draft_layers, 24 if args.tiny else 64),
         "sampling": lambda: _sampling(target, args.draft_layers, 400 if args.tiny else 2000),
+        "sampled_drafters": lambda: _sampled_drafters(target, args.draft_layers),
+        "trained_exit": lambda: _trained_exit(target, args.draft_layers),
         "speed": lambda: _speed(target, args.draft_layers, 24 if args.tiny else 128),
         "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
         "attention_kernel": lambda: _attention_kernel(target, 16, 64 if args.tiny else 4096),
@@ -195,6 +199,50 @@ def _sampling(target: Any, draft_layers: int, samples: int) -> dict[str, Any]:
             # the expected TV of an exact sampler is about sqrt(support / (2 pi n))
             "noise_level": round((support / (2 * torch.pi * samples)) ** 0.5, 4),
             "accepted_draft_tokens": accepted}
+
+
+def _sampled_drafters(target: Any, draft_layers: int) -> dict[str, Any]:
+    """Sampling with every drafter and every knob (temperature, top-p, top-k, repetition
+    penalty), batched: each row's tokens, drawn twice with the same seed by drafters in the same
+    state (fresh ones: a trie learns from earlier outputs), must be the same."""
+    from rag_spec.decoding import LookaheadDecoder
+
+    prompts = _prompts(target.config.vocab_size, 3)
+    knobs = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 50,
+             "repetition_penalty": 1.1, "seed": 7}
+    draft = _first_layers(target, draft_layers)
+    report = {}
+    for name in _drafters(draft, draft_layers):
+        first, second = (LookaheadDecoder(target, drafter=_drafters(draft, draft_layers)[name])
+                         .generate(prompts, 24, **knobs) for _ in range(2))
+        report[name] = {"reproducible": sum(a.token_ids == b.token_ids
+                                            for a, b in zip(first, second)),
+                        "of": len(prompts),
+                        "tokens": sum(len(r.token_ids) for r in first),
+                        "accepted_draft_tokens": sum(sum(r.stats.accepted_per_step)
+                                                     for r in first)}
+    return report
+
+
+def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
+    """Train an exit adapter briefly on the model's device, then decode through it: greedy
+    tokens equal ``generate``'s whatever the adapter learnt."""
+    from rag_spec.decoding import EarlyExitDrafter, LookaheadDecoder
+    from rag_spec.decoding.exit_adapter import train_exit
+
+    vocab = target.config.vocab_size
+    texts = _prompts(vocab, 12, length=36)
+    adapter = train_exit(target, layers, texts, vocabulary=min(512, vocab), epochs=1,
+                         progress=False)
+    decoder = LookaheadDecoder(target, drafter=EarlyExitDrafter(layers, adapter=adapter))
+    prompts = _prompts(vocab, 2)
+    identical = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=target.device)
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=32)[0, len(prompt):].tolist()
+        identical += decoder.generate(prompt, 32).token_ids == expected
+    return {"agreement": adapter.agreement, "identical_to_hf": identical, "of": len(prompts)}
 
 
 def _speed(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:

@@ -203,8 +203,11 @@ class LookaheadDecoder:
             stop: strings that end generation; the text is cut before them.
             streamer: receives each settled piece of text (a callable), or token ids (a
                 transformers streamer); single prompts only.
-            seed: fixes sampled output, whatever the drafts (default: drawn from torch's RNG;
-                row ``b`` of a batch samples with ``seed + b``). Greedy decoding draws nothing.
+            seed: fixes sampled output (default: drawn from torch's RNG; row ``b`` of a batch
+                samples with ``seed + b``): whatever the drafts where they are not drawn (the
+                trie); for drafts drawn from a model, given the drafter's state (a merged
+                drafter's trie learns from earlier outputs). The distribution is plain
+                sampling's either way. Greedy decoding draws nothing.
             context: documents this call may copy from, like ``add_context`` but for this call
                 only.
 

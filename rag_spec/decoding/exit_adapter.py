@@ -157,7 +157,7 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
     for i in progress_bar(shuffled, "training the exit", "text", enabled=progress):
         trainer.step(samples[i])
     after = _agreement(samples=held_out, predict=trainer.predict)
-    state = {k: v.detach().clone() for k, v in trainer.layer.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in trainer.layer.state_dict().items()}
     return ExitAdapter(layers, state, subset, {"untrained": round(before, 4),
                                                "trained": round(after, 4)})
 
@@ -194,10 +194,12 @@ def _frequent_tokens(samples: list[_Sample], vocab_size: int, size: int) -> torc
 
 
 class _Trainer:
-    """The adapter layer (started from the target's layer ``layers``) and its optimiser."""
+    """The adapter layer (started from the target's layer ``layers``) and its optimiser, on the
+    model's device; samples stay on the CPU and come over one at a time."""
 
     def __init__(self, model: Any, layers: int, subset: torch.Tensor, lr: float) -> None:
         decoder = model.get_decoder()
+        self.device = model.device
         self.layer = copy.deepcopy(decoder.layers[layers]).float().train()
         frozen = _key_value_parameters(self.layer)
         for name, p in self.layer.named_parameters():
@@ -205,19 +207,19 @@ class _Trainer:
         self.norm = copy.deepcopy(decoder.norm).float().requires_grad_(False)  # the user's
         # norm must not collect gradients: training reads the model, never writes it
         self.rotary = decoder.rotary_emb
-        self.subset = subset
-        self.head = model.get_output_embeddings().weight.detach()[subset].float()
+        self.subset = subset.to(self.device)
+        self.head = model.get_output_embeddings().weight.detach()[self.subset].float()
         self.position_in_subset = torch.full((model.get_output_embeddings().weight.shape[0],),
-                                             -1, dtype=torch.long)
-        self.position_in_subset[subset] = torch.arange(len(subset))
+                                             -1, dtype=torch.long, device=self.device)
+        self.position_in_subset[self.subset] = torch.arange(len(subset), device=self.device)
         self.optimiser = torch.optim.AdamW([p for p in self.layer.parameters()
                                             if p.requires_grad], lr=lr)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, subset] draft logits after each position of one text."""
-        length = hidden.shape[0]
-        positions = torch.arange(length)[None]
-        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        length, hidden = hidden.shape[0], hidden.to(self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        mask = torch.full((length, length), float("-inf"), device=self.device).triu(1)[None, None]
         out = self.layer(hidden[None], attention_mask=mask, position_ids=positions,
                          position_embeddings=self.rotary(hidden[None], positions))
         out = out[0] if isinstance(out, tuple) else out
@@ -225,9 +227,9 @@ class _Trainer:
 
     def step(self, sample: _Sample) -> None:
         logq = self.logits(sample.hidden).log_softmax(-1)
-        where = self.position_in_subset[sample.top_ids]
+        where = self.position_in_subset[sample.top_ids.to(self.device)]
         inside = where >= 0
-        teacher = sample.top_logprobs.exp() * inside
+        teacher = sample.top_logprobs.to(self.device).exp() * inside
         loss = -(teacher * logq.gather(1, where.clamp(min=0))).sum(-1).mean()
         self.optimiser.zero_grad()
         loss.backward()
@@ -235,7 +237,7 @@ class _Trainer:
 
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.subset[self.logits(hidden).argmax(-1)]
+            return self.subset[self.logits(hidden).argmax(-1)].cpu()
 
 
 def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
@@ -256,7 +258,8 @@ def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
 def _untrained(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The plain early exit's greedy tokens: the final norm and full head on the exit's state."""
     decoder = model.get_decoder()
-    return model.get_output_embeddings()(decoder.norm(hidden.to(model.dtype))).argmax(-1).cpu()
+    hidden = hidden.to(model.device, model.dtype)
+    return model.get_output_embeddings()(decoder.norm(hidden)).argmax(-1).cpu()
 
 
 def _agreement(samples: list[_Sample], predict: Callable[[torch.Tensor], torch.Tensor]) -> float:
