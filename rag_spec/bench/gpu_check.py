@@ -425,7 +425,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
             right.plot(*zip(*points), marker="o", label=label)
     right.set_xlabel("tokens in the step")
     right.set_ylabel("ms per step")
-    right.legend()
+    if steps:
+        right.legend()
     save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, random weights), "
                            f"{report['dtype']}, {report['device']}")
 
