@@ -112,6 +112,8 @@ class TreeMask:
         default_factory=dict, repr=False, compare=False)
     _visible: dict[torch.device, list[VisibleKeys]] = field(
         default_factory=dict, repr=False, compare=False)
+    _bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def select(self) -> torch.Tensor | None:
@@ -139,6 +141,19 @@ class TreeMask:
             self._dense[key] = None if bool(allowed.all()) else bias.masked_fill_(
                 ~allowed, torch.finfo(dtype).min)
         return self._dense[key]
+
+    def bits(self, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``committed`` and ``recent`` as contiguous uint8 and the selection as contiguous
+        int64, on ``device``: what a kernel reads; converted once per pass, shared by its
+        layers (on a GPU each conversion is a launch per layer otherwise)."""
+        if device not in self._bits:
+            select = self.select
+            self._bits[device] = (
+                self.committed.to(device, torch.uint8).contiguous(),
+                self.recent.to(device, torch.uint8).contiguous(),
+                None if select is None else select.to(device, torch.int64).contiguous())
+        return self._bits[device]
 
     def visible(self, device: torch.device) -> list[VisibleKeys]:
         """Per row: the keys read (selected committed slots, then the round's) that each query

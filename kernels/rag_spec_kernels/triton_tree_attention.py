@@ -116,10 +116,8 @@ def triton_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     stacked = _unit_stride(query.reshape(batch, kv_heads, rows, dim))
     key, value = _unit_stride(key), _unit_stride(value)
     out = torch.empty(batch, kv_heads, rows, dim, dtype=query.dtype, device=query.device)
-    committed = mask.committed.to(query.device, torch.uint8).contiguous()
-    recent = mask.recent.to(query.device, torch.uint8).contiguous()
-    select = (mask.select.to(query.device, torch.int64).contiguous()
-              if mask.select is not None else committed)  # not read without a selection
+    committed, recent, select = mask.bits(query.device)
+    select = select if select is not None else committed  # not read without a selection
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     grid = (batch, kv_heads, triton.cdiv(rows, block_m))
     _tree_attention[grid](
