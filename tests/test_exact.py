@@ -71,6 +71,24 @@ def test_exact_numerics_need_sdpa_attention():
         Runner.of(eager, RunnerSettings(exact=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_turns_exact_numerics_on_for_half_precision_on_any_device(device):
+    # on an H100 the fast kernels parted from bf16 generate on 0-1 of 4 prompts, exact on none
+    from types import SimpleNamespace
+
+    from rag_spec.decoding.runner import _wants_exact
+
+    def model(dtype, attention="sdpa"):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype,
+                               config=SimpleNamespace(_attn_implementation=attention))
+
+    auto = RunnerSettings(exact="auto")
+    assert _wants_exact(model(torch.bfloat16), auto)
+    assert _wants_exact(model(torch.float16), auto)
+    assert not _wants_exact(model(torch.float32), auto)
+    assert not _wants_exact(model(torch.bfloat16, "flash_attention_2"), auto)
+
+
 def test_without_exact_numerics_bf16_output_parts_from_generate(model):
     # What the exact path is for: the fast kernels round differently, and on this model that
     # changes tokens (if it ever stops doing so, the tests above no longer prove anything).
