@@ -141,6 +141,8 @@ def test_drafting_is_weighed_at_what_proposals_took_not_only_at_their_count():
     budgets[0].cost = 0.3  # counted by the weights its passes read
     assert costs.drafting(0.3) == 0.3  # nothing timed yet: the count
     assert best(budgets, costs) == 12  # 1.5 tokens for 1.1 + 0.3 steps pays
+    costs.record_proposal(0.3, 5.0)  # a warm-up: not counted
+    assert costs.drafting(0.3) == 0.3
     costs.record_proposal(0.3, 0.9)  # per-pass overheads: three times what the count says
     assert costs.drafting(0.3) == pytest.approx(0.9)
     assert best(budgets, costs) == 0  # 1.5 tokens for 2.0 steps does not
@@ -199,3 +201,22 @@ def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_pa
     _learn(row)
     assert budget.paths == ([] if learnt is None else [learnt])
     assert len(row.proposals) == (learnt is None)
+
+
+def test_a_cost_is_counted_from_its_second_timing_the_first_being_a_warm_up():
+    # the first pass of a width (or a draft, or a proposal) pays for kernels being picked or
+    # compiled (Triton compiles a kernel variant at its first launch)
+    costs = StepCosts()
+    costs.record_target(4, 1.0)
+    costs.record_draft(2.0, 2)
+    costs.record_proposal(2.0, 2.0)
+    assert (costs.target, costs.draft, costs.counted_step) == ({}, None, None)
+    costs.record_target(4, 0.1)
+    costs.record_draft(0.2, 2)
+    costs.record_proposal(2.0, 0.2)
+    assert (costs.target[4], costs.draft, costs.counted_step) == (0.1, 0.1, 0.1)
+    costs.record_target(4, 0.2)
+    assert costs.target[4] == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # smoothed from here on
+    given = StepCosts(target={1: 1.0})  # given costs count as measured: blended into
+    given.record_target(1, 0.0)
+    assert given.target[1] == pytest.approx(0.7)

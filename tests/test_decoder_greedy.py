@@ -64,8 +64,10 @@ def test_drafts_that_cost_more_than_they_keep_are_not_verified(model, monkeypatc
     decoder, prompt, first = remembered_answer(model)
     result = decoder.generate(prompt, max_new_tokens=40)
     assert result.token_ids == first
-    assert result.stats.drafted <= 2 * 12
-    assert result.stats.steps >= 40 - 8
+    # the first steps draft, while the proposals' cost is warming up (a first timing is not
+    # counted), and keep up to two 8-token copies
+    assert result.stats.drafted <= 3 * 12
+    assert result.stats.steps >= 40 - 2 * 8
     assert result.stats.accepted_per_step[8:] == [0] * (result.stats.steps - 8)
 
 

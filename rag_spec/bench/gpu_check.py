@@ -381,21 +381,26 @@ def _timed(target: Any, call: Any, repeats: int = 10) -> float:
 
 
 def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
-    """Self-speculation on a batch of long random prompts (ragged): identity with generate on
-    each row, and the step costs its cost model measured."""
+    """Self-speculation on a batch of long random prompts (ragged), on the default kernels
+    (exact numerics in half precision) and on the fast ones: identity with our decoding
+    without drafts on the same kernels, row by row, and the costs its cost model measured."""
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
 
     g = torch.Generator().manual_seed(2)
     lengths = [context - b * max(1, context // (4 * batch)) for b in range(batch)]  # ragged
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
-    drafter = SelfSpecDrafter(budget=min(256, context // 2), probe_every=1)
-    expected = LookaheadDecoder(target, config=LookaheadConfig(budget=0)).generate(prompts, 16)
-    got = LookaheadDecoder(target, drafter=drafter).generate(prompts, 16)
-    return {"batch": batch, "context": context,
-            "identical_to_no_drafts": sum(a.token_ids == b.token_ids
-                                          for a, b in zip(got, expected)),
-            "of": batch, "self_spec": drafter.last.as_dict() if drafter.last else None}
+    report: dict[str, Any] = {"batch": batch, "context": context}
+    for name, exact in (("default_kernels", "auto"), ("fast_kernels", False)):
+        drafter = SelfSpecDrafter(budget=min(256, context // 2), probe_every=1)
+        expected = LookaheadDecoder(target, config=LookaheadConfig(budget=0, exact=exact)
+                                    ).generate(prompts, 16)
+        got = LookaheadDecoder(target, config=LookaheadConfig(exact=exact), drafter=drafter
+                               ).generate(prompts, 16)
+        report[name] = {"identical_to_no_drafts": sum(a.token_ids == b.token_ids
+                                                      for a, b in zip(got, expected)),
+                        "of": batch, "self_spec": drafter.last.as_dict() if drafter.last else None}
+    return report
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

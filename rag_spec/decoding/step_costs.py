@@ -45,18 +45,35 @@ class StepCosts:
     draft: float | None = None
     # seconds a proposal took per target step its tree's count (weights read) says it costs
     counted_step: float | None = None
+    # the costs timed at least once: a first timing is a warm-up and is not counted
+    _timed: set[int | str] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self._timed.update(self.target)  # costs given are measured ones
 
     def record_target(self, width: int, seconds: float) -> None:
-        self.target[width] = _smooth(self.target.get(width), seconds)
+        if self._warm(width):
+            self.target[width] = _smooth(self.target.get(width), seconds)
 
     def record_draft(self, seconds: float, passes: int) -> None:
-        if passes:
+        if passes and self._warm("draft"):
             self.draft = _smooth(self.draft, seconds / passes)
 
     def record_proposal(self, counted: float, seconds: float) -> None:
         """A proposal whose trees were counted at ``counted`` target steps took ``seconds``."""
-        if counted > 0:
+        if counted > 0 and self._warm("proposal"):
             self.counted_step = _smooth(self.counted_step, seconds / counted)
+
+    def _warm(self, key: int | str) -> bool:
+        """Whether ``key``'s cost was timed before. The first pass of a width (or a draft, or
+        a proposal) pays one-off work: kernels picked or compiled (on an H100 a 4-token step
+        timed 1 s the first time, 13 ms for 2 tokens after theirs), oneDNN primitives, a
+        sparse view built. Until a cost is counted it is estimated, optimistically, so the
+        pass is tried again."""
+        if key in self._timed:
+            return True
+        self._timed.add(key)
+        return False
 
     def drafting(self, counted: float) -> float:
         """What a proposal counted at ``counted`` target steps costs in measured plain steps:
