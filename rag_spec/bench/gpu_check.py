@@ -146,16 +146,19 @@ def _prompts(vocab: int, count: int, length: int = 48) -> list[list[int]]:
     return prompts
 
 
+def _hf_greedy(target: Any, prompt: list[int], new_tokens: int, **kwargs: Any) -> list[int]:
+    """transformers' greedy tokens after ``prompt`` (``kwargs``: its speculation options)."""
+    ids = torch.tensor([prompt], device=target.device)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=new_tokens, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
 def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 
     prompts = _prompts(target.config.vocab_size, 4)
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p], device=target.device)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=new_tokens)
-        expected.append(out[0, len(p):].tolist())
+    expected = [_hf_greedy(target, p, new_tokens) for p in prompts]
     decoders = {name: LookaheadDecoder(target, drafter=drafter)
                 for name, drafter in _drafters(_first_layers(target, draft_layers),
                                                draft_layers).items()}
@@ -238,10 +241,7 @@ def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
     prompts = _prompts(vocab, 2)
     identical = 0
     for prompt in prompts:
-        ids = torch.tensor([prompt], device=target.device)
-        expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=32)[0, len(prompt):].tolist()
-        identical += decoder.generate(prompt, 32).token_ids == expected
+        identical += decoder.generate(prompt, 32).token_ids == _hf_greedy(target, prompt, 32)
     return {"agreement": adapter.agreement, "identical_to_hf": identical, "of": len(prompts)}
 
 
@@ -257,10 +257,7 @@ def _speed(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
     draft = _first_layers(target, draft_layers)
 
     def hf(prompt: list[int], **kwargs: Any) -> Run:
-        ids = torch.tensor([prompt], device=target.device)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=new_tokens, **kwargs)
-        return Run(0.0, out[0, len(prompt):].tolist())
+        return Run(0.0, _hf_greedy(target, prompt, new_tokens, **kwargs))
 
     def ours(decoder: Any) -> Any:
         def generate(prompt: list[int]) -> Run:
