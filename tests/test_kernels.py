@@ -11,6 +11,8 @@ from rag_spec_kernels import (
     is_plain_linear,
     linear_stacks,
     onednn_available,
+    onednn_ops_available,
+    pack_weight,
 )
 
 
@@ -57,6 +59,24 @@ def test_onednn_linear_matches_f_linear(bias, shape):
         got = fast(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_is_offered_only_for_the_dtypes_this_cpu_packs(dtype):
+    # bfloat16 kernels need AVX-512 or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3) oneDNN
+    # refuses to pack bf16 weights, and the runner must take the stock kernels, not crash.
+    model = Tiny(False).to(dtype).eval()
+    if not onednn_ops_available():
+        pytest.skip("oneDNN is not available in this torch build")
+    x = torch.randn(3, 24, dtype=dtype)
+    if onednn_available(model):
+        fast = private_copy(model)
+        with torch.inference_mode():
+            torch.testing.assert_close(fast(x), model(x), rtol=2e-2, atol=2e-2)
+    else:
+        assert dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="bf16"):
+            pack_weight(model.proj.weight.detach())
 
 
 def test_onednn_linear_follows_weight_updates():

@@ -15,6 +15,7 @@ built for a private copy of a model's module tree: the caller's own layers are n
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -39,9 +40,21 @@ def onednn_ops_available() -> bool:
 
 
 def onednn_available(model: Any) -> bool:
-    """oneDNN applies to float32 / bfloat16 models on the CPU."""
+    """oneDNN applies to float32 models on the CPU, and to bfloat16 ones where the CPU has the
+    instructions oneDNN's bfloat16 kernels need (AVX-512 or AVX-NE-CONVERT; not on AVX2-only
+    CPUs such as AMD's Zen 3, where the stock kernels run instead)."""
     return (onednn_ops_available() and model.device.type == "cpu"
-            and model.dtype in (torch.float32, torch.bfloat16))
+            and model.dtype in (torch.float32, torch.bfloat16) and _packs(model.dtype))
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders and multiplies ``dtype`` weights on this CPU (tried once)."""
+    try:
+        packed_linear(torch.ones(1, 16, dtype=dtype), pack_weight(torch.ones(16, 16, dtype=dtype)))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> Any:
