@@ -54,15 +54,19 @@ def test_ask_command_answers_and_cites(user_cache, lm, kb, capsys):
 
 
 def test_knnlm_over_a_folder_is_identical_speculated(user_cache, lm, tmp_path):
-    from rag_spec import KNNLM, KNNDatastore
+    from rag_spec import KNNLM, KNNDatastore, KNNSpeculation
     from rag_spec.corpus import load_passages
 
     texts = [f"{p.title}\n{p.text}" for p in load_passages() if p.title.startswith("json.")]
     (tmp_path / "json.txt").write_text("\n\n".join(texts))
     store = KNNDatastore.open(lm, [str(tmp_path)], progress=False).with_distractors(60_000)
     naive, spec = KNNLM(lm, store, speculation=None), KNNLM(lm, store)
+    # OS3 picks strides from timings (stride 1, a search per token, where searches are cheap
+    # beside decoding), so fewer searches are asserted for a fixed stride
+    fixed = KNNLM(lm, store, speculation=KNNSpeculation(os3=False, stride=4))
     for prompt in ("json.dumps\nSerialize ``obj`` to a JSON", "json.loads\nDeserialize"):
         expected = naive.generate(prompt, 24)
-        got = spec.generate(prompt, 24)
+        assert spec.generate(prompt, 24).token_ids == expected.token_ids
+        got = fixed.generate(prompt, 24)
         assert got.token_ids == expected.token_ids
         assert got.stats.kb_calls < expected.stats.kb_calls == 24
