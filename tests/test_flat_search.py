@@ -3,6 +3,7 @@
 import faiss
 import numpy as np
 import pytest
+import torch
 
 from rag_spec.retrieval import flat_search
 from rag_spec.retrieval.flat_search import PackedVectors, flat_vectors, top_k_inner_product
@@ -74,3 +75,24 @@ def test_only_a_flat_index_packs():
         kb = KnowledgeBase.build([Passage("a", "alpha"), Passage("b", "beta")], kind)
         with pytest.raises(RagSpecError, match="Only a flat"):
             kb.pack()
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_query_finds_the_same_bits_alone_and_in_any_batch(packed, dtype):
+    # Speculative retrieval verifies guesses in a batch and is lossless only if that batch finds
+    # what the naive loop's one-query searches find: same ids, same scores to the bit (a
+    # matrix product's rounding changes with its shape on AVX2 CPUs).
+    if packed and dtype == torch.float16:
+        pytest.skip("packing takes float32 vectors")
+    rng = np.random.default_rng(0)
+    vectors = torch.from_numpy(rng.standard_normal((3000, 96), dtype=np.float32)).to(dtype)
+    bias = torch.from_numpy(rng.standard_normal(3000, dtype=np.float32))
+    stored = PackedVectors(vectors) if packed else vectors
+    queries = rng.standard_normal((17, 96), dtype=np.float32)
+    alone = [top_k_inner_product(stored, queries[i:i + 1], 8, bias) for i in range(17)]
+    for size in (2, 3, 9, 17):
+        scores, ids = top_k_inner_product(stored, queries[:size], 8, bias)
+        for i in range(size):
+            np.testing.assert_array_equal(ids[i], alone[i][1][0])
+            np.testing.assert_array_equal(scores[i], alone[i][0][0])

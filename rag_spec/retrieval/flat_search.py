@@ -8,6 +8,13 @@ one, which is what batched verification of speculated retrievals relies on.
 Past four queries the plain product becomes compute-bound (~550 ms for eight). A packed copy in
 oneDNN's blocked layout (``PackedVectors``, twice the memory) keeps one to sixteen queries at
 ~240 ms.
+
+A matrix product's rounding depends on its shape: on some CPUs (AVX2-only ones, such as AMD's
+Zen 3) a query scored in a batch of nine differs in the last bits from the same query scored
+alone. Speculative retrieval is lossless only if a batched verification finds what the naive
+loop's one-query searches find, so the product only shortlists candidates, and their scores
+are computed again one query at a time in float64, in a fixed order (``_exact_scores``): the
+same bits in any batch, on any CPU.
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ def flat_vectors(index: Any) -> torch.Tensor:
 
 class PackedVectors:
     """A copy of the vectors in oneDNN's blocked weight layout, chunk by chunk (~2 s per 1M x
-    384 to build, as much memory again as the vectors)."""
+    384 to build, as much memory again as the vectors); ``vectors`` are the originals, which
+    score the shortlist."""
 
     def __init__(self, vectors: torch.Tensor) -> None:
         if not onednn_ops_available():
             msg = ("Packing vectors needs a torch build with oneDNN (the x86 and ARM CPU wheels "
                    "from PyPI have it); search the flat index unpacked instead.")
             raise RagSpecError(msg)
+        self.vectors = vectors
         self.rows = len(vectors)
         self.chunks = [pack_weight(vectors[start:start + CHUNK_ROWS].contiguous())
                        for start in range(0, self.rows, CHUNK_ROWS)]
@@ -76,13 +85,15 @@ def _plain_scores(vectors: torch.Tensor,
 def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarray,
                         k: int, bias: torch.Tensor | None = None
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, ids) of shape (n_queries, min(k, rows)), best first; ``bias`` (one value per
-    row) is subtracted from every query's scores (an L2 search's half squared norms)."""
+    """(scores, ids) of shape (n_queries, min(k, rows)), best first, ties by id; ``bias`` (one
+    value per row) is subtracted from every query's scores (an L2 search's half squared norms).
+    A query's result does not depend on the other queries of the batch."""
     n_queries = len(queries)
     found = min(k, len(vectors))
     if found == 0:
         return np.zeros((n_queries, 0), np.float32), np.zeros((n_queries, 0), np.int64)
     q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+    shortlist = min(2 * found + SHORTLIST_MARGIN, len(vectors))
     blocks = (vectors.scores(q) if isinstance(vectors, PackedVectors)
               else _plain_scores(vectors, q))
     best_scores, best_ids = [], []
@@ -90,12 +101,39 @@ def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarr
         for start, scores in blocks:
             if bias is not None:
                 scores = scores - bias[start:start + scores.shape[1]]
-            top = torch.topk(scores, min(found, scores.shape[1]), dim=1)
+            top = torch.topk(scores[:n_queries], min(shortlist, scores.shape[1]), dim=1)
             best_scores.append(top.values)
             best_ids.append(top.indices + start)
         scores, ids = torch.cat(best_scores, dim=1), torch.cat(best_ids, dim=1)
         if len(best_scores) > 1:
-            top = torch.topk(scores, found, dim=1)
-            scores, ids = top.values, ids.gather(1, top.indices)
-    return (np.ascontiguousarray(scores[:n_queries].numpy()),
-            np.ascontiguousarray(ids[:n_queries].numpy(), dtype=np.int64))
+            ids = ids.gather(1, torch.topk(scores, shortlist, dim=1).indices)
+        raw = vectors.vectors if isinstance(vectors, PackedVectors) else vectors
+        ids = ids.sort(dim=1).values  # ties go to the lower id
+        exact = _exact_scores(raw, q, ids, bias)
+        order = exact.sort(dim=1, descending=True, stable=True).indices[:, :found]
+        scores, ids = exact.gather(1, order), ids.gather(1, order)
+    return (np.ascontiguousarray(scores.numpy()),
+            np.ascontiguousarray(ids.numpy(), dtype=np.int64))
+
+
+SHORTLIST_MARGIN = 16  # candidates beyond 2 k rescored: the product's rounding moves ranks by few
+
+
+def _exact_scores(vectors: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """[n_queries, candidates] float32 inner products of each query with its candidates
+    ``ids``, less ``bias``: float64 products (exact) summed by halving the dimension, with
+    elementwise additions only, so no kernel's blocking or threading can change the order;
+    then rounded once."""
+    candidates = vectors[ids.reshape(-1)].reshape(*ids.shape, -1)
+    terms = candidates.double() * queries.double()[:, None, :]
+    while terms.shape[-1] > 1:
+        half = terms.shape[-1] // 2
+        folded = terms[..., :half] + terms[..., half:2 * half]
+        if terms.shape[-1] % 2:
+            folded[..., :1] += terms[..., -1:]
+        terms = folded
+    total = terms[..., 0]
+    if bias is not None:
+        total = total - bias[ids].double()
+    return total.float()
