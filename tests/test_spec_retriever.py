@@ -145,7 +145,9 @@ def test_texts_are_embedded_while_a_later_round_trip_is_in_flight(embedder):
     assert np.isneginf(scorer.score("path join", cached)).all()  # nothing guessable yet
     started = time.perf_counter()
     session.verify(["sort list"], k=1)
-    assert time.perf_counter() - started < 0.3 + 0.05 + 0.04  # the answer waited <= one chunk
+    # the answer waited <= one chunk (0.05 s), with 0.1 s of slack for a loaded machine;
+    # embedding all 19 cached texts first would take 0.95 s
+    assert time.perf_counter() - started < 0.3 + 0.05 + 0.1
     assert 3 <= len(slow.texts) < len(cached)  # the wait paid for some, best ranks first
     assert truths[0][0].text in slow.texts and truths[1][0].text in slow.texts
     scorer.embed_pending()
