@@ -13,8 +13,8 @@ A matrix product's rounding depends on its shape: on some CPUs (AVX2-only ones, 
 Zen 3) a query scored in a batch of nine differs in the last bits from the same query scored
 alone. Speculative retrieval is lossless only if a batched verification finds what the naive
 loop's one-query searches find, so the product only shortlists candidates, and their scores
-are computed again one query at a time in float64, in a fixed order (``_exact_scores``): the
-same bits in any batch, on any CPU.
+are computed again in float64 with elementwise operations only, in an order the dimension fixes
+(``_exact_scores``): the same bits in any batch, on any CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rag_spec_kernels import onednn_ops_available, pack_weight, packed_linear
 
 CHUNK_ROWS = 262_144  # rows scored at a time: bounds the score buffer to CHUNK_ROWS x queries
 CONVERT_ROWS = 4_096  # float16 rows converted to float32 at a time
+SHORTLIST_MARGIN = 16  # candidates beyond 2 k rescored: the product's rounding moves ranks by few
 
 
 def flat_vectors(index: Any) -> torch.Tensor:
@@ -114,9 +115,6 @@ def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarr
         scores, ids = exact.gather(1, order), ids.gather(1, order)
     return (np.ascontiguousarray(scores.numpy()),
             np.ascontiguousarray(ids.numpy(), dtype=np.int64))
-
-
-SHORTLIST_MARGIN = 16  # candidates beyond 2 k rescored: the product's rounding moves ranks by few
 
 
 def _exact_scores(vectors: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor,
