@@ -1,9 +1,11 @@
 """The floor benchmark's parts: what a step reads, how fast memory reads, what steps cost."""
 
 import pytest
+import torch
 
 from conftest import tiny_llama
-from rag_spec.bench.floor import read_bandwidth, step_seconds, weight_bytes
+from rag_spec.bench import floor
+from rag_spec.bench.floor import product_seconds, read_bandwidth, step_seconds, weight_bytes
 from rag_spec.cli import main
 
 
@@ -24,6 +26,20 @@ def test_a_step_reads_every_weight_but_an_untied_embedding():
 def test_read_bandwidth_is_bytes_per_second():
     # any machine this runs on reads a 64 MiB buffer at between 100 MB/s and 10 TB/s
     assert 1e8 < read_bandwidth(gib=1 / 16, repeats=2) < 1e13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_time_grows_with_the_rows(dtype):
+    model = tiny_llama(hidden=64).to(dtype)
+    assert 0 < product_seconds(model, 1, repeats=5) < product_seconds(model, 512, repeats=5) < 10
+
+
+def test_product_time_counts_every_linear_layer_once(monkeypatch):
+    monkeypatch.setattr(floor, "_seconds", lambda call, device=None: 1.0)
+    model = tiny_llama(layers=3)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert linears == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    assert product_seconds(model, 17) == linears
 
 
 def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
