@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from rag_spec.retrieval import flat_search
-from rag_spec.retrieval.flat_search import PackedVectors, flat_vectors, top_k_inner_product
+from rag_spec.retrieval.flat_search import (
+    PackedVectors,
+    flat_vectors,
+    largest_norm,
+    top_k_inner_product,
+)
 from rag_spec_kernels import onednn_ops_available
 
 needs_onednn = pytest.mark.skipif(not onednn_ops_available(),
@@ -96,3 +101,29 @@ def test_a_query_finds_the_same_bits_alone_and_in_any_batch(packed, dtype):
         for i in range(size):
             np.testing.assert_array_equal(ids[i], alone[i][1][0])
             np.testing.assert_array_equal(scores[i], alone[i][0][0])
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
+def test_ties_beyond_the_shortlist_go_to_the_lowest_ids_in_any_batch(packed):
+    # 100 copies of the nearest vector (a datastore's keys repeat where texts start alike):
+    # more ties than the first shortlist holds, so the search must widen it until it has
+    # proven the best k, and return the lowest ids, whatever the batch.
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((2000, 48), dtype=np.float32)
+    copies = rng.permutation(2000)[:100]
+    vectors[copies] = vectors[copies[0]]
+    stored = PackedVectors(torch.from_numpy(vectors)) if packed else torch.from_numpy(vectors)
+    queries = np.concatenate([vectors[copies[:1]] + 0.01,
+                              rng.standard_normal((4, 48), dtype=np.float32)])
+    for size in (1, 2, 5):
+        scores, ids = top_k_inner_product(stored, queries[:size], 8)
+        np.testing.assert_array_equal(ids[0], np.sort(copies)[:8])
+        assert (scores[0] == scores[0][0]).all()
+    alone = top_k_inner_product(stored, queries[4:], 8)
+    np.testing.assert_array_equal(alone[1][0], top_k_inner_product(stored, queries, 8)[1][4])
+
+
+def test_the_norm_bound_covers_every_vector():
+    vectors = torch.randn(5000, 33, dtype=torch.float16) * 7
+    assert largest_norm(vectors) >= float(vectors.double().norm(dim=1).max())
+    assert largest_norm(vectors) < 1.001 * float(vectors.double().norm(dim=1).max())

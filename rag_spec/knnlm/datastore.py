@@ -30,7 +30,7 @@ from rag_spec.corpus import DEFAULT_SOURCES, fingerprint, load_passages
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.keys import KeyedLM, KeyKind
 from rag_spec.paths import atomic_dir, atomic_file, cache_dir
-from rag_spec.retrieval.flat_search import CHUNK_ROWS, top_k_inner_product
+from rag_spec.retrieval.flat_search import CHUNK_ROWS, largest_norm, top_k_inner_product
 from rag_spec.retrieval.knowledge_base import corpus_dir
 
 KINDS = ("flat", "ivfpq")
@@ -69,6 +69,7 @@ class KNNDatastore:
             dtype = np.float16 if precision == "float16" else np.float32
             self._keys = torch.from_numpy(np.ascontiguousarray(keys, dtype=dtype))
             self._half_norms = _half_squared_norms(self._keys)
+            self._max_norm = largest_norm(self._keys)
         else:
             self._index = index if index is not None else build_ivfpq(keys)
             self._index.nprobe = nprobe
@@ -91,7 +92,8 @@ class KNNDatastore:
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.dim)
         if self._keys is not None:
             # |q - x|^2 = |q|^2 - 2 (q.x - |x|^2 / 2): an inner-product top-k with a bias.
-            scores, ids = top_k_inner_product(self._keys, queries, k, bias=self._half_norms)
+            scores, ids = top_k_inner_product(self._keys, queries, k, bias=self._half_norms,
+                                              max_norm=self._max_norm)
             distances = (queries**2).sum(1, keepdims=True) - 2 * scores
             return np.maximum(distances, 0), ids
         distances, ids = self._index.search(queries, k)

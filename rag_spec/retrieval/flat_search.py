@@ -14,7 +14,11 @@ Zen 3) a query scored in a batch of nine differs in the last bits from the same 
 alone. Speculative retrieval is lossless only if a batched verification finds what the naive
 loop's one-query searches find, so the product only shortlists candidates, and their scores
 are computed again in float64 with elementwise operations only, in an order the dimension fixes
-(``_exact_scores``): the same bits in any batch, on any CPU.
+(``_exact_scores``): the same bits in any batch, on any CPU. The shortlist is proven long
+enough, not assumed: a row left out scores at most the shortlist's lowest product score plus
+the product's rounding bound (``_product_error``, from the vectors' largest norm), and while
+that could reach the k-th best exact score (many ties, e.g. keys repeated where texts start
+alike) the shortlist grows fourfold and the search runs again for that query.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rag_spec_kernels import onednn_ops_available, pack_weight, packed_linear
 
 CHUNK_ROWS = 262_144  # rows scored at a time: bounds the score buffer to CHUNK_ROWS x queries
 CONVERT_ROWS = 4_096  # float16 rows converted to float32 at a time
-SHORTLIST_MARGIN = 16  # candidates beyond 2 k rescored: the product's rounding moves ranks by few
+SHORTLIST_MARGIN = 16  # first shortlist: 2 k + this many (widened until proven)
 
 
 def flat_vectors(index: Any) -> torch.Tensor:
@@ -84,45 +88,88 @@ def _plain_scores(vectors: torch.Tensor,
 
 
 def top_k_inner_product(vectors: torch.Tensor | PackedVectors, queries: np.ndarray,
-                        k: int, bias: torch.Tensor | None = None
-                        ) -> tuple[np.ndarray, np.ndarray]:
+                        k: int, bias: torch.Tensor | None = None,
+                        max_norm: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(scores, ids) of shape (n_queries, min(k, rows)), best first, ties by id; ``bias`` (one
     value per row) is subtracted from every query's scores (an L2 search's half squared norms).
-    A query's result does not depend on the other queries of the batch."""
+    A query's result does not depend on the other queries of the batch. ``max_norm`` bounds the
+    vectors' norms (``largest_norm``; None: measured here, a pass over the vectors)."""
     n_queries = len(queries)
     found = min(k, len(vectors))
     if found == 0:
         return np.zeros((n_queries, 0), np.float32), np.zeros((n_queries, 0), np.int64)
     q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
-    shortlist = min(2 * found + SHORTLIST_MARGIN, len(vectors))
-    blocks = (vectors.scores(q) if isinstance(vectors, PackedVectors)
-              else _plain_scores(vectors, q))
-    best_scores, best_ids = [], []
+    raw = vectors.vectors if isinstance(vectors, PackedVectors) else vectors
+    slack = _product_error(q, largest_norm(raw) if max_norm is None else max_norm, bias)
+    scores = torch.empty((n_queries, found), dtype=torch.float64)
+    ids = torch.empty((n_queries, found), dtype=torch.long)
+    pending, size = torch.arange(n_queries), 2 * found + SHORTLIST_MARGIN
     with torch.no_grad():
-        for start, scores in blocks:
-            if bias is not None:
-                scores = scores - bias[start:start + scores.shape[1]]
-            top = torch.topk(scores[:n_queries], min(shortlist, scores.shape[1]), dim=1)
-            best_scores.append(top.values)
-            best_ids.append(top.indices + start)
-        scores, ids = torch.cat(best_scores, dim=1), torch.cat(best_ids, dim=1)
-        if len(best_scores) > 1:
-            ids = ids.gather(1, torch.topk(scores, shortlist, dim=1).indices)
-        raw = vectors.vectors if isinstance(vectors, PackedVectors) else vectors
-        ids = ids.sort(dim=1).values  # ties go to the lower id
-        exact = _exact_scores(raw, q, ids, bias)
-        order = exact.sort(dim=1, descending=True, stable=True).indices[:, :found]
-        scores, ids = exact.gather(1, order), ids.gather(1, order)
-    return (np.ascontiguousarray(scores.numpy()),
+        while len(pending):
+            size = min(size, len(vectors))
+            boundary, candidates = _shortlist(vectors, q[pending], size, bias)
+            exact = _exact_scores(raw, q[pending], candidates, bias)
+            order = exact.sort(dim=1, descending=True, stable=True).indices[:, :found]
+            best = exact.gather(1, order)
+            # a row outside the shortlist scores at most `boundary` by the product, so at most
+            # `boundary + slack` exactly: below the found-th best, it cannot be among them
+            proven = (boundary + slack[pending] < best[:, -1]) | (size == len(vectors))
+            scores[pending[proven]] = best[proven]
+            ids[pending[proven]] = candidates.gather(1, order)[proven]
+            pending, size = pending[~proven], 4 * size
+    return (np.ascontiguousarray(scores.float().numpy()),
             np.ascontiguousarray(ids.numpy(), dtype=np.int64))
+
+
+def largest_norm(vectors: torch.Tensor) -> float:
+    """An upper bound on the vectors' norms (a pass over them; callers keep it)."""
+    largest = max(float(vectors[start:start + CHUNK_ROWS // 4].float().norm(dim=1).max())
+                  for start in range(0, len(vectors), CHUNK_ROWS // 4))
+    return largest * (1 + 2 * (vectors.shape[1] + 2) * _UNIT)
+
+
+_UNIT = 2.0**-24  # float32's unit roundoff
+_RESCORED_AT_ONCE = 4_096  # candidates per query rescored in one piece
+
+
+def _product_error(queries: torch.Tensor, max_norm: float, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """[n_queries] bounds on how far a float32 product's score (a d-term sum in any order, then
+    less the bias) can be from the exact one: (d + 2) u (|q| |v| + |bias|), doubled for the
+    roundings of the bound itself and of the float64 rescoring."""
+    largest_bias = 0.0 if bias is None else float(bias.abs().max())
+    return (2 * (queries.shape[1] + 2) * _UNIT
+            * (queries.double().norm(dim=1) * max_norm + largest_bias))
+
+
+def _shortlist(vectors: torch.Tensor | PackedVectors, queries: torch.Tensor, size: int,
+               bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's ``size`` best rows by the matrix product: ([n_queries] the lowest product
+    score among them, which no row left out exceeds; [n_queries, size] their ids, ascending)."""
+    n_queries = len(queries)
+    blocks = (vectors.scores(queries) if isinstance(vectors, PackedVectors)
+              else _plain_scores(vectors, queries))
+    best_scores, best_ids = [], []
+    for start, scores in blocks:
+        if bias is not None:
+            scores = scores - bias[start:start + scores.shape[1]]
+        top = torch.topk(scores[:n_queries], min(size, scores.shape[1]), dim=1)
+        best_scores.append(top.values)
+        best_ids.append(top.indices + start)
+    scores, ids = torch.cat(best_scores, dim=1), torch.cat(best_ids, dim=1)
+    top = torch.topk(scores, size, dim=1)
+    return top.values[:, -1].double(), ids.gather(1, top.indices).sort(dim=1).values
 
 
 def _exact_scores(vectors: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """[n_queries, candidates] float32 inner products of each query with its candidates
+    """[n_queries, candidates] float64 inner products of each query with its candidates
     ``ids``, less ``bias``: float64 products (exact) summed by halving the dimension, with
-    elementwise additions only, so no kernel's blocking or threading can change the order;
-    then rounded once."""
+    elementwise additions only, so no kernel's blocking or threading can change the order."""
+    if ids.shape[1] > _RESCORED_AT_ONCE:  # a long shortlist: bounded memory
+        return torch.cat([_exact_scores(vectors, queries, ids[:, start:start + _RESCORED_AT_ONCE],
+                                        bias)
+                          for start in range(0, ids.shape[1], _RESCORED_AT_ONCE)], dim=1)
     candidates = vectors[ids.reshape(-1)].reshape(*ids.shape, -1)
     terms = candidates.double() * queries.double()[:, None, :]
     while terms.shape[-1] > 1:
@@ -134,4 +181,4 @@ def _exact_scores(vectors: torch.Tensor, queries: torch.Tensor, ids: torch.Tenso
     total = terms[..., 0]
     if bias is not None:
         total = total - bias[ids].double()
-    return total.float()
+    return total

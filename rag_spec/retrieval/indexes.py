@@ -15,7 +15,12 @@ import numpy as np
 
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.embedder import Embedder
-from rag_spec.retrieval.flat_search import PackedVectors, flat_vectors, top_k_inner_product
+from rag_spec.retrieval.flat_search import (
+    PackedVectors,
+    flat_vectors,
+    largest_norm,
+    top_k_inner_product,
+)
 
 DENSE_KINDS = ("flat", "hnsw", "ivf")
 KINDS = (*DENSE_KINDS, "bm25")
@@ -32,6 +37,7 @@ class DenseIndex:
         self.index = _maybe_on_gpu(cpu_index, kind)
         self.embedder = embedder
         self.packed: PackedVectors | None = None
+        self.max_norm: float | None = None  # of the flat index's vectors, once searched
 
     @classmethod
     def build(cls, kind: str, vectors: np.ndarray, embedder: Embedder) -> DenseIndex:
@@ -68,7 +74,9 @@ class DenseIndex:
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self.kind == "flat" and self.index is self.cpu_index:  # exact, on CPU: see flat_search
             stored = self.packed if self.packed is not None else flat_vectors(self.index)
-            return _pad(*top_k_inner_product(stored, vectors, k), k)
+            if self.max_norm is None:
+                self.max_norm = largest_norm(flat_vectors(self.index))
+            return _pad(*top_k_inner_product(stored, vectors, k, max_norm=self.max_norm), k)
         scores, ids = self.index.search(vectors, k)
         return scores, ids
 
