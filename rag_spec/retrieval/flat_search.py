@@ -125,10 +125,9 @@ def largest_norm(vectors: torch.Tensor) -> float:
     """An upper bound on the vectors' norms (a pass over them; callers keep it)."""
     largest = max(float(vectors[start:start + CHUNK_ROWS // 4].float().norm(dim=1).max())
                   for start in range(0, len(vectors), CHUNK_ROWS // 4))
-    return largest * (1 + 2 * (vectors.shape[1] + 2) * _UNIT)
+    return largest * (1 + 2 * (vectors.shape[1] + 2) * 2.0**-24)
 
 
-_UNIT = 2.0**-24  # float32's unit roundoff
 _RESCORED_AT_ONCE = 4_096  # candidates per query rescored in one piece
 
 
@@ -138,8 +137,15 @@ def _product_error(queries: torch.Tensor, max_norm: float, bias: torch.Tensor | 
     less the bias) can be from the exact one: (d + 2) u (|q| |v| + |bias|), doubled for the
     roundings of the bound itself and of the float64 rescoring."""
     largest_bias = 0.0 if bias is None else float(bias.abs().max())
-    return (2 * (queries.shape[1] + 2) * _UNIT
+    return (2 * (queries.shape[1] + 2) * _unit_roundoff()
             * (queries.double().norm(dim=1) * max_norm + largest_bias))
+
+
+def _unit_roundoff() -> float:
+    """float32 products' unit roundoff; coarser where the process lets torch multiply float32
+    in TF32 or bfloat16 (``torch.set_float32_matmul_precision``)."""
+    return {"highest": 2.0**-24, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(),
+                                                       2.0**-8)
 
 
 def _shortlist(vectors: torch.Tensor | PackedVectors, queries: torch.Tensor, size: int,
