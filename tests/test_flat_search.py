@@ -1,5 +1,7 @@
 """The exact flat search finds what faiss's own flat search finds, chunk boundaries included."""
 
+import math
+
 import faiss
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from rag_spec.retrieval.flat_search import (
     PackedVectors,
     flat_vectors,
     largest_norm,
+    norm_bound,
     top_k_inner_product,
 )
 from rag_spec_kernels import onednn_ops_available
@@ -127,3 +130,6 @@ def test_the_norm_bound_covers_every_vector():
     vectors = torch.randn(5000, 33, dtype=torch.float16) * 7
     assert largest_norm(vectors) >= float(vectors.double().norm(dim=1).max())
     assert largest_norm(vectors) < 1.001 * float(vectors.double().norm(dim=1).max())
+    squares = vectors.float().pow(2).sum(1)  # a datastore's bound comes from its squared norms
+    from_squares = norm_bound(math.sqrt(float(squares.max())), 33)
+    assert from_squares >= float(vectors.double().norm(dim=1).max())

@@ -44,12 +44,14 @@ def onednn_available(model: Any) -> bool:
     instructions oneDNN's bfloat16 kernels need (AVX-512 or AVX-NE-CONVERT; not on AVX2-only
     CPUs such as AMD's Zen 3, where the stock kernels run instead)."""
     return (onednn_ops_available() and model.device.type == "cpu"
-            and model.dtype in (torch.float32, torch.bfloat16) and _packs(model.dtype))
+            and model.dtype in (torch.float32, torch.bfloat16) and onednn_packs(model.dtype))
 
 
 @functools.cache
-def _packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN reorders and multiplies ``dtype`` weights on this CPU (tried once)."""
+    if not onednn_ops_available():
+        return False
     try:
         packed_linear(torch.ones(1, 16, dtype=dtype), pack_weight(torch.ones(16, 16, dtype=dtype)))
     except RuntimeError:

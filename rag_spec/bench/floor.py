@@ -43,7 +43,7 @@ def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
     """Seconds a step over ``rows`` tokens spends in its linear layers (the LM head included)
     if each ran as fast as the best of several isolated products of its shape, its weight in
     cache, on the stock kernel or oneDNN's packed one where this CPU has it."""
-    from rag_spec_kernels import onednn_ops_available, pack_weight, packed_linear
+    from rag_spec_kernels import onednn_packs, pack_weight, packed_linear
 
     shapes = Counter(tuple(m.weight.shape) for m in model.modules()
                      if isinstance(m, torch.nn.Linear))
@@ -52,12 +52,9 @@ def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
         x = torch.randn(rows, inner).to(model.dtype)
         weight = torch.randn(outer, inner).to(model.dtype)
         products = [lambda x=x, w=weight: torch.nn.functional.linear(x, w)]
-        if onednn_ops_available():
-            try:
-                packed = pack_weight(weight)
-                products.append(lambda x=x, p=packed: packed_linear(x, p))
-            except RuntimeError:  # no oneDNN kernels for this dtype on this CPU
-                pass
+        if onednn_packs(model.dtype):
+            packed = pack_weight(weight)
+            products.append(lambda x=x, p=packed: packed_linear(x, p))
         best = float("inf")
         for product in products:
             product()  # kernels chosen before timing

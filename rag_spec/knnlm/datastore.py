@@ -30,7 +30,7 @@ from rag_spec.corpus import DEFAULT_SOURCES, fingerprint, load_passages
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.keys import KeyedLM, KeyKind
 from rag_spec.paths import atomic_dir, atomic_file, cache_dir
-from rag_spec.retrieval.flat_search import CHUNK_ROWS, largest_norm, top_k_inner_product
+from rag_spec.retrieval.flat_search import CHUNK_ROWS, norm_bound, top_k_inner_product
 from rag_spec.retrieval.knowledge_base import corpus_dir
 
 KINDS = ("flat", "ivfpq")
@@ -69,7 +69,7 @@ class KNNDatastore:
             dtype = np.float16 if precision == "float16" else np.float32
             self._keys = torch.from_numpy(np.ascontiguousarray(keys, dtype=dtype))
             self._half_norms = _half_squared_norms(self._keys)
-            self._max_norm = largest_norm(self._keys)
+            self._max_norm = norm_bound(math.sqrt(2 * float(self._half_norms.max())), self.dim)
         else:
             self._index = index if index is not None else build_ivfpq(keys)
             self._index.nprobe = nprobe

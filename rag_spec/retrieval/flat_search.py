@@ -125,7 +125,12 @@ def largest_norm(vectors: torch.Tensor) -> float:
     """An upper bound on the vectors' norms (a pass over them; callers keep it)."""
     largest = max(float(vectors[start:start + CHUNK_ROWS // 4].float().norm(dim=1).max())
                   for start in range(0, len(vectors), CHUNK_ROWS // 4))
-    return largest * (1 + 2 * (vectors.shape[1] + 2) * 2.0**-24)
+    return norm_bound(largest, vectors.shape[1])
+
+
+def norm_bound(largest: float, dim: int) -> float:
+    """``largest``, a norm computed in float32 over ``dim`` terms, raised past its rounding."""
+    return largest * (1 + 2 * (dim + 2) * 2.0**-24)
 
 
 _RESCORED_AT_ONCE = 4_096  # candidates per query rescored in one piece

@@ -73,9 +73,10 @@ class DenseIndex:
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self.kind == "flat" and self.index is self.cpu_index:  # exact, on CPU: see flat_search
-            stored = self.packed if self.packed is not None else flat_vectors(self.index)
+            plain = flat_vectors(self.index)
             if self.max_norm is None:
-                self.max_norm = largest_norm(flat_vectors(self.index))
+                self.max_norm = largest_norm(plain)
+            stored = self.packed if self.packed is not None else plain
             return _pad(*top_k_inner_product(stored, vectors, k, max_norm=self.max_norm), k)
         scores, ids = self.index.search(vectors, k)
         return scores, ids
