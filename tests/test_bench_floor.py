@@ -5,7 +5,13 @@ import torch
 
 from conftest import tiny_llama
 from rag_spec.bench import floor
-from rag_spec.bench.floor import product_seconds, read_bandwidth, step_seconds, weight_bytes
+from rag_spec.bench.floor import (
+    compiled_over_eager,
+    product_seconds,
+    read_bandwidth,
+    step_seconds,
+    weight_bytes,
+)
 from rag_spec.cli import main
 
 
@@ -50,6 +56,19 @@ def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
                           "rag_spec_exact_5"}
     assert all(0 < seconds < 10 for seconds in costs.values())
     assert all((model.state_dict()[k] == v).all() for k, v in state.items())
+
+
+def test_the_compiled_step_is_timed_beside_ours_and_leaves_the_model_alone():
+    model = tiny_llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    report = compiled_over_eager(model, list(range(3, 40)), widths=(4,), rounds=2)
+    assert report["first_pass_s"][4] > 0  # compiled once, in the first round
+    assert all(0 < report[key][4] < 10_000 for key in ("compiled_ms", "eager_ms"))
+    assert report["compiled_over_eager"][4] > 0
+    assert report["max_logit_error"][4] < 1e-4 and report["same_argmax"][4]
+    assert all((model.state_dict()[k] == v).all() for k, v in state.items())
+    assert model.config.to_dict() == config
 
 
 def test_unknown_dtypes_are_refused(capsys):

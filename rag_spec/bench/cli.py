@@ -21,6 +21,9 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     lookahead.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                            help="model dtype (bfloat16: ours runs exact numerics)")
+    lookahead.add_argument("--compiled", action="store_true",
+                           help="also our decoder with torch.compile'd steps (compiles for "
+                                "minutes on a CPU)")
     lookahead.set_defaults(run=_lookahead)
     draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
     draft.add_argument("--layers", type=int, default=8,
@@ -80,6 +83,9 @@ def add_bench_commands(commands: Any) -> None:
     floor.add_argument("--dtype", type=_dtypes, default=("float32", "bfloat16"),
                        help="comma-separated (default float32,bfloat16)")
     floor.add_argument("--json", dest="json_out", help="write the report here")
+    floor.add_argument("--compiled", action="store_true",
+                       help="also time a torch.compile'd step on a static cache against ours "
+                            "(compiles for minutes on a CPU)")
     floor.set_defaults(run=_floor)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
@@ -108,7 +114,7 @@ def _dtypes(text: str) -> tuple[str, ...]:
 def _floor(args: argparse.Namespace) -> int:
     from rag_spec.bench.floor import run
 
-    run(dtypes=args.dtype, json_out=args.json_out)
+    run(dtypes=args.dtype, json_out=args.json_out, compiled=args.compiled)
     return 0
 
 
@@ -127,7 +133,7 @@ def _lookahead(args: argparse.Namespace) -> int:
     from rag_spec.bench.lookahead import run
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, dtype=args.dtype)
+        limit=args.limit, dtype=args.dtype, compiled=args.compiled)
     return 0
 
 

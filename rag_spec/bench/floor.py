@@ -14,6 +14,11 @@ its best (weight in cache, the faster kernel), for one token and for a tree; wit
 products taken at no less than the weight read. The report's estimate of tree/plain is then
 the one-token step with its products swapped for the tree's: what a tree step would cost beside
 a one-token step if the products alone grew, each at its best speed.
+
+``--compiled`` also times the step gpt-fast style (``compiled_step_seconds``): a static KV cache
+sized for the answer, a dense mask over it, the whole forward pass through ``torch.compile``
+(inductor's C++ on a CPU), interleaved with our eager runner's steps of the same widths. It
+answers whether a compiled step would pay before the decoder carries one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +125,90 @@ def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int]
     return costs
 
 
+@dataclass(frozen=True)
+class CompiledSteps:
+    """``compiled_step_seconds``' findings, per width."""
+
+    seconds: dict[int, float]  # median of a pass
+    first_pass_seconds: dict[int, float]  # tracing and compiling, or loading inductor's cache
+    logit_error: dict[int, float]  # largest |compiled - the model's own eager logits|
+    same_argmax: dict[int, bool]  # every position's top token the same as eager's
+
+
+@torch.inference_mode()
+def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int],
+                          repeats: int = 9, answer_tokens: int = 128) -> CompiledSteps:
+    """Time a compiled forward pass over a root plus a chain of ``width - 1`` tokens after
+    ``prompt`` (the prompt's last ``width`` tokens again), per width, and check its logits
+    against the model's own eager pass over the same tokens. The pass runs our runner's private
+    module tree on the stock linear kernels with a static cache of ``prompt + answer_tokens +
+    width`` slots and a dense additive mask over them; shapes are dynamic, so one compilation
+    serves every width above one (a single token compiles its own)."""
+    from rag_spec.decoding import Runner, RunnerSettings
+    from rag_spec.decoding.compiled_step import CompiledStep, rewind, static_cache
+
+    module = Runner.of(model, RunnerSettings(onednn_linear=False)).module
+    device, length = model.device, len(prompt)
+    capacity = length + answer_tokens + max(widths)
+    cache = static_cache(module.config, capacity)
+    module(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=cache,
+           use_cache=True)
+    step = CompiledStep(module)
+
+    def compiled(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+                 ) -> torch.Tensor:
+        rewind(cache, length)  # each pass rewrites the same slots
+        return step(input_ids=ids, position_ids=positions, attention_mask=mask,
+                    past_key_values=cache)
+
+    found = CompiledSteps({}, {}, {}, {})
+    for width in widths:
+        chain = list(prompt)[-width:]
+        ids = torch.tensor([chain], device=device)
+        positions = torch.arange(length, length + width, device=device)[None]
+        allowed = torch.zeros(1, 1, width, capacity, dtype=torch.bool, device=device)
+        allowed[..., :length] = True
+        allowed[0, 0, :, length:length + width] = torch.ones(width, width).tril().bool()
+        mask = torch.zeros(allowed.shape, dtype=model.dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+        timings = [_seconds(lambda i=ids, p=positions, m=mask: compiled(i, p, m), device)
+                   for _ in range(repeats + 1)]
+        logits = compiled(ids, positions, mask).float()
+        eager = model(input_ids=torch.tensor([list(prompt) + chain], device=device)
+                      ).logits[:, -width:].float()
+        found.first_pass_seconds[width], found.seconds[width] = timings[0], median(timings[1:])
+        found.logit_error[width] = (logits - eager).abs().max().item()
+        found.same_argmax[width] = bool((logits.argmax(-1) == eager.argmax(-1)).all())
+    return found
+
+
+def compiled_over_eager(model: Any, prompt: Sequence[int], widths: Sequence[int],
+                        rounds: int = 3) -> dict[str, Any]:
+    """The compiled step against our eager runner's, interleaved over ``rounds``: per width the
+    median of the rounds' ratios, both systems' median milliseconds, the first round's first-pass
+    seconds (compilation; later rounds reuse it) and its logits' agreement with eager ones."""
+    ratios: dict[int, list[float]] = {w: [] for w in widths}
+    eager: dict[int, list[float]] = {w: [] for w in widths}
+    compiled: dict[int, list[float]] = {w: [] for w in widths}
+    first: CompiledSteps | None = None
+    for _ in range(rounds):
+        ours = runner_step_seconds(model, prompt, widths)
+        theirs = compiled_step_seconds(model, prompt, widths)
+        first = first or theirs
+        for width in widths:
+            eager[width].append(ours[width])
+            compiled[width].append(theirs.seconds[width])
+            ratios[width].append(theirs.seconds[width] / ours[width])
+    assert first is not None
+    return {"compiled_ms": {w: round(1e3 * median(t), 2) for w, t in compiled.items()},
+            "eager_ms": {w: round(1e3 * median(t), 2) for w, t in eager.items()},
+            "compiled_over_eager": {w: round(median(r), 2) for w, r in ratios.items()},
+            "first_pass_s": {w: round(s, 1) for w, s in first.first_pass_seconds.items()},
+            "max_logit_error": first.logit_error, "same_argmax": first.same_argmax}
+
+
 def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = None,
-        model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
+        model_name: str = "smollm2-135m-instruct", compiled: bool = False) -> dict[str, Any]:
     """Measure, print a table, write JSON and a PNG plot; return the report."""
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import RAG_QUESTIONS
@@ -151,6 +239,13 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
             "products_ms": {rows: round(1e3 * t, 2) for rows, t in products.items()},
             "tree_over_plain_estimate": round(estimate / plain, 2),
             "exact_tree_over_plain": tree_over_plain["rag_spec_exact"]}
+        if compiled:
+            row = report["dtypes"][dtype]
+            row["compiled"] = compiled_over_eager(lm.model, prompt, (1, 5, 1 + TREE_NODES))
+            for width in (1, 1 + TREE_NODES):  # beside the others in the plot
+                ms = row["compiled"]["compiled_ms"][width]
+                row["step_ms"][f"compiled_{width}"] = ms
+                row["over_floor"][f"compiled_{width}"] = round(ms / row["floor_ms"], 2)
     publish(report, json_out, "floor", _plot, _print_table)
     return report
 
@@ -176,7 +271,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
                width, label=f"{dtype} (floor {row['floor_ms']} ms)")
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_xticks([j + width * (len(report["dtypes"]) - 1) / 2 for j in range(len(names))],
-                  names)
+                  names, rotation=20, ha="right")
     ax.set_ylabel("step cost / weight-read floor")
     ax.legend()
     save_figure(fig, path, f"{report['model']}, {report['read_bandwidth_gb_s']} GB/s read, "
@@ -193,3 +288,8 @@ def _print_table(report: dict[str, Any]) -> None:
               f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x); "
               f"linear products at their best: {row['products_ms']} ms for 1 / "
               f"{1 + TREE_NODES} tokens, so tree/plain ~{row['tree_over_plain_estimate']}x")
+        if "compiled" in row:
+            c = row["compiled"]
+            print(f"{dtype} compiled (static cache, torch.compile) / our eager step, per width: "
+                  f"{c['compiled_over_eager']} ({c['compiled_ms']} ms against {c['eager_ms']} "
+                  f"ms; first passes {c['first_pass_s']} s)")

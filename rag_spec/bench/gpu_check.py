@@ -14,6 +14,8 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   generation, and our no-drafts ablation;
 - step costs: transformers' one-token step, and ours over 1, 8, 16 and 32 tokens (also with
   exact numerics) at a long context;
+- a compiled step (``torch.compile`` over a static cache) against our eager one, 1 to 17 tokens
+  wide, at that context, with its logits' error against the model's own;
 - the tree-attention kernel (Triton) against its torch reference and against transformers'
   attention (KV heads repeated, a dense mask) at batch 16 and a long context, chains of 1 to 8
   tokens and a StreamingLLM selection; and self-speculation's steps at that batch: a one-token
@@ -42,7 +44,7 @@ from rag_spec.bench.report import figure, machine, save_figure
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "speed",
-            "step_ms", "attention_kernel", "long_context_batch")
+            "step_ms", "compiled_step", "attention_kernel", "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trained_exit": lambda: _trained_exit(target, args.draft_layers),
         "speed": lambda: _speed(target, args.draft_layers, 24 if args.tiny else 128),
         "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
+        "compiled_step": lambda: _compiled_step(target, 64 if args.tiny else args.context),
         "attention_kernel": lambda: _attention_kernel(target, 16, 64 if args.tiny else 4096),
         "long_context_batch": lambda: _long_batch(target, 4 if args.tiny else 16,
                                                   64 if args.tiny else args.context)}
@@ -308,6 +311,15 @@ def _step_costs(target: Any, context: int) -> dict[str, float]:
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
     costs = step_seconds(target, prompt, (1, 8, 16, 32), repeats=5)
     return {name: round(1000 * seconds, 2) for name, seconds in costs.items()}
+
+
+def _compiled_step(target: Any, context: int) -> dict[str, Any]:
+    """A torch.compile'd step on a static cache against our eager one, 1 to 17 tokens wide,
+    after a ``context``-token prefill (ratios, milliseconds, compile seconds, logit error)."""
+    from rag_spec.bench.floor import compiled_over_eager
+
+    prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
+    return compiled_over_eager(target, prompt, (1, 8, 17))
 
 
 def _sync(model: Any) -> None:

@@ -4,13 +4,15 @@ Systems run interleaved on each prompt, all greedy, same model, dtype and device
 greedy and its prompt lookup (the peers), ours, and two ablations of ours (no drafts: the same
 kernels without speculation; in float32, stock linear kernels: speculation without ours; in
 half precision, where ours runs exact numerics, the fast kernels: what exactness costs, and
-that without it tokens differ). Outputs are
+that without it tokens differ); with ``--compiled``, ours with torch.compile'd steps, drafting
+and not. Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,10 @@ from rag_spec.bench.report import (
 
 def run(prompts_file: str | None = None, json_out: str | None = None, max_new_tokens: int = 128,
         limit: int | None = None, model_name: str = "smollm2-135m-instruct",
-        dtype: str = "float32") -> dict[str, Any]:
-    """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
+        dtype: str = "float32", compiled: bool = False) -> dict[str, Any]:
+    """Run the benchmark, print a table, write JSON and a PNG plot; return the report.
+    ``compiled`` adds our decoder with compiled steps, drafting and not (its warm-up, which
+    compiles, is reported as ``warm_up_s``)."""
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
 
@@ -50,14 +54,17 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
     ablation, config = ("rag_spec_fast_kernels", LookaheadConfig(exact=False)) \
         if decoder.runner.exact else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
-    systems = _systems(lm.model, {"rag_spec": decoder, "rag_spec_no_drafts": plain,
-                                  ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)},
-                       max_new_tokens)
-    _warm_up(systems, rag[0])
+    decoders = {"rag_spec": decoder, "rag_spec_no_drafts": plain,
+                ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)}
+    if compiled:
+        decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
+            lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))
+            for suffix, budget in (("", LookaheadConfig.budget), ("_no_drafts", 0))})
+    systems = _systems(lm.model, decoders, max_new_tokens)
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,
                               "max_new_tokens": max_new_tokens,
-                              "machine": machine()}
+                              "warm_up_s": _warm_up(systems, rag[0]), "machine": machine()}
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         print(f"{name}: {len(prompts)} prompts")
         runs = interleaved(systems, prompts)
@@ -107,9 +114,14 @@ def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[
     return systems
 
 
-def _warm_up(systems: dict[str, Any], prompt: list[int]) -> None:
-    for system in systems.values():
+def _warm_up(systems: dict[str, Any], prompt: list[int]) -> dict[str, float]:
+    """Run every system once on a short prompt; the seconds each took."""
+    seconds = {}
+    for name, system in systems.items():
+        started = time.perf_counter()
         system(prompt[:64])
+        seconds[name] = round(time.perf_counter() - started, 2)
+    return seconds
 
 
 def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Run]]

@@ -34,7 +34,7 @@ class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
     Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``mode``,
-    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``exact`` (``.runner``).
+    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``exact``, ``compile`` (``.runner``).
     """
 
     budget: int = 12  # most draft nodes verified per step
@@ -50,6 +50,11 @@ class LookaheadConfig:
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
     # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
+    # one-token steps through torch.compile on a static KV cache (gpt-fast style; prompts of
+    # one length, full attention); tree steps stay on the eager fast path, faster for them on
+    # the CPUs measured. Compiling takes a minute or two on a CPU at first use (inductor caches
+    # it across processes); its rounding is inductor's, so half precision needs exact=False
+    compile: bool = False
 
     @property
     def trie(self) -> TrieConfig:
@@ -57,7 +62,8 @@ class LookaheadConfig:
 
     @property
     def runner(self) -> RunnerSettings:
-        return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact)
+        return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact,
+                              compile=self.compile)
 
 
 @dataclass
@@ -319,7 +325,8 @@ class LookaheadDecoder:
                 cache, logits = TreeKVCache.prefill_whole(runner, [r.prompt for r in rows])
                 self._first_tokens(rows, rules, cache, logits)
             else:
-                cache = TreeKVCache.prefill(runner, [r.prompt for r in rows])
+                cache = TreeKVCache.prefill(runner, [r.prompt for r in rows],
+                                            self._capacity(runner, rows, rules))
         target = TargetView(runner, cache)
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
@@ -341,6 +348,17 @@ class LookaheadDecoder:
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
+
+    def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
+        """Slots of a static cache for a compiled runner: the prompt, its answer, and a round
+        (a draft's passes, then roots and trees: twice a step at most); None (a growing cache)
+        without one, or for prompts of several lengths or a sliding window, which the static
+        cache does not hold."""
+        lengths = {len(r.prompt) for r in rows}
+        if runner.compiled is None or len(lengths) > 1 or self._window is not None:
+            return None
+        answer = max(rule.max_new_tokens for rule in rules)
+        return lengths.pop() + answer + 2 * (self.config.budget + 1)
 
     @torch.inference_mode()
     def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,

@@ -100,10 +100,10 @@ def attention_window(config: Any) -> int | None:
 
 def layers(cache: Any) -> list:
     """The per-layer key/value holders of ``cache``, refusing layers that evict entries."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, StaticLayer
 
     found = getattr(cache, "layers", None)
-    full_length = (DynamicLayer, _slab_layer())
+    full_length = (DynamicLayer, _slab_layer(), StaticLayer)
     if found is None or not all(type(layer) in full_length for layer in found):
         kinds = sorted({type(layer).__name__ for layer in found or ()}) or [type(cache).__name__]
         msg = (f"rag-spec needs a transformers DynamicCache of full-length layers (got "

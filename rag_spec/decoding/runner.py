@@ -17,6 +17,11 @@ every token of a step bit for bit as a one-token step (``rag_spec_kernels.exact`
 attention, stock linear kernels in row chunks they compute row-invariantly. Output then equals
 ``generate``'s in bfloat16 too, where rounding differences otherwise change tokens.
 
+With ``compile``, the runner also holds a ``CompiledStep`` (``torch.compile``) of a second
+private copy on the stock linear kernels, which one-token steps on a static cache take: there
+inductor's fused norms and activations save per-operator overhead, while wider steps stay on
+the kernels above, faster for them on the CPUs measured.
+
 Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
 not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
 stock kernels. Runners are built once per (model, settings) and held weakly by the model.
@@ -35,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from rag_spec.decoding.compiled_step import CompiledStep
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,
@@ -61,6 +67,8 @@ class RunnerSettings:
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
     # attention (CPU or GPU), where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
+    # one-token steps through torch.compile on a static cache (not with exact numerics)
+    compile: bool = False
 
 
 class ModuleRunner:
@@ -117,6 +125,8 @@ class Runner(ModuleRunner):
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
+        self.compiled = CompiledStep(_private_tree(model, False)[0]) if settings.compile \
+            else None
         if self.exact:
             _chunk_rows(self.module, own)
         elif _wants_onednn(model, settings):
@@ -186,10 +196,17 @@ def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
     """Whether to run exact numerics; they reproduce transformers' SDPA attention, so a model
-    set to another attention cannot have them."""
+    set to another attention cannot have them, and one-token steps, which a compiled step's
+    fused kernels do not."""
     implementation = getattr(model.config, "_attn_implementation", None)
+    if settings.compile and settings.exact is True:
+        msg = ("A compiled step fuses operations and rounds differently from transformers' "
+               "one-token step, so it cannot have exact numerics: use "
+               "LookaheadConfig(compile=True, exact=False), or compile=False.")
+        raise RagSpecError(msg)
     if settings.exact == "auto":
-        return model.dtype in (torch.bfloat16, torch.float16) and implementation == "sdpa"
+        return (model.dtype in (torch.bfloat16, torch.float16) and implementation == "sdpa"
+                and not settings.compile)
     if settings.exact and implementation != "sdpa":
         msg = (f"Exact numerics reproduce transformers' SDPA attention, but this model runs "
                f"{implementation!r} attention: load it with attn_implementation='sdpa', or use "

@@ -6,6 +6,10 @@ tokens, so a row's slots can hold stale entries ("holes"); ``valid[b, s]`` says 
 ``s`` of row ``b`` holds a committed token. Holes are masked out of attention and never shift
 position ids, which count committed tokens only. A row's *root* is its newest committed token,
 not yet in the cache: every step feeds it first, then the row's draft tree.
+
+A cache made with a ``capacity`` holds a ``StaticCache`` instead (``compiled_step``): its
+passes take a dense mask over every slot, one-token passes through the runner's compiled step
+where it has one.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import Any
 
 import torch
 
+from rag_spec.decoding.compiled_step import rewind, static_cache
 from rag_spec.decoding.kv_cache import attention_window, crop, fill_only, layers, new_cache
 from rag_spec.decoding.tree import TokenTree
+from rag_spec.errors import RagSpecError
 from rag_spec_kernels import SparseView, TreeMask, whole_rows
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
@@ -45,12 +51,14 @@ class TreeKVCache:
         valid: [B, slots] bool, which slots hold committed tokens.
         roots: [B] each row's pending token.
         window: sliding attention window of the model (None: full attention).
+        capacity: the slots of a static ``cache`` (None: a DynamicCache that grows).
     """
 
     def __init__(self, cache: Any, valid: torch.Tensor, roots: Sequence[int],
-                 window: int | None) -> None:
+                 window: int | None, capacity: int | None = None) -> None:
         layers(cache)  # refuses caches whose layers evict entries
         self.cache = cache
+        self.capacity = capacity
         self.valid = valid
         self.roots = list(roots)
         self.positions = valid.sum(dim=1).tolist()  # [B] position id of each root
@@ -60,8 +68,10 @@ class TreeKVCache:
                                             device=valid.device)
 
     @classmethod
-    def prefill(cls, model: Any, prompts: Sequence[Sequence[int]]) -> TreeKVCache:
-        """Run every prompt but its last token (left-padded); the last tokens become roots."""
+    def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], capacity: int | None = None
+                ) -> TreeKVCache:
+        """Run every prompt but its last token (left-padded); the last tokens become roots.
+        With ``capacity``, into a static cache of that many slots (prompts of one length)."""
         prefixes = [list(p[:-1]) for p in prompts]
         device = model.device
         width = max(len(p) for p in prefixes)
@@ -71,8 +81,15 @@ class TreeKVCache:
             if p:
                 ids[b, width - len(p):] = torch.tensor(p)
                 valid[b, width - len(p):] = True
-        tree = cls(new_cache(), valid, [p[-1] for p in prompts],
-                   attention_window(model.config))
+        window = attention_window(model.config)
+        if capacity is None:
+            tree = cls(new_cache(), valid, [p[-1] for p in prompts], window)
+        elif window is None and bool(valid.all()):
+            tree = cls(static_cache(model.config, capacity), valid, [p[-1] for p in prompts],
+                       window, capacity)
+        else:
+            msg = "A static cache holds prompts of one length for full-attention models."
+            raise ValueError(msg)
         if width:
             tree._fill(model, ids.to(device))
         return tree
@@ -192,6 +209,8 @@ class TreeKVCache:
         """Logits [B, W, vocab] of one pass over ``batch``, its KV entries written to the round.
         The compact mask goes to runners whose attention is ``tree_attention``; others (a
         user's wrapped module) get it spelled out as a dense mask."""
+        if self.capacity is not None:
+            return self._forward_static(runner, batch)
         if batch.mask is None:
             masks: dict[str, Any] = {"attention_mask": batch.attention_mask}
         elif runner.tree_attention:
@@ -201,6 +220,27 @@ class TreeKVCache:
             masks = {"attention_mask": _additive(allowed, runner.dtype)}
         return runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
                       past_key_values=self.cache, use_cache=True, **masks).logits
+
+    def _forward_static(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
+        """``forward`` on a static cache: the pass writes after the round's earlier slots and
+        attends through a dense mask over all ``capacity`` slots; a one-token pass (a plain
+        step, one token per row) runs compiled where the runner has a compiled step."""
+        assert self.capacity is not None and batch.mask is not None
+        end = self.length + self.round_length
+        if end > self.capacity:
+            msg = (f"This pass needs {end} slots, more than the static cache's {self.capacity}: "
+                   "a drafter wrote a larger round than the decoder's budget provides for.")
+            raise RagSpecError(msg)
+        rewind(self.cache, end - batch.input_ids.shape[1])
+        seen = batch.mask.over_cache(self.length)
+        allowed = seen.new_zeros(*seen.shape[:2], self.capacity)
+        allowed[..., :seen.shape[-1]] = seen
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+                  "attention_mask": _additive(allowed, runner.dtype), "past_key_values": self.cache}
+        compiled = getattr(runner, "compiled", None)
+        if compiled is not None and batch.input_ids.shape[1] == 1:
+            return compiled(**inputs)
+        return runner(use_cache=True, **inputs).logits
 
     @property
     def round_length(self) -> int:
@@ -230,7 +270,8 @@ class TreeKVCache:
                     gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1,
                                                             tensor.shape[3])
                     tensor[:, :, start:start + width] = tensor.gather(2, gather)
-                setattr(layer, name, tensor[:, :, :start + width])
+                if self.capacity is None:
+                    setattr(layer, name, tensor[:, :, :start + width])
         lengths = torch.tensor([len(k) for k in slots], device=self.valid.device)
         new_valid = torch.arange(width, device=self.valid.device)[None, :] < lengths[:, None]
         self.valid = torch.cat([self.valid, new_valid], dim=1)
@@ -241,7 +282,8 @@ class TreeKVCache:
     def discard_round(self) -> None:
         """Drop every slot the current round wrote (a self-draft's passes, whose entries were
         computed with a sparse view and must not be kept)."""
-        crop(self.cache, self.length)
+        if self.capacity is None:
+            crop(self.cache, self.length)
         self._round_positions = self._round_positions[:, :0]
 
     def _slot_positions(self) -> torch.Tensor:
