@@ -18,7 +18,8 @@ a one-token step if the products alone grew, each at its best speed.
 ``--compiled`` also times the step gpt-fast style (``compiled_step_seconds``): a static KV cache
 sized for the answer, a dense mask over it, the whole forward pass through ``torch.compile``
 (inductor's C++ on a CPU), interleaved with our eager runner's steps of the same widths. It
-answers whether a compiled step would pay before the decoder carries one.
+shows which widths compiling pays for; ``LookaheadConfig(compile=True)`` compiles one-token
+steps only, as measured here.
 """
 
 from __future__ import annotations
@@ -140,20 +141,21 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
                           repeats: int = 9, answer_tokens: int = 128) -> CompiledSteps:
     """Time a compiled forward pass over a root plus a chain of ``width - 1`` tokens after
     ``prompt`` (the prompt's last ``width`` tokens again), per width, and check its logits
-    against the model's own eager pass over the same tokens. The pass runs our runner's private
-    module tree on the stock linear kernels with a static cache of ``prompt + answer_tokens +
-    width`` slots and a dense additive mask over them; shapes are dynamic, so one compilation
-    serves every width above one (a single token compiles its own)."""
+    against the model's own eager pass over the same tokens. The pass is the decoder's compiled
+    step (``Runner.compiled``: a private module tree on the stock linear kernels) with a static
+    cache of ``prompt + answer_tokens + width`` slots and a dense additive mask over them;
+    shapes are dynamic, so one compilation serves every width above one (a single token
+    compiles its own)."""
     from rag_spec.decoding import Runner, RunnerSettings
-    from rag_spec.decoding.compiled_step import CompiledStep, rewind, static_cache
+    from rag_spec.decoding.compiled_step import rewind, static_cache
 
-    module = Runner.of(model, RunnerSettings(onednn_linear=False)).module
+    step = Runner.of(model, RunnerSettings(compile=True)).compiled
+    assert step is not None
     device, length = model.device, len(prompt)
     capacity = length + answer_tokens + max(widths)
-    cache = static_cache(module.config, capacity)
-    module(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=cache,
-           use_cache=True)
-    step = CompiledStep(module)
+    cache = static_cache(step.module.config, capacity)
+    step.module(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=cache,
+                use_cache=True)
 
     def compiled(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                  ) -> torch.Tensor:
