@@ -74,6 +74,8 @@ class RunnerSettings:
 class ModuleRunner:
     """Forward passes of a module tree the fast path owns; call it like the model."""
 
+    compiled: CompiledStep | None = None  # one-token passes on a static cache, if compiled
+
     def __init__(self, module: Any) -> None:
         self.module = module
 

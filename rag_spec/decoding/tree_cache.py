@@ -237,9 +237,8 @@ class TreeKVCache:
         allowed[..., :seen.shape[-1]] = seen
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
                   "attention_mask": _additive(allowed, runner.dtype), "past_key_values": self.cache}
-        compiled = getattr(runner, "compiled", None)
-        if compiled is not None and batch.input_ids.shape[1] == 1:
-            return compiled(**inputs)
+        if runner.compiled is not None and batch.input_ids.shape[1] == 1:
+            return runner.compiled(**inputs)
         return runner(use_cache=True, **inputs).logits
 
     @property
