@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+import rag_spec_kernels.onednn_linear as kernel
 from rag_spec_kernels import (
     LinearStack,
     OneDNNLinear,
@@ -75,6 +76,7 @@ def test_onednn_is_offered_only_for_the_dtypes_this_cpu_packs(dtype):
             torch.testing.assert_close(fast(x), model(x), rtol=2e-2, atol=2e-2)
     else:
         assert dtype == torch.bfloat16
+        assert not kernel.one_row_packed(dtype)
         with pytest.raises(RuntimeError, match="bf16"):
             pack_weight(model.proj.weight.detach())
 
@@ -127,13 +129,17 @@ class Block(torch.nn.Module):
         return torch.cat([q, k, v, mlp], dim=-1)
 
 
+@pytest.mark.parametrize("one_row_packed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 24), (2, 13, 24), (1, 24)])
 @pytest.mark.parametrize("shared", [True, False])
-def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared):
+def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared, one_row_packed,
+                                                                  monkeypatch):
     torch.manual_seed(0)
     model = Block().eval()
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
+    # the CPU's measured choice for single rows, fixed here so that both paths are tested
+    monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
     x = torch.randn(shape)
     other = None if shared else torch.randn(shape)
     calls = []
@@ -141,17 +147,26 @@ def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared)
     fast = private_copy(model)
     with torch.inference_mode():
         expected = model(x, other)
-        import rag_spec_kernels.onednn_linear as kernel
-
-        kernel._POINTWISE = lambda *a: calls.append(a[1]) or pointwise(*a)
-        try:
-            got = fast(x, other)
-        finally:
-            kernel._POINTWISE = pointwise
+        monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
+        got = fast(x, other)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if x.numel() == x.shape[-1]:  # one row: BLAS's matrix-vector products, as F.linear
+    if x.numel() == x.shape[-1] and not one_row_packed:  # BLAS's products, as F.linear
         assert not calls
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         return
     # shared: one product for q/k/v and one for gate/up; otherwise v and up compute alone
     assert len(calls) == (2 if shared else 4)
+
+
+@pytest.mark.parametrize("vendor", ["AMD", "Intel", ""])
+def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
+    # MKL multiplies one row on one core on AMD CPUs; elsewhere BLAS keeps single rows
+    monkeypatch.setattr(kernel, "_cpu_vendor", lambda: vendor)
+    kernel.one_row_packed.cache_clear()
+    try:
+        packed = kernel.one_row_packed(torch.float32)
+    finally:
+        kernel.one_row_packed.cache_clear()
+    expected = vendor == "AMD" and kernel.onednn_packs(torch.float32) \
+        and torch.backends.mkl.is_available()
+    assert packed == expected

@@ -3,10 +3,12 @@
 The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-32 (on the
 machine DESIGN.md describes, a 16-token step costs 2.1x a 1-token step); oneDNN's kernels on a
 blocked weight layout make the same step cost 1.6x its own 1-token step and 1.35x the stock one,
-which is what lets a verified tree pay for itself. A single row still goes to BLAS: its
-matrix-vector product beats oneDNN's there (measured on this project's CPUs: 16.5 ms against
-19.9 ms for the default model's layers). Layers that read the same input (q/k/v,
-gate/up) multiply as one stacked weight: one call and one weight pass, bit-identical results.
+which is what lets a verified tree pay for itself. Which kernel wins for a single row depends
+on the CPU: on an AMX Xeon BLAS's matrix-vector product does (16.5 ms against 19.9 ms for the
+default model's layers), on an AVX2 EPYC oneDNN's does (a one-token step 0.81x BLAS's: MKL
+runs one-row products on one core there); ``one_row_packed`` decides. Layers that read the
+same input (q/k/v, gate/up) multiply as one stacked weight: one call and one weight pass,
+bit-identical results.
 
 The reordered weights are a copy (as large as the layers' weights), made when a stack is built
 and redone by ``LinearStack.refresh`` if a layer's weight changed. ``OneDNNLinear`` modules are
@@ -69,6 +71,26 @@ def packed_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None
     return _POINTWISE(x, packed, bias, "none", [], "")
 
 
+@functools.cache
+def one_row_packed(dtype: torch.dtype) -> bool:
+    """Whether single rows multiply through oneDNN too: on AMD CPUs, where torch's BLAS (MKL)
+    computes a one-row product on one core at ~12 GB/s and oneDNN's reads the weight with every
+    core (16-24 GB/s on two EPYC cores). Decided by the CPU, not timed, so that a process's
+    rounding does not depend on how busy the machine was when it started."""
+    return onednn_packs(dtype) and torch.backends.mkl.is_available() and _cpu_vendor() == "AMD"
+
+
+def _cpu_vendor() -> str:
+    """"AMD", "Intel" or "" (not known: not Linux, or another vendor)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            vendor = next((line.split(":")[1].strip() for line in cpuinfo
+                           if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, "")
+
+
 def is_plain_linear(module: Any) -> bool:
     """Exactly ``nn.Linear`` with the class's own forward: subclasses (quantised layers) and
     layers whose forward someone wrapped keep their own maths."""
@@ -79,7 +101,8 @@ class LinearStack:
     """Sibling linear layers that read one input, multiplied through one stacked weight.
 
     The first layer's product computes every sibling's output; the others take their slice when
-    handed that same input tensor on the same thread, and compute alone otherwise. The weights
+    handed that same input tensor on the same thread, and compute alone otherwise. A single row
+    takes BLAS's per-layer products unless ``one_row_packed`` says oneDNN is faster. The weights
     are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
     (checking costs ~2 us a layer, so it is done once per generation, not per product).
     """
@@ -92,6 +115,7 @@ class LinearStack:
         self._lock = threading.Lock()
         self._version: tuple = ()
         self.refresh()
+        self.one_row_packed = one_row_packed(linears[0].weight.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +145,7 @@ class LinearStack:
             stack.refresh()
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:  # one row: BLAS's matrix-vector product is faster here
+        if x.numel() == x.shape[-1] and not self.one_row_packed:  # BLAS's matrix-vector product
             linear = self.linears[index]
             return torch.nn.functional.linear(x, linear.weight, linear.bias)
         pending = self._pending.__dict__.setdefault("outputs", {})
