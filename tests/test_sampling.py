@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
-from rag_spec.decoding.sampling import SamplingParams
+from rag_spec.decoding.sampling import SamplingParams, _top_p
 from rag_spec.errors import RagSpecError
 
 N = 4000  # samples per test
@@ -114,3 +114,21 @@ def test_verification_processes_only_the_path_it_walks():
                              torch.full((4,), 0.5))
     assert accept(tree, choices) == ([0, 1], 7)
     assert sorted(choices.rows) == [0, 1, 2]  # the root, node 0, node 1: not the other 4
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 12.0])  # 0.05: flat, the nucleus past topk
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_keeps_what_transformers_keeps(scale, top_p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    generator = torch.Generator().manual_seed(int(scale * 100 + top_p * 1000))
+    logits = torch.randn(6, 5000, generator=generator) * scale
+    kept = _top_p(logits, top_p).isfinite()
+    expected = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+    # a token whose probability-above sits within rounding of top_p may go either way
+    probs = logits.double().softmax(-1)
+    above = probs.sort(-1, descending=True).values.cumsum(-1) - probs.sort(
+        -1, descending=True).values
+    near = (above - top_p).abs().min(-1).values < 1e-5
+    assert kept[~near].equal(expected[~near])
+    assert (kept.sum(-1) >= 1).all()

@@ -195,6 +195,10 @@ def _penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch
     return torch.where(seen, penalised, logits)
 
 
+# tokens ``_top_p`` looks for the nucleus among before it sorts a whole vocabulary
+_TOP_P_CANDIDATES = 1024
+
+
 def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, logits.shape[-1])
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
@@ -202,10 +206,19 @@ def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
-    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1] = False  # always keep the most likely token
-    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``: a token
+    stays while the tokens likelier than it hold less than ``top_p`` (transformers' rule).
+
+    Sorting a whole vocabulary costs ~4.5 ms a row on a CPU, a tenth of a small model's step;
+    the nucleus is almost always among the ``_TOP_P_CANDIDATES`` likeliest tokens, found by
+    ``topk`` in ~0.4 ms, so only rows whose candidates hold less than ``top_p`` are sorted whole.
+    """
+    candidates = min(_TOP_P_CANDIDATES, logits.shape[-1])
+    values, order = logits.topk(candidates, dim=-1)  # descending
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    if bool((probs.sum(dim=-1) < top_p).any()):
+        values, order = logits.sort(dim=-1, descending=True)
+        probs = values.softmax(dim=-1)
+    above = probs.cumsum(dim=-1) - probs  # probability of the tokens likelier than each
+    remove = torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, above >= top_p)
     return logits.masked_fill(remove, float("-inf"))
