@@ -138,7 +138,7 @@ def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared,
     model = Block().eval()
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
-    # the CPU's measured choice for single rows, fixed here so that both paths are tested
+    # the CPU's choice for single rows, fixed here so that both paths are tested
     monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
     x = torch.randn(shape)
     other = None if shared else torch.randn(shape)

@@ -81,7 +81,7 @@ def one_row_packed(dtype: torch.dtype) -> bool:
 
 
 def _cpu_vendor() -> str:
-    """"AMD", "Intel" or "" (not known: not Linux, or another vendor)."""
+    """The CPU's maker: AMD, Intel, or an empty string where not known (not Linux, another)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             vendor = next((line.split(":")[1].strip() for line in cpuinfo
