@@ -166,3 +166,43 @@ def test_keep_matches_a_row_by_row_reference(case):
         assert tree.valid[b, old:].tolist() == [i < len(kept) for i in range(tree.length - old)]
         assert tree.positions[b] == before[b] + len(kept)
     assert tree.length == old + max(1 + len(p) for p in paths)
+
+
+def test_finished_rows_leave_the_cache_and_appends_stay_in_place():
+    from rag_spec.decoding.kv_cache import new_cache
+
+    cache = new_cache()
+    values = torch.arange(3 * 4, dtype=torch.float).reshape(3, 1, 4, 1)  # 3 rows, 4 slots
+    cache.update(values.clone(), values.clone(), 0)
+    valid = torch.tensor([[False, True, True, True], [True] * 4, [False, False, True, True]])
+    tree = TreeKVCache(cache, valid, [7, 8, 9], None)
+    tree.keep_rows([2, 0])  # row 1 finished; the others go on, in this order
+    layer = cache.layers[0]
+    assert layer.keys[:, 0, :, 0].tolist() == [[8, 9, 10, 11], [0, 1, 2, 3]]
+    assert layer.values[:, 0, :, 0].tolist() == [[8, 9, 10, 11], [0, 1, 2, 3]]
+    assert tree.valid.tolist() == [valid[2].tolist(), valid[0].tolist()]
+    assert tree.roots == [9, 7] and tree.positions == [2, 3]
+    slab = layer.slabs[0].data_ptr()
+    cache.update(torch.ones(2, 1, 1, 1), torch.ones(2, 1, 1, 1), 0)  # the next pass appends
+    assert layer.slabs[0].data_ptr() == slab and layer.keys.shape == (2, 1, 5, 1)
+
+
+@pytest.mark.parametrize("drafter", ["trie", "early exit", "self-spec", "merged"])
+def test_a_batch_whose_rows_finish_apart_gives_each_row_its_tokens(monkeypatch, drafter,
+                                                                   flat_step_costs):
+    from rag_spec.decoding import EarlyExitDrafter, MergedDrafter, SelfSpecDrafter
+    from rag_spec.decoding.model_drafter import DraftModelDrafter
+
+    left = []
+    keep_rows = TreeKVCache.keep_rows
+    monkeypatch.setattr(TreeKVCache, "keep_rows", lambda cache, rows: left.append(
+        cache.valid.shape[0] - len(rows)) or keep_rows(cache, rows))
+    model = tiny_llama()
+    make = {"trie": lambda: None, "early exit": lambda: EarlyExitDrafter(1),
+            "self-spec": lambda: SelfSpecDrafter(budget=8),
+            "merged": lambda: MergedDrafter(DraftModelDrafter(tiny_llama(seed=3)), eager=True)}
+    decoder = LookaheadDecoder(model, drafter=make[drafter]())
+    prompts = [repetitive_prompt(s, length=12 + 5 * s) for s in range(8)]
+    results = decoder.generate(prompts, max_new_tokens=30)
+    assert left and min(left) > 0  # rows that finished first left the batch (and drafts)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]

@@ -106,7 +106,8 @@ class TreeSizer:
     """The tree size a batch's rows draft this step: the one that brings the batch's end
     soonest per second of verification.
 
-    A step's cost is set by its widest tree, and a batch runs until its last row is done. So
+    A step's cost is set by its widest tree, and a batch runs until its last row is done (its
+    finished rows leave it only once they are a quarter of it). So
     size ``n`` is worth ``min over rows of (1 + expected_r(n)) / remaining_r`` (the share of
     its remaining tokens the slowest row commits per step) over the step's seconds:
     ``costs.verify(1 + n)`` plus, for ``n > 0``, what drafting costs (the rows' recent trees'

@@ -343,11 +343,28 @@ class LookaheadDecoder:
             or not getattr(self.drafter, "draws_drafts", True)
         sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive) if sized else None
-        while any(r.finish_reason is None for r in rows):
-            self._step(rows, rules, target, sizer)
+        live, live_rules = rows, rules  # the rows the cache holds, in its order
+        while any(r.finish_reason is None for r in live):
+            self._step(live, live_rules, target, sizer)
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
+            live, live_rules = self._without_finished(live, live_rules, cache)
             yield
+
+    def _without_finished(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache
+                          ) -> tuple[list[_Row], list[StopRule]]:
+        """The batch without its finished rows once they are a quarter of it: their entries
+        leave the cache (the others' are copied once), so later passes stop reading and
+        computing them. Where the drafter follows (``keep_rows``) and the cache grows."""
+        keep = [b for b, r in enumerate(rows) if r.finish_reason is None]
+        follow = getattr(self.drafter, "keep_rows", None)
+        if not keep or 4 * (len(rows) - len(keep)) < len(rows) or follow is None \
+                or cache.capacity is not None:
+            return rows, rules
+        with torch.inference_mode():
+            cache.keep_rows(keep)
+            follow(cache, keep)
+        return [rows[b] for b in keep], [rules[b] for b in keep]
 
     def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
         """Slots of a static cache for a compiled runner: the prompt, its answer, and a round
@@ -368,7 +385,8 @@ class LookaheadDecoder:
         ``sizer`` caps the rows' trees at the size that pays for this batch (None: each row's
         own budget)."""
         cache, runner = target.cache, target.runner
-        # 1. Draft: a tree per unfinished row (finished rows ride along with no draft).
+        # 1. Draft: a tree per unfinished row (finished rows ride along with no draft until
+        # they leave the batch).
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
         cap, propose_any = (self.config.budget, True) if sizer is None else sizer.size(

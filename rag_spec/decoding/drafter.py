@@ -78,6 +78,10 @@ class Drafter(Protocol):
     whole. Sampled rows keep budgets of their own, since multi-step speculative sampling makes
     their tokens depend on the drafts; a drafter whose trees never carry ``draft_probs`` says
     so with ``draws_drafts = False``, and its sampled batches are sized as greedy ones.
+
+    A drafter with a method ``keep_rows(cache, rows)`` lets finished rows leave a batch: the
+    decoder calls it after ``TreeKVCache.keep_rows`` on the batch's cache, and the drafter keeps
+    its state of that batch for ``rows`` only, in that order. Without it batches stay whole.
     """
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()

@@ -25,6 +25,7 @@ from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.drafter import DraftRequest, DraftSession, TargetView, propose
 from rag_spec.decoding.model_drafter import ModelDrafter
 from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.trie_drafter import TrieDrafter
 
 # A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
@@ -88,6 +89,10 @@ class MergedDrafter:
         self.model = model
         self.trie = trie or TrieDrafter()
         self.eager = eager  # ask the model from the first step, not from the fourth
+
+    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
+        """The model's drafting state follows the rows that go on (the trie's is per row)."""
+        self.model.keep_rows(cache, rows)
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Both:

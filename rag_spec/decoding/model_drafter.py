@@ -110,6 +110,7 @@ class _Batch:
 
     sparse: SparseView | None = None  # committed slots the draft reads (None: all)
     passes = 0  # forward passes run so far
+    shares_cache = False  # whether ``cache`` is the target's own
 
     def __init__(self, runner: ModuleRunner, target: ModuleRunner,
                  contexts: Sequence[Sequence[int]]) -> None:
@@ -146,6 +147,13 @@ class _Batch:
     def end_round(self) -> None:
         """The round's passes are done (their KV entries stay for the next ``begin_round``)."""
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Only the target's rows ``rows`` go on (the others finished): so do their drafts."""
+        self.rows = [self.rows[b] for b in rows]
+        self.offsets = [self.offsets[b] for b in rows]
+        if not self.shares_cache:
+            self.cache.keep_rows(rows)
+
 
 class _SharedBatch(_Batch):
     """Drafting on the target's own cache, in a round of its own dropped before the target
@@ -156,6 +164,8 @@ class _SharedBatch(_Batch):
     entries of the target's layer in its place, which its frozen key and value projections
     (``exit_adapter``) make its own.
     """
+
+    shares_cache = True
 
     def __init__(self, runner: ModuleRunner, target: TargetView, rows: int,
                  cost: float | None = None) -> None:
@@ -184,6 +194,10 @@ class _SharedBatch(_Batch):
         """Drop the draft's KV entries: the target writes its own for what it accepts."""
         self.cache.discard_round()
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        super().keep_rows(rows)
+        self.roots = [self.roots[b] for b in rows]
+
 
 class ModelDrafter:
     """What drafting with a model takes: per-batch draft caches, rounds, the tree's shape.
@@ -211,6 +225,14 @@ class ModelDrafter:
             if batch is None:
                 batch = self._batches[target.cache] = self.new_batch(target, requests)
         return _draft(batch, requests, self.expansion)
+
+    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
+        """The target's batch on ``cache`` goes on with only ``rows`` (``TreeKVCache.keep_rows``
+        was called): its drafting state follows."""
+        with self._lock:
+            batch = self._batches.get(cache)
+        if batch is not None:
+            batch.keep_rows(rows)
 
     def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
         """The drafting state of a new batch: a draft cache prefilled with every context."""

@@ -135,6 +135,13 @@ class _SelfBatch(_SharedBatch):
         if drafted:
             self.acceptance[row].record(drafted, accepted)
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        super().keep_rows(rows)
+        self.acceptance[:] = [self.acceptance[b] for b in rows]  # ``stats`` holds this list
+        if self.window is not None:
+            self.window.keep_rows(rows)
+            self.sparse = self.window.view
+
     def end_round(self) -> None:
         """Drop the draft's KV entries and record what its passes cost."""
         super().end_round()

@@ -8,6 +8,8 @@ only those (not the whole selection every round).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rag_spec.decoding.tree_cache import TreeKVCache
@@ -42,6 +44,15 @@ class SinkWindow:
         self._take(cache)
         self.view.update(self._select.clone(), self._present.clone())
         return self.view
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Only the cache's rows ``rows`` go on (``TreeKVCache.keep_rows``): a view of theirs,
+        whose buffers are gathered again on the next read."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        self._select, self._present = self._select[index], self._present[index]
+        self._sunk = [self._sunk[b] for b in rows]
+        self._next = [self._next[b] for b in rows]
+        self.view = SparseView(self._select.clone(), self._present.clone())
 
     def _take(self, cache: TreeKVCache) -> None:
         start = self._synced

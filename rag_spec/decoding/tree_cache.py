@@ -278,6 +278,27 @@ class TreeKVCache:
         self.roots = list(next_roots)
         self._round_positions = self._round_positions[:, :0]
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Go on with only the batch rows ``rows``, in that order (the others have finished):
+        passes stop reading and computing theirs. The kept rows' entries are copied once,
+        with a slab layer's spare room; a round in progress is kept too."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        for layer in layers(self.cache):
+            slabs = getattr(layer, "slabs", None)
+            length = layer.keys.shape[2]
+            if slabs is not None and all(  # still prefix views of their slabs: keep them so
+                    getattr(layer, name).data_ptr() == slab.data_ptr()
+                    for name, slab in zip(("keys", "values"), slabs)):
+                layer.slabs = tuple(slab.index_select(0, index) for slab in slabs)
+                layer.keys, layer.values = (slab[:, :, :length] for slab in layer.slabs)
+            else:
+                layer.keys, layer.values = (getattr(layer, name).index_select(0, index)
+                                            for name in ("keys", "values"))
+        self.valid = self.valid.index_select(0, index)
+        self.roots = [self.roots[b] for b in rows]
+        self.positions = [self.positions[b] for b in rows]
+        self._round_positions = self._round_positions.index_select(0, index)
+
     def discard_round(self) -> None:
         """Drop every slot the current round wrote (a self-draft's passes, whose entries were
         computed with a sparse view and must not be kept)."""

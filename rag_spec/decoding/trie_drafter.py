@@ -11,6 +11,7 @@ from typing import Literal
 
 from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
 from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
 
 TrieMode = Literal["tree", "chains"]
@@ -61,6 +62,9 @@ class TrieDrafter:
                 ) -> list[TokenTree]:
         """Each row's tree from its own session (tries need nothing from the target)."""
         return propose_each(requests)
+
+    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
+        """Nothing to follow: a row's state is its session, which finished rows drop."""
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> TrieSession:
