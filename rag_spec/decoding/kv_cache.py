@@ -64,9 +64,8 @@ def _append(slab: torch.Tensor | None, current: torch.Tensor, new: torch.Tensor
     under ``torch.inference_mode`` do not record their base."""
     length = current.shape[-2] if current.dim() == 4 else 0
     end = length + new.shape[-2]
-    fits = (slab is not None and current.dim() == 4 and slab.shape[-2] >= end
-            and slab.shape[:2] == new.shape[:2] and slab.shape[-1] == new.shape[-1]
-            and current.data_ptr() == slab.data_ptr() and current.stride() == slab.stride())
+    fits = (slab is not None and _prefix_of(slab, current) and slab.shape[-2] >= end
+            and slab.shape[:2] == new.shape[:2] and slab.shape[-1] == new.shape[-1])
     if not fits:
         slab = new.new_empty(*new.shape[:2], end + max(256, end // 8), new.shape[-1])
         if length:
@@ -74,6 +73,27 @@ def _append(slab: torch.Tensor | None, current: torch.Tensor, new: torch.Tensor
     assert slab is not None
     slab[:, :, length:end] = new
     return slab, slab[:, :, :end]
+
+
+def _prefix_of(slab: torch.Tensor | None, current: torch.Tensor) -> bool:
+    """Whether ``current`` is still a prefix view (along slots) of ``slab``."""
+    return (slab is not None and current.dim() == 4 and current.data_ptr() == slab.data_ptr()
+            and current.stride() == slab.stride())
+
+
+def keep_batch_rows(cache: Any, index: torch.Tensor) -> None:
+    """Keep only the batch rows ``index`` of every layer of ``cache``, copied once; a slab
+    layer keeps its spare room, so appends stay in place."""
+    for layer in layers(cache):
+        slabs = getattr(layer, "slabs", None)
+        length = layer.keys.shape[2]
+        if slabs is not None and _prefix_of(slabs[0], layer.keys) \
+                and _prefix_of(slabs[1], layer.values):
+            layer.slabs = tuple(slab.index_select(0, index) for slab in slabs)
+            layer.keys, layer.values = (slab[:, :, :length] for slab in layer.slabs)
+        else:
+            layer.keys, layer.values = (tensor.index_select(0, index)
+                                        for tensor in (layer.keys, layer.values))
 
 
 def attention_window(config: Any) -> int | None:

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from rag_spec.decoding.compiled_step import rewind, static_cache
-from rag_spec.decoding.kv_cache import attention_window, crop, fill_only, layers, new_cache
+from rag_spec.decoding.kv_cache import (
+    attention_window,
+    crop,
+    fill_only,
+    keep_batch_rows,
+    layers,
+    new_cache,
+)
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import SparseView, TreeMask, whole_rows
@@ -283,17 +290,7 @@ class TreeKVCache:
         passes stop reading and computing theirs. The kept rows' entries are copied once,
         with a slab layer's spare room; a round in progress is kept too."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
-        for layer in layers(self.cache):
-            slabs = getattr(layer, "slabs", None)
-            length = layer.keys.shape[2]
-            if slabs is not None and all(  # still prefix views of their slabs: keep them so
-                    getattr(layer, name).data_ptr() == slab.data_ptr()
-                    for name, slab in zip(("keys", "values"), slabs)):
-                layer.slabs = tuple(slab.index_select(0, index) for slab in slabs)
-                layer.keys, layer.values = (slab[:, :, :length] for slab in layer.slabs)
-            else:
-                layer.keys, layer.values = (getattr(layer, name).index_select(0, index)
-                                            for name in ("keys", "values"))
+        keep_batch_rows(self.cache, index)
         self.valid = self.valid.index_select(0, index)
         self.roots = [self.roots[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]

@@ -7,12 +7,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
 from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.decoding.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
+
+if TYPE_CHECKING:  # the cache is only named here; a trie needs none of it
+    from rag_spec.decoding.tree_cache import TreeKVCache
 
 TrieMode = Literal["tree", "chains"]
 
