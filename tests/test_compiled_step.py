@@ -69,3 +69,29 @@ def test_exact_numerics_cannot_be_compiled():
     # "auto" asks for exact numerics in bfloat16; with compile it gives way
     model = tiny_llama().to(torch.bfloat16)
     assert not LookaheadDecoder(model, config=COMPILED).runner.exact
+
+
+def test_a_static_cache_is_given_back_and_lent_again_its_old_entries_masked(target):
+    decoder = LookaheadDecoder(target, config=COMPILED)
+    first, second = repetitive_prompt(0, length=24), repetitive_prompt(1, length=24)
+    assert decoder.generate(first, 20).token_ids == hf_greedy(target, first, 20)
+    lent = decoder.runner.compiled._spare
+    assert lent is not None
+    assert decoder.generate(second, 20).token_ids == hf_greedy(target, second, 20)
+    assert decoder.runner.compiled._spare[1] is lent[1]  # the same tensors: graphs replay
+
+
+def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
+    model = tiny_llama(seed=5, layers=3)  # a runner of its own: its step is changed below
+    decoder = LookaheadDecoder(model, config=COMPILED)
+    step = decoder.runner.compiled
+    step.graphs = True  # as on a GPU: all widths compiled, slots in steps of 256
+    widths = []
+    forward = step._compiled
+    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
+        forward(**inputs)
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
+    assert max(widths) > 1  # trees ran compiled too
+    assert step._spare is not None and step._spare[0][1] % 256 == 0

@@ -18,8 +18,8 @@ a one-token step if the products alone grew, each at its best speed.
 ``--compiled`` also times the step gpt-fast style (``compiled_step_seconds``): a static KV cache
 sized for the answer, a dense mask over it, the whole forward pass through ``torch.compile``
 (inductor's C++ on a CPU), interleaved with our eager runner's steps of the same widths. It
-shows which widths compiling pays for; ``LookaheadConfig(compile=True)`` compiles one-token
-steps only, as measured here.
+shows which widths compiling pays for; on a CPU ``LookaheadConfig(compile=True)`` compiles
+one-token steps only, as measured here (on a GPU, as CUDA graphs, every width).
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ residual additions into a few fused kernels (C++ on a CPU) around the matrix pro
 
 A static layer writes where its ``cumulative_length`` says; ``rewind`` moves that back, so a
 verification round's rejected entries are overwritten by the next pass.
+
+On a GPU a step is launch-bound (hundreds of small kernels against a few milliseconds of weight
+reads), so there the step is also captured as CUDA graphs (``mode="reduce-overhead"``): one
+graph per pass width, replayed in one launch, and every width runs compiled. A graph replays
+over the cache tensors it recorded, so the step lends its static caches out and takes them back
+(``lend``, ``give_back``) instead of making one per generation.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ class CompiledStep:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self._compiled = torch.compile(self._forward, dynamic=True)
+        self.graphs = next(module.parameters()).device.type == "cuda"
+        self._compiled = torch.compile(self._forward, dynamic=True,
+                                       mode="reduce-overhead" if self.graphs else None)
         self._lock = threading.Lock()
+        self._spare: tuple[tuple[int, int], Any] | None = None  # (batch, slots), a cache
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor, past_key_values: Any) -> torch.Tensor:
@@ -37,7 +46,26 @@ class CompiledStep:
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         with self._lock, torch.inference_mode():
-            return self._compiled(**inputs)
+            if not self.graphs:
+                return self._compiled(**inputs)
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._compiled(**inputs).clone()  # the next replay reuses the graph's output
+
+    def lend(self, batch: int, capacity: int) -> Any:
+        """A static cache of ``capacity`` slots for ``batch`` rows: the one last given back if
+        it has that shape (its graphs replay), else a new one. Give it back when done."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare[0] == (batch, capacity):
+            rewind(spare[1], 0)
+            return spare[1]
+        return static_cache(self.module.config, capacity)
+
+    def give_back(self, cache: Any, batch: int, capacity: int) -> None:
+        """Keep ``cache`` (``batch`` rows, ``capacity`` slots) for the next ``lend``; one is
+        kept at most, so memory stays one cache above what is in use."""
+        with self._lock:
+            self._spare = ((batch, capacity), cache)
 
 
 def static_cache(config: Any, capacity: int) -> Any:

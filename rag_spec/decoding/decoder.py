@@ -350,6 +350,7 @@ class LookaheadDecoder:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             live, live_rules = self._without_finished(live, live_rules, cache)
             yield
+        cache.give_back(runner)
 
     def _without_finished(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache
                           ) -> tuple[list[_Row], list[StopRule]]:
@@ -375,7 +376,10 @@ class LookaheadDecoder:
         if runner.compiled is None or len(lengths) > 1 or self._window is not None:
             return None
         answer = max(rule.max_new_tokens for rule in rules)
-        return lengths.pop() + answer + 2 * (self.config.budget + 1)
+        slots = lengths.pop() + answer + 2 * (self.config.budget + 1)
+        if runner.compiled.graphs:  # in steps of 256, so the next prompt's graphs replay
+            slots = -(-slots // 256) * 256
+        return slots
 
     @torch.inference_mode()
     def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
@@ -450,7 +454,8 @@ class LookaheadDecoder:
         row.stats.accepted_per_step.append(len(tokens) - 1)
         row.proposals.append((proposal, before))
         _learn(row)
-        row.session.observe(row.context, before)
+        if self.config.budget:  # a drafter learns only to draft
+            row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
 

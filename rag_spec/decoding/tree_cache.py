@@ -8,8 +8,8 @@ position ids, which count committed tokens only. A row's *root* is its newest co
 not yet in the cache: every step feeds it first, then the row's draft tree.
 
 A cache made with a ``capacity`` holds a ``StaticCache`` instead (``compiled_step``): its
-passes take a dense mask over every slot, one-token passes through the runner's compiled step
-where it has one.
+passes take a dense mask over every slot, one-token passes (on a GPU every pass) through the
+runner's compiled step where it has one.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from rag_spec.decoding.compiled_step import rewind, static_cache
+from rag_spec.decoding.compiled_step import rewind
 from rag_spec.decoding.kv_cache import (
     attention_window,
     crop,
@@ -78,7 +79,8 @@ class TreeKVCache:
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], capacity: int | None = None
                 ) -> TreeKVCache:
         """Run every prompt but its last token (left-padded); the last tokens become roots.
-        With ``capacity``, into a static cache of that many slots (prompts of one length)."""
+        With ``capacity``, into a static cache of that many slots lent by the runner's compiled
+        step (prompts of one length); ``give_back`` returns it."""
         prefixes = [list(p[:-1]) for p in prompts]
         device = model.device
         width = max(len(p) for p in prefixes)
@@ -92,14 +94,20 @@ class TreeKVCache:
         if capacity is None:
             tree = cls(new_cache(), valid, [p[-1] for p in prompts], window)
         elif window is None and bool(valid.all()):
-            tree = cls(static_cache(model.config, capacity), valid, [p[-1] for p in prompts],
-                       window, capacity)
+            tree = cls(model.compiled.lend(len(prompts), capacity), valid,
+                       [p[-1] for p in prompts], window, capacity)
         else:
             msg = "A static cache holds prompts of one length for full-attention models."
             raise ValueError(msg)
         if width:
             tree._fill(model, ids.to(device))
         return tree
+
+    def give_back(self, runner: Any) -> None:
+        """Return a static cache to the compiled step that lent it (its CUDA graphs replay
+        over it in the next generation); the cache is not used after this."""
+        if self.capacity is not None:
+            runner.compiled.give_back(self.cache, self.valid.shape[0], self.capacity)
 
     @classmethod
     def prefill_whole(cls, model: Any, prompts: Sequence[Sequence[int]]
@@ -162,21 +170,25 @@ class TreeKVCache:
                   use_cache=True, **fill_only(model))
 
     def step(self, trees: Sequence[TokenTree], dtype: torch.dtype) -> TreeBatch:
-        """Inputs for verifying ``trees`` (one per row, empty for none) below each root."""
+        """Inputs for verifying ``trees`` (one per row, empty for none) below each root. Built
+        in numpy: a step's own work is a few microseconds, not dozens of tensor operators
+        (on a GPU, whose steps are short, that is a visible share of each)."""
         batch = len(trees)
         width = 1 + max(len(t) for t in trees)
-        input_ids = torch.zeros(batch, width, dtype=torch.long)
-        position_ids = torch.zeros(batch, width, dtype=torch.long)
-        local = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # padding sees itself
+        input_ids = np.zeros((batch, width), dtype=np.int64)
+        position_ids = np.zeros((batch, width), dtype=np.int64)
+        local = np.zeros((batch, width, width), dtype=bool)
+        local[:, np.arange(width), np.arange(width)] = True  # padding sees itself
         for b, (tree, root, pos) in enumerate(zip(trees, self.roots, self.positions)):
             n = len(tree)
             input_ids[b, 0] = root
-            input_ids[b, 1:1 + n] = torch.tensor(tree.tokens, dtype=torch.long)
+            input_ids[b, 1:1 + n] = tree.tokens
             position_ids[b, 0] = pos
-            position_ids[b, 1:1 + n] = pos + torch.from_numpy(tree.depths)
+            position_ids[b, 1:1 + n] = pos + tree.depths
             local[b, 1:1 + n, 0] = True  # every node sees the root
-            local[b, 1:1 + n, 1:1 + n] = torch.from_numpy(tree.ancestor_mask)
-        return self.grow(input_ids, position_ids, local, dtype)
+            local[b, 1:1 + n, 1:1 + n] = tree.ancestor_mask
+        return self.grow(torch.from_numpy(input_ids), torch.from_numpy(position_ids),
+                         torch.from_numpy(local), dtype)
 
     def grow(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sees: torch.Tensor,
              dtype: torch.dtype, sparse: SparseView | None = None) -> TreeBatch:
@@ -230,8 +242,9 @@ class TreeKVCache:
 
     def _forward_static(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
         """``forward`` on a static cache: the pass writes after the round's earlier slots and
-        attends through a dense mask over all ``capacity`` slots; a one-token pass (a plain
-        step, one token per row) runs compiled where the runner has a compiled step."""
+        attends through a dense mask over all ``capacity`` slots. Where the runner has a compiled
+        step, one-token passes (plain steps) run compiled, and on a GPU (CUDA graphs) every
+        pass does."""
         assert self.capacity is not None and batch.mask is not None
         end = self.length + self.round_length
         if end > self.capacity:
@@ -239,13 +252,12 @@ class TreeKVCache:
                    "a drafter wrote a larger round than the decoder's budget provides for.")
             raise RagSpecError(msg)
         rewind(self.cache, end - batch.input_ids.shape[1])
-        seen = batch.mask.over_cache(self.length)
-        allowed = seen.new_zeros(*seen.shape[:2], self.capacity)
-        allowed[..., :seen.shape[-1]] = seen
+        mask = _additive(batch.mask.over_cache(self.length), runner.dtype, self.capacity)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-                  "attention_mask": _additive(allowed, runner.dtype), "past_key_values": self.cache}
-        if runner.compiled is not None and batch.input_ids.shape[1] == 1:
-            return runner.compiled(**inputs)
+                  "attention_mask": mask, "past_key_values": self.cache}
+        step = runner.compiled
+        if step is not None and (step.graphs or batch.input_ids.shape[1] == 1):
+            return step(**inputs)
         return runner(use_cache=True, **inputs).logits
 
     @property
@@ -267,8 +279,9 @@ class TreeKVCache:
         # kept slots already at the front of the round (a root alone, an accepted chain): no
         # entry moves, the round is only cut
         in_place = all(list(k) == list(range(len(k))) for k in slots)
-        index = torch.tensor([list(k) + [k[-1] if k else 0] * (width - len(k)) for k in slots],
-                             dtype=torch.long, device=self.valid.device) + start  # [B, width]
+        if not in_place:
+            index = torch.tensor([list(k) + [k[-1] if k else 0] * (width - len(k))
+                                  for k in slots], device=self.valid.device) + start  # [B, width]
         for layer in layers(self.cache):
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)  # [B, heads, slots, head_dim]
@@ -278,9 +291,9 @@ class TreeKVCache:
                     tensor[:, :, start:start + width] = tensor.gather(2, gather)
                 if self.capacity is None:
                     setattr(layer, name, tensor[:, :, :start + width])
-        lengths = torch.tensor([len(k) for k in slots], device=self.valid.device)
-        new_valid = torch.arange(width, device=self.valid.device)[None, :] < lengths[:, None]
-        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        lengths = np.array([len(k) for k in slots])
+        new_valid = torch.from_numpy(np.arange(width)[None, :] < lengths[:, None])
+        self.valid = torch.cat([self.valid, new_valid.to(self.valid.device)], dim=1)
         self.positions = [p + len(k) for p, k in zip(self.positions, slots)]
         self.roots = list(next_roots)
         self._round_positions = self._round_positions[:, :0]
@@ -318,11 +331,15 @@ class TreeKVCache:
         return key_positions[:, None, :] > query_positions[:, :, None] - self.window
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, q, kv] bool -> [B, 1, q, kv] additive float mask (0 or the dtype's minimum)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, slots: int | None = None
+              ) -> torch.Tensor:
+    """[B, q, kv] bool -> [B, 1, q, slots] additive float mask (0 or the dtype's minimum; the
+    slots after ``kv``, if ``slots`` is more, masked)."""
+    batch, queries, keys = allowed.shape
+    mask = torch.full((batch, 1, queries, slots or keys), torch.finfo(dtype).min, dtype=dtype,
+                      device=allowed.device)
+    mask[:, 0, :, :keys].masked_fill_(allowed, 0.0)
+    return mask
 
 
 def _left_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
