@@ -11,7 +11,8 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   sampling with every drafter and knob, batched, reproducible from its seed;
 - an exit adapter trained on the device, and greedy identity through it;
 - speed: greedy tokens per second beside ``generate``, its prompt lookup and assisted
-  generation, and our no-drafts ablation;
+  generation, and our no-drafts ablation; the same for compiled steps (CUDA graphs), ours
+  beside transformers' compiled generation;
 - step costs: transformers' one-token step, and ours over 1, 8, 16 and 32 tokens (also with
   exact numerics) at a long context;
 - a compiled step (``torch.compile`` over a static cache) against our eager one, 1 to 17 tokens
@@ -44,7 +45,7 @@ from rag_spec.bench.report import figure, machine, save_figure
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "speed",
-            "step_ms", "compiled_step", "attention_kernel", "long_context_batch")
+            "compiled_speed", "step_ms", "compiled_step", "attention_kernel", "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int, default=2048, help="context of the step costs")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections alone")
+    parser.add_argument("--model", help="a saved model's directory (save_pretrained) to run "
+                                        "instead of random weights: acceptance then means "
+                                        "something")
+    parser.add_argument("--prompts", help="a JSON list of token-id prompts for the speed "
+                                          "sections (the first warms up)")
     parser.add_argument("--replot", metavar="JSON", help="draw a saved report's PNG, and stop")
     args = parser.parse_args(argv)
     if args.replot:
@@ -64,17 +70,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = _random_llama(TINY if args.tiny else LLAMA3_8B, args.layers, device, dtype)
+    if args.model:
+        target = _saved_model(args.model, device, dtype)
+    else:
+        target = _random_llama(TINY if args.tiny else LLAMA3_8B, args.layers, device, dtype)
+    vocab = target.config.vocab_size
+    race = json.loads(Path(args.prompts).read_text()) if args.prompts else _prompts(vocab, 7)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
-                              else "cpu", "dtype": str(dtype), "layers": args.layers,
-                              "shape": "tiny" if args.tiny else "Llama-3-8B",
+                              else "cpu", "dtype": str(dtype),
+                              "layers": target.config.num_hidden_layers,
+                              "shape": args.model or ("tiny" if args.tiny else "Llama-3-8B"),
                               "machine": machine()}
     sections = {
         "greedy_identical": lambda: _greedy(target, args.draft_layers, 24 if args.tiny else 64),
         "sampling": lambda: _sampling(target, args.draft_layers, 400 if args.tiny else 2000),
         "sampled_drafters": lambda: _sampled_drafters(target, args.draft_layers),
         "trained_exit": lambda: _trained_exit(target, args.draft_layers),
-        "speed": lambda: _speed(target, args.draft_layers, 24 if args.tiny else 128),
+        "speed": lambda: _speed(target, args.draft_layers, race, 24 if args.tiny else 128),
+        "compiled_speed": lambda: _compiled_speed(target, race, 24 if args.tiny else 128),
         "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
         "compiled_step": lambda: _compiled_step(target, 64 if args.tiny else args.context),
         "attention_kernel": lambda: _attention_kernel(target, 16, 64 if args.tiny else 4096),
@@ -110,6 +123,12 @@ def _random_llama(shape: dict[str, Any], layers: int, device: torch.device,
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def _saved_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def _first_layers(model: Any, count: int) -> Any:
@@ -248,40 +267,78 @@ def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
     return {"agreement": adapter.agreement, "identical_to_hf": identical, "of": len(prompts)}
 
 
-def _speed(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
-    """Greedy decoding of six prompts, one at a time, systems interleaved: medians of
-    per-prompt ratios to ``generate`` and to our no-drafts ablation (same kernels), beside the
-    peers a user would pick instead (prompt lookup, assisted generation with the same draft);
-    ours on the default kernels (exact numerics in half precision) and on the fast ones.
+def _speed(target: Any, draft_layers: int, prompts: list[list[int]], new_tokens: int
+           ) -> dict[str, Any]:
+    """Greedy decoding of ``prompts`` but the first (a warm-up), one at a time, systems
+    interleaved: medians of per-prompt ratios to ``generate`` and to our no-drafts ablation
+    (same kernels), beside the peers a user would pick instead (prompt lookup, assisted
+    generation with the same draft); ours on the default kernels (exact numerics in half
+    precision) and on the fast ones.
     Random weights make acceptance meaningless: read the ratios with tokens per step."""
-    from rag_spec.bench.report import Run, interleaved, median
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 
     draft = _first_layers(target, draft_layers)
-
-    def hf(prompt: list[int], **kwargs: Any) -> Run:
-        return Run(0.0, _hf_greedy(target, prompt, new_tokens, **kwargs))
-
-    def ours(decoder: Any) -> Any:
-        def generate(prompt: list[int]) -> Run:
-            result = decoder.generate(prompt, new_tokens)
-            return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step})
-        return generate
-
     drafters = _drafters(draft, draft_layers)
-    systems = {"hf": hf, "hf_prompt_lookup": lambda p: hf(p, prompt_lookup_num_tokens=10),
-               "hf_assisted": lambda p: hf(p, assistant_model=draft)}
+    systems = {"hf": _hf_system(target, new_tokens),
+               "hf_prompt_lookup": _hf_system(target, new_tokens, prompt_lookup_num_tokens=10),
+               "hf_assisted": _hf_system(target, new_tokens, assistant_model=draft)}
     for suffix, exact in (("", "auto"), ("_fast", False)):  # default kernels, fast kernels
-        systems[f"rag_spec_no_drafts{suffix}"] = ours(LookaheadDecoder(
-            target, config=LookaheadConfig(budget=0, exact=exact)))
-        systems[f"rag_spec_trie{suffix}"] = ours(LookaheadDecoder(
-            target, config=LookaheadConfig(exact=exact)))
+        systems[f"rag_spec_no_drafts{suffix}"] = _our_system(LookaheadDecoder(
+            target, config=LookaheadConfig(budget=0, exact=exact)), new_tokens)
+        systems[f"rag_spec_trie{suffix}"] = _our_system(LookaheadDecoder(
+            target, config=LookaheadConfig(exact=exact)), new_tokens)
     for name in ("draft_model", "merged"):
-        systems[f"rag_spec_{name}"] = ours(LookaheadDecoder(target, drafter=drafters[name]))
-    prompts = _prompts(target.config.vocab_size, 7)
-    for system in systems.values():  # warm-up: kernels chosen, step costs timed
+        systems[f"rag_spec_{name}"] = _our_system(
+            LookaheadDecoder(target, drafter=drafters[name]), new_tokens)
+    return _race(systems, prompts, new_tokens)
+
+
+def _compiled_speed(target: Any, prompts: list[list[int]], new_tokens: int
+                    ) -> dict[str, Any]:
+    """``_speed`` for compiled steps (CUDA graphs on a GPU): transformers' own compiled
+    generation (a static cache) beside ``generate``, ours compiled beside ours on the fast
+    kernels, each with drafts (the trie) and without. A compiled step fuses operations and
+    rounds differently, so in half precision its tokens may part from eager ones."""
+    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+
+    systems = {"hf": _hf_system(target, new_tokens),
+               "hf_compiled": _hf_system(target, new_tokens, cache_implementation="static")}
+    for suffix, compile in (("_fast", False), ("_compiled", True)):
+        for name, budget in (("no_drafts", 0), ("trie", LookaheadConfig().budget)):
+            config = LookaheadConfig(budget=budget, exact=False, compile=compile)
+            systems[f"rag_spec_{name}{suffix}"] = _our_system(
+                LookaheadDecoder(target, config=config), new_tokens)
+    return _race(systems, prompts, new_tokens)
+
+
+def _hf_system(target: Any, new_tokens: int, **kwargs: Any) -> Any:
+    from rag_spec.bench.report import Run
+
+    return lambda prompt: Run(0.0, _hf_greedy(target, prompt, new_tokens, **kwargs))
+
+
+def _our_system(decoder: Any, new_tokens: int) -> Any:
+    from rag_spec.bench.report import Run
+
+    def generate(prompt: list[int]) -> Any:
+        result = decoder.generate(prompt, new_tokens)
+        return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step})
+    return generate
+
+
+def _race(systems: dict[str, Any], prompts: list[list[int]], new_tokens: int
+          ) -> dict[str, Any]:
+    """Run ``systems`` over ``prompts`` (the first a warm-up), interleaved; per system its
+    tokens per second, per-prompt ratios to ``hf`` and to our no-drafts ablation on the same
+    kernels (the name's ``_fast`` / ``_compiled`` suffix), and identity with ``hf``."""
+    from rag_spec.bench.report import interleaved, median
+
+    # printed as they come, so a lease that ends mid-race still shows them
+    for name, system in systems.items():  # warm-up: kernels chosen, step costs timed, compiled
+        started = time.perf_counter()
         system(prompts[0])
-    runs = interleaved(systems, prompts[1:], progress=lambda _: None)
+        print(f"  warm-up {name}: {time.perf_counter() - started:.1f} s", flush=True)
+    runs = interleaved(systems, prompts[1:], progress=lambda line: print(line, flush=True))
 
     def ratios(name: str, baseline: str) -> float:
         return round(median([b.seconds / r.seconds for b, r in zip(runs[baseline], runs[name])]),
@@ -294,9 +351,8 @@ def _speed(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
                  "identical_to_hf": sum(r.tokens == b.tokens
                                         for r, b in zip(system_runs, runs["hf"]))}
         if name.startswith("rag_spec"):  # against the ablation on the same kernels
-            entry["speedup_vs_no_drafts"] = ratios(name, "rag_spec_no_drafts_fast"
-                                                   if name.endswith("_fast")
-                                                   else "rag_spec_no_drafts")
+            suffix = next((s for s in ("_fast", "_compiled") if name.endswith(s)), "")
+            entry["speedup_vs_no_drafts"] = ratios(name, f"rag_spec_no_drafts{suffix}")
             entry["tokens_per_step"] = round(median([r.extra["tokens_per_step"]
                                                      for r in system_runs]), 3)
         report[name] = entry
