@@ -78,6 +78,9 @@ class ModuleRunner:
 
     def __init__(self, module: Any) -> None:
         self.module = module
+        # read per step: a parameter's device and dtype, not transformers' properties, which
+        # walk the module tree (tens of microseconds each); ``.to()`` moves this one too
+        self._weight = next(p for p in module.parameters() if p.is_floating_point())
 
     @property
     def config(self) -> Any:
@@ -86,7 +89,7 @@ class ModuleRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.module.device
+        return self._weight.device
 
     @functools.cached_property
     def tree_attention(self) -> bool:
@@ -100,7 +103,7 @@ class ModuleRunner:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.module.dtype
+        return self._weight.dtype
 
     def __call__(self, **inputs: Any) -> Any:
         with torch.inference_mode():
