@@ -37,10 +37,10 @@ bench-draft: pull  ## draft models and early exits vs transformers' assisted gen
 	$(BIN)/rag-spec bench draft --json docs/benchmarks/draft.json
 
 # On a machine with a GPU and torch + transformers installed (no venv, no network needed):
-# the Triton kernel's tests on the GPU, then greedy identity, speculative sampling, speed and
-# step costs on a random Llama-3-8B-shaped model (report: gpu-check.json).
+# the Triton kernel's and CUDA graphs' tests on the GPU, then greedy identity, speculative
+# sampling, speed and step costs on a random Llama-3-8B-shaped model (report: gpu-check.json).
 gpu-check:
-	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m pytest -q -p no:cacheprovider -k gpu tests/test_tree_mask_attention.py
+	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m pytest -q -p no:cacheprovider -k gpu tests/test_tree_mask_attention.py tests/test_compiled_step.py
 	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m rag_spec.bench.gpu_check --json gpu-check.json
 
 clean:

@@ -95,3 +95,19 @@ def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
         assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
     assert max(widths) > 1  # trees ran compiled too
     assert step._spare is not None and step._spare[0][1] % 256 == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check)")
+def test_on_a_gpu_graphs_replay_across_generations_and_batches_with_generates_tokens():
+    model = tiny_llama(seed=5, layers=3).cuda()  # fp32: compiled kernels round as eager ones
+    decoder = LookaheadDecoder(model, config=COMPILED)
+    assert decoder.runner.compiled.graphs
+    caches = []
+    for seed in range(3):  # prompts of different lengths, one capacity: the same graphs
+        prompt = repetitive_prompt(seed, length=20 + 6 * seed)
+        assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
+        caches.append(decoder.runner.compiled._spare[1])
+    assert caches[0] is caches[1] is caches[2]
+    prompts = [repetitive_prompt(s, length=24) for s in range(3)]
+    results = decoder.generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]

@@ -17,8 +17,9 @@ def repetitive_prompt(seed: int, vocab: int = 64, length: int = 40) -> list[int]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                         dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False)
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False)
     new = out[0, len(prompt):].tolist()
     eos = model.generation_config.eos_token_id
     if eos is not None and eos in new:  # generate pads after EOS; the sequence ends at EOS
