@@ -111,3 +111,14 @@ def test_on_a_gpu_graphs_replay_across_generations_and_batches_with_generates_to
     prompts = [repetitive_prompt(s, length=24) for s in range(3)]
     results = decoder.generate(prompts, 20)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_a_stream_closed_early_gives_its_static_cache_back(tokenizer):
+    decoder = LookaheadDecoder(tiny_llama(vocab_size=len(tokenizer)), tokenizer, COMPILED)
+    prompt = tokenizer("the cat sat on the mat. the cat")["input_ids"]
+    stream = decoder.stream(prompt, max_new_tokens=30)
+    pieces = iter(stream)  # kept: dropping it would close the stream too
+    next(pieces)
+    assert decoder.runner.compiled._spare is None  # lent to the stream
+    stream.close()
+    assert decoder.runner.compiled._spare is not None

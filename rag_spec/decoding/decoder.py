@@ -344,13 +344,15 @@ class LookaheadDecoder:
         sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
-        while any(r.finish_reason is None for r in live):
-            self._step(live, live_rules, target, sizer)
-            if stream is not None:
-                stream.update(rows[0].output, rows[0].finish_reason is not None)
-            live, live_rules = self._without_finished(live, live_rules, cache)
-            yield
-        cache.give_back(runner)
+        try:
+            while any(r.finish_reason is None for r in live):
+                self._step(live, live_rules, target, sizer)
+                if stream is not None:
+                    stream.update(rows[0].output, rows[0].finish_reason is not None)
+                live, live_rules = self._without_finished(live, live_rules, cache)
+                yield
+        finally:  # also when a stream is left unfinished: the next generation replays graphs
+            cache.give_back(runner)
 
     def _without_finished(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache
                           ) -> tuple[list[_Row], list[StopRule]]:
