@@ -476,12 +476,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("gpu-check: no matplotlib, no plot")
         return
-    speed, steps = report.get("speed", {}), report.get("step_ms", {})
+    steps = report.get("step_ms", {})
     fig, (left, right) = figure(2, (13, 4.5))
-    names = [n for n, e in speed.items() if isinstance(e, dict) and "speedup_vs_hf" in e]
-    bars = left.barh(names, [speed[n]["speedup_vs_hf"] for n in names])
-    for bar, name in zip(bars, names):
-        if speed[name]["identical_to_hf"] < speed["prompts"]:
+    races = [(label.format(name), entry, report[section]["prompts"])
+             for section, label in (("speed", "{}"), ("compiled_speed", "{} (compiled race)"))
+             for name, entry in report.get(section, {}).items()
+             if isinstance(entry, dict) and "speedup_vs_hf" in entry]
+    bars = left.barh([label for label, _, _ in races], [e["speedup_vs_hf"] for _, e, _ in races])
+    for bar, (_, entry, prompts) in zip(bars, races):
+        if entry["identical_to_hf"] < prompts:
             bar.set_hatch("//")
             bar.set_alpha(0.5)
     left.axvline(1.0, color="k", lw=0.8)
@@ -497,7 +500,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("ms per step")
     if steps:
         right.legend()
-    save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, random weights), "
+    weights = "random weights" if report["shape"] in ("tiny", "Llama-3-8B") else "its weights"
+    save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, {weights}), "
                            f"{report['dtype']}, {report['device']}")
 
 
