@@ -50,10 +50,11 @@ class LookaheadConfig:
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
     # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
-    # one-token steps through torch.compile on a static KV cache (gpt-fast style; prompts of
-    # one length, full attention); tree steps stay on the eager fast path, faster for them on
-    # the CPUs measured. Compiling takes a minute or two on a CPU at first use (inductor caches
-    # it across processes); its rounding is inductor's, so half precision needs exact=False
+    # steps through torch.compile on a static KV cache (gpt-fast style; prompts of one length,
+    # full attention). On a CPU one-token steps only (tree steps stay on the eager fast path,
+    # faster for them on the CPUs measured); on a GPU every step, as CUDA graphs. Compiling
+    # takes a minute or two at first use (inductor caches it across processes); its rounding
+    # is inductor's, so half precision needs exact=False
     compile: bool = False
 
     @property

@@ -67,7 +67,8 @@ class RunnerSettings:
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
     # attention (CPU or GPU), where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
-    # one-token steps through torch.compile on a static cache (not with exact numerics)
+    # steps through torch.compile on a static cache (not with exact numerics): one-token steps
+    # on a CPU, every step as CUDA graphs on a GPU
     compile: bool = False
 
 
