@@ -51,6 +51,11 @@ class CompiledStep:
             torch.compiler.cudagraph_mark_step_begin()
             return self._compiled(**inputs).clone()  # the next replay reuses the graph's output
 
+    def capacity(self, slots: int) -> int:
+        """The slots of a static cache that must hold ``slots``: with CUDA graphs, in steps of
+        256, so prompts of nearby lengths share one cache and replay its graphs."""
+        return -(-slots // 256) * 256 if self.graphs else slots
+
     def lend(self, batch: int, capacity: int) -> Any:
         """A static cache of ``capacity`` slots for ``batch`` rows: the one last given back if
         it has that shape (its graphs replay), else a new one. Give it back when done."""

@@ -379,10 +379,7 @@ class LookaheadDecoder:
         if runner.compiled is None or len(lengths) > 1 or self._window is not None:
             return None
         answer = max(rule.max_new_tokens for rule in rules)
-        slots = lengths.pop() + answer + 2 * (self.config.budget + 1)
-        if runner.compiled.graphs:  # in steps of 256, so the next prompt's graphs replay
-            slots = -(-slots // 256) * 256
-        return slots
+        return runner.compiled.capacity(lengths.pop() + answer + 2 * (self.config.budget + 1))
 
     @torch.inference_mode()
     def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
