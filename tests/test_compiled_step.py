@@ -9,6 +9,7 @@ from conftest import tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
 from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.errors import RagSpecError
+from rag_spec_kernels import TracedLinear
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 COMPILED = LookaheadConfig(compile=True)
@@ -86,6 +87,7 @@ def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
     decoder = LookaheadDecoder(model, config=COMPILED)
     step = decoder.runner.compiled
     step.graphs = True  # as on a GPU: all widths compiled, slots in steps of 256
+    step._wide = False  # not through oneDNN's products
     widths = []
     forward = step._compiled
     step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
@@ -95,6 +97,25 @@ def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
         assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
     assert max(widths) > 1  # trees ran compiled too
     assert step._spare is not None and step._spare[0][1] % 256 == 0
+
+
+def test_with_onednn_every_pass_runs_compiled_on_the_eager_layers_reordered_weights():
+    model = tiny_llama(seed=6, layers=3)
+    decoder = LookaheadDecoder(model, config=COMPILED)
+    runner = decoder.runner
+    if not runner.stacks:
+        pytest.skip("oneDNN is not available in this torch build")
+    step = runner.compiled
+    assert step.wide and not step.graphs
+    traced = [m for m in step.module.modules() if isinstance(m, TracedLinear)]
+    assert {id(m.stack) for m in traced} == {id(stack) for stack in runner.stacks}  # no copy
+    widths = []
+    forward = step._compiled
+    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
+        forward(**inputs)
+    prompt = repetitive_prompt(1)
+    assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
+    assert max(widths) > 1  # trees ran compiled too
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check)")

@@ -9,6 +9,7 @@ import rag_spec_kernels.onednn_linear as kernel
 from rag_spec_kernels import (
     LinearStack,
     OneDNNLinear,
+    TracedLinear,
     is_plain_linear,
     linear_stacks,
     onednn_available,
@@ -35,13 +36,17 @@ class Tiny(torch.nn.Module):
         return self.proj(x)
 
 
-def private_copy(model):
-    """``model`` with its linear layers replaced by oneDNN ones, in a copy (as the runner does)."""
+def private_copy(model, traced=False):
+    """``model`` with its linear layers replaced by oneDNN ones, in a copy (as the runner does);
+    ``traced``: the layers ``torch.compile`` traces."""
     twin = copy.deepcopy(model)
     twin.load_state_dict(model.state_dict())
     own = {id(m) for m in twin.modules()}
+    siblings = {}
     for parent, name, stack, index in linear_stacks(twin, own):
-        parent._modules[name] = stack.modules()[index]
+        if index == 0:
+            siblings[id(stack)] = stack.traced_modules() if traced else stack.modules()
+        parent._modules[name] = siblings[id(stack)][index]
     return twin
 
 
@@ -170,3 +175,33 @@ def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
     expected = vendor == "AMD" and kernel.onednn_packs(torch.float32) \
         and torch.backends.mkl.is_available()
     assert packed == expected
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("shape", [(1, 24), (2, 13, 24)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared, compiled,
+                                                                   monkeypatch):
+    torch.manual_seed(0)
+    model = Block().eval()
+    if not onednn_available(model):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: True)
+    traced = private_copy(model, traced=True)
+    assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
+    forward = torch.compile(traced, dynamic=True) if compiled else traced
+    x, other = torch.randn(shape), None if shared else torch.randn(shape)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        expected = model(x, other)
+        monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
+        got = forward(x, other)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if x.numel() == x.shape[-1]:  # a single row: reductions over the weights, no products
+        assert not calls
+        return
+    # shared: one product per stack; otherwise v and up compute their stacks again
+    assert len(calls) == (2 if shared else 4)
+    assert all(layer.shared.last is None for layer in traced.modules()
+               if isinstance(layer, TracedLinear))  # the last sibling dropped the product

@@ -14,6 +14,7 @@ from rag_spec_kernels.exact import (
 from rag_spec_kernels.onednn_linear import (
     LinearStack,
     OneDNNLinear,
+    TracedLinear,
     is_plain_linear,
     linear_stacks,
     onednn_available,
@@ -32,7 +33,7 @@ from rag_spec_kernels.tree_attention import (
 )
 
 __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "LinearStack", "OneDNNLinear",
-           "RowChunkedLinear", "SparseView", "TreeMask", "exact_tree_attention",
+           "RowChunkedLinear", "SparseView", "TracedLinear", "TreeMask", "exact_tree_attention",
            "invariant_rows", "is_plain_linear", "linear_stacks", "onednn_available",
            "onednn_ops_available", "onednn_packs", "pack_weight", "packed_linear",
            "reference_attention", "register_tree_attention", "tree_attention", "whole_rows"]

@@ -27,12 +27,14 @@ import torch
 
 class CompiledStep:
     """``module``'s forward pass compiled; call it like the module with a static cache and a
-    dense mask over the cache's slots; returns the logits. One call at a time: compiling is
-    not thread-safe, and on a CPU two passes at once slow each other anyway."""
+    dense mask over the cache's slots; returns the logits. ``wide``: ``module`` multiplies
+    through oneDNN (``TracedLinear``), so tree passes pay compiled too. One call at a time:
+    compiling is not thread-safe, and on a CPU two passes at once slow each other anyway."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, wide: bool = False) -> None:
         self.module = module
         self.graphs = next(module.parameters()).device.type == "cuda"
+        self._wide = wide
         self._compiled = torch.compile(self._forward, dynamic=True,
                                        mode="reduce-overhead" if self.graphs else None)
         self._lock = threading.Lock()
@@ -43,6 +45,13 @@ class CompiledStep:
         return self.module(input_ids=input_ids, position_ids=position_ids,
                            attention_mask=attention_mask, past_key_values=past_key_values,
                            use_cache=True).logits
+
+    @property
+    def wide(self) -> bool:
+        """Whether passes of every width run compiled, not only one-token ones: on a GPU, and
+        on a CPU where the module's products are oneDNN's (``wide``); inductor's own products
+        over trees lose to the eager kernels there."""
+        return self._wide or self.graphs
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         with self._lock, torch.inference_mode():

@@ -51,10 +51,11 @@ class LookaheadConfig:
     # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
     # steps through torch.compile on a static KV cache (gpt-fast style; prompts of one length,
-    # full attention). On a CPU one-token steps only (tree steps stay on the eager fast path,
-    # faster for them on the CPUs measured); on a GPU every step, as CUDA graphs. Compiling
-    # takes a minute or two at first use (inductor caches it across processes); its rounding
-    # is inductor's, so half precision needs exact=False
+    # full attention). On a CPU every step, its products oneDNN's (one-token steps only where
+    # oneDNN is off: inductor's own products over trees lose to the eager fast path); on a GPU
+    # every step, as CUDA graphs. Compiling takes a minute or two at first use (inductor
+    # caches it across processes); its rounding is inductor's, so half precision needs
+    # exact=False
     compile: bool = False
 
     @property

@@ -18,9 +18,12 @@ attention, stock linear kernels in row chunks they compute row-invariantly. Outp
 ``generate``'s in bfloat16 too, where rounding differences otherwise change tokens.
 
 With ``compile``, the runner also holds a ``CompiledStep`` (``torch.compile``) of a second
-private copy on the stock linear kernels, which one-token steps on a static cache take: there
-inductor's fused norms and activations save per-operator overhead, while wider steps stay on
-the kernels above, faster for them on the CPUs measured.
+private copy, which steps on a static cache take: inductor fuses each layer's norms, rotary
+embedding and activation, saving per-operator overhead. Where the first copy multiplies through
+oneDNN, the second calls the same products (``TracedLinear``, one operator per stack, no second
+weight copy; single rows as reductions inductor compiles) and every step runs compiled; on the
+stock kernels (oneDNN off) only one-token steps do on a CPU, as inductor's products over trees
+lose to the eager kernels there.
 
 Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
 not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
@@ -46,7 +49,9 @@ from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,
     TREE_ATTENTION,
     LinearStack,
+    OneDNNLinear,
     RowChunkedLinear,
+    TracedLinear,
     invariant_rows,
     is_plain_linear,
     linear_stacks,
@@ -67,15 +72,15 @@ class RunnerSettings:
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
     # attention (CPU or GPU), where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
-    # steps through torch.compile on a static cache (not with exact numerics): one-token steps
-    # on a CPU, every step as CUDA graphs on a GPU
+    # steps through torch.compile on a static cache (not with exact numerics): every step on a
+    # CPU with oneDNN products (one-token steps only without), as CUDA graphs on a GPU
     compile: bool = False
 
 
 class ModuleRunner:
     """Forward passes of a module tree the fast path owns; call it like the model."""
 
-    compiled: CompiledStep | None = None  # one-token passes on a static cache, if compiled
+    compiled: CompiledStep | None = None  # passes on a static cache, if compiled
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -131,8 +136,6 @@ class Runner(ModuleRunner):
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
-        self.compiled = CompiledStep(_private_tree(model, False)[0]) if settings.compile \
-            else None
         if self.exact:
             _chunk_rows(self.module, own)
         elif _wants_onednn(model, settings):
@@ -141,6 +144,10 @@ class Runner(ModuleRunner):
                 if index == 0:
                     self.stacks.append(stack)
                     self.extra_bytes += stack.nbytes
+        if settings.compile:
+            compiled = _private_tree(model, False)[0]
+            _trace_products(compiled, self.module)
+            self.compiled = CompiledStep(compiled, wide=bool(self.stacks))
 
     @classmethod
     def of(cls, model: Any, settings: RunnerSettings | None = None) -> Runner:
@@ -198,6 +205,18 @@ def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
         log.info("rag-spec: %s.forward is wrapped; decoding through the wrapper on the stock "
                  "kernels.", type(model).__name__)
     return clone(model), own
+
+
+def _trace_products(compiled: torch.nn.Module, eager: torch.nn.Module) -> None:
+    """Give ``compiled`` (a private tree of the same model) the oneDNN products of ``eager``'s
+    layers, as layers ``torch.compile`` traces, on the same reordered weights."""
+    traced: dict[int, list[TracedLinear]] = {}
+    for path, module in eager.named_modules():
+        if isinstance(module, OneDNNLinear):
+            if id(module.stack) not in traced:
+                traced[id(module.stack)] = module.stack.traced_modules()
+            parent, _, name = path.rpartition(".")
+            compiled.get_submodule(parent)._modules[name] = traced[id(module.stack)][module.index]
 
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:

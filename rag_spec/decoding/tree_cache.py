@@ -243,8 +243,8 @@ class TreeKVCache:
     def _forward_static(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
         """``forward`` on a static cache: the pass writes after the round's earlier slots and
         attends through a dense mask over all ``capacity`` slots. Where the runner has a compiled
-        step, one-token passes (plain steps) run compiled, and on a GPU (CUDA graphs) every
-        pass does."""
+        step, one-token passes (plain steps) run compiled, and every pass where the step is
+        ``wide`` (CUDA graphs on a GPU, oneDNN products on a CPU)."""
         assert self.capacity is not None and batch.mask is not None
         end = self.length + self.round_length
         if end > self.capacity:
@@ -256,7 +256,7 @@ class TreeKVCache:
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
                   "attention_mask": mask, "past_key_values": self.cache}
         step = runner.compiled
-        if step is not None and (step.graphs or batch.input_ids.shape[1] == 1):
+        if step is not None and (step.wide or batch.input_ids.shape[1] == 1):
             return step(**inputs)
         return runner(use_cache=True, **inputs).logits
 
