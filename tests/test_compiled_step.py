@@ -118,6 +118,22 @@ def test_with_onednn_every_pass_runs_compiled_on_the_eager_layers_reordered_weig
     assert max(widths) > 1  # trees ran compiled too
 
 
+def test_without_onednn_one_token_steps_run_compiled_on_the_stock_weights():
+    model = tiny_llama(seed=7, layers=3)
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(compile=True, onednn_linear=False))
+    step = decoder.runner.compiled
+    assert not step.wide and not decoder.runner.stacks
+    traced = [m for m in step.module.modules() if isinstance(m, TracedLinear)]
+    assert traced and all(m.stack is None for m in traced)  # single rows reduce, no copy
+    widths = []
+    forward = step._compiled
+    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
+        forward(**inputs)
+    prompt = repetitive_prompt(2)
+    assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
+    assert widths and set(widths) == {1}  # trees stay on the eager kernels
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check)")
 def test_on_a_gpu_graphs_replay_across_generations_and_batches_with_generates_tokens():
     model = tiny_llama(seed=5, layers=3).cuda()  # fp32: compiled kernels round as eager ones

@@ -205,3 +205,14 @@ def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared,
     assert len(calls) == (2 if shared else 4)
     assert all(layer.shared.last is None for layer in traced.modules()
                if isinstance(layer, TracedLinear))  # the last sibling dropped the product
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 24), (1, 1, 24), (3, 5, 24)])
+def test_a_traced_layer_without_a_stack_matches_f_linear_compiled(bias, shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=bias)
+    traced = torch.compile(TracedLinear(linear), dynamic=True)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        torch.testing.assert_close(traced(x), linear(x), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,8 @@ built for a private copy of a model's module tree: the caller's own layers are n
 ``torch.compile`` cannot lower a product over oneDNN's reordered weight itself (the weight is an
 opaque tensor), so a compiled module tree takes ``TracedLinear`` layers instead: the stack's
 product as one operator (``rag_spec::stack_product``) that inductor calls around its fused
-kernels, on the same reordered weights as the eager layers (no second copy).
+kernels, on the same reordered weights as the eager layers (no second copy), and single rows
+as reductions inductor compiles itself.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class LinearStack:
                 self._key = next(_KEYS)
                 _TRACED[self._key] = self
         shared = _Shared()
-        return [TracedLinear(self, i, shared) for i in range(len(self.linears))]
+        return [TracedLinear(linear, self, i, shared) for i, linear in enumerate(self.linears)]
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's output for ``x``, side by side in the stack's order."""
@@ -261,34 +262,39 @@ class _Shared:
 
 
 class TracedLinear(torch.nn.Module):
-    """A linear layer computed through its ``LinearStack`` in a way ``torch.compile`` traces:
-    the first sibling runs the stack's product, the others take their slice of it when handed
-    the same input (tracing sees one product per stack), and the last one drops it. A sibling
-    handed another input computes the whole product again (correct, slower; no model known
-    here does that). One pass at a time: the compiled step holds a lock.
+    """A linear layer for a module tree ``torch.compile`` traces on a CPU (same parameters).
 
-    A single row is a sum over the weight's rows instead, which inductor compiles into a
-    vectorised reduction streaming the weight at ~40 GB/s on two Zen 4 cores, where oneDNN's
-    and BLAS's one-row products read 12-25 GB/s (``rag-spec bench floor --compiled``). Only
-    compiled: run eagerly, that sum would build an (out, in) temporary."""
+    A single row is a sum over the weight's rows, which inductor compiles into a vectorised
+    reduction streaming the weight at ~40 GB/s on two Zen 4 cores, where oneDNN's one-row
+    product reads ~23 GB/s and BLAS's ~11 (``rag-spec bench floor --compiled``); run eagerly,
+    that sum would build an (out, in) temporary, so these layers are for compiled trees only.
 
-    def __init__(self, stack: LinearStack, index: int, shared: _Shared) -> None:
+    Wider inputs go through the layer's ``LinearStack`` where it has one: the first sibling
+    runs the stack's product, the others take their slice of it when handed the same input
+    (tracing sees one product per stack), and the last one drops it. A sibling handed another
+    input computes the whole product again (correct, slower; no model known here does that).
+    Without a stack, the stock product. One pass at a time: the compiled step holds a lock.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, stack: LinearStack | None = None,
+                 index: int = 0, shared: _Shared | None = None) -> None:
         super().__init__()
-        original = stack.linears[index]
-        self.weight = original.weight  # shared Parameters, as in OneDNNLinear
-        self.bias = original.bias
-        self.in_features, self.out_features = original.in_features, original.out_features
+        self.weight = linear.weight  # shared Parameters, as in OneDNNLinear
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.stack = stack
-        self.key = stack._key
-        self.start = sum(stack.sizes[:index])
-        self.last_sibling = index == len(stack.sizes) - 1
-        self.first_sibling = index == 0
-        self.shared = shared
+        if stack is not None:
+            self.key = stack._key
+            self.start = sum(stack.sizes[:index])
+            self.first_sibling, self.last_sibling = index == 0, index == len(stack.sizes) - 1
+            self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:  # one row: a reduction inductor streams the weight through
+        if x.numel() == x.shape[-1]:
             y = (x.unsqueeze(-2) * self.weight).sum(-1)
             return y if self.bias is None else y + self.bias
+        if self.stack is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
             held = (x, stack_product(x, self.key))

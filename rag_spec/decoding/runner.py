@@ -21,9 +21,10 @@ With ``compile``, the runner also holds a ``CompiledStep`` (``torch.compile``) o
 private copy, which steps on a static cache take: inductor fuses each layer's norms, rotary
 embedding and activation, saving per-operator overhead. Where the first copy multiplies through
 oneDNN, the second calls the same products (``TracedLinear``, one operator per stack, no second
-weight copy; single rows as reductions inductor compiles) and every step runs compiled; on the
-stock kernels (oneDNN off) only one-token steps do on a CPU, as inductor's products over trees
-lose to the eager kernels there.
+weight copy) and every step runs compiled; on the stock kernels (oneDNN off) only one-token
+steps do on a CPU, as inductor's products over trees lose to the eager kernels there. On a CPU
+single rows become reductions inductor compiles, which read the weights faster than BLAS's or
+oneDNN's one-row products.
 
 Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
 not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
@@ -145,8 +146,9 @@ class Runner(ModuleRunner):
                     self.stacks.append(stack)
                     self.extra_bytes += stack.nbytes
         if settings.compile:
-            compiled = _private_tree(model, False)[0]
-            _trace_products(compiled, self.module)
+            compiled, compiled_own = _private_tree(model, False)
+            if self.device.type == "cpu":
+                _traced_linears(compiled, compiled_own, self.module)
             self.compiled = CompiledStep(compiled, wide=bool(self.stacks))
 
     @classmethod
@@ -207,16 +209,25 @@ def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
     return clone(model), own
 
 
-def _trace_products(compiled: torch.nn.Module, eager: torch.nn.Module) -> None:
-    """Give ``compiled`` (a private tree of the same model) the oneDNN products of ``eager``'s
-    layers, as layers ``torch.compile`` traces, on the same reordered weights."""
-    traced: dict[int, list[TracedLinear]] = {}
-    for path, module in eager.named_modules():
-        if isinstance(module, OneDNNLinear):
-            if id(module.stack) not in traced:
-                traced[id(module.stack)] = module.stack.traced_modules()
-            parent, _, name = path.rpartition(".")
-            compiled.get_submodule(parent)._modules[name] = traced[id(module.stack)][module.index]
+def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Module) -> None:
+    """Put ``TracedLinear`` layers in place of the plain linear layers of ``compiled`` (a CPU
+    model's private tree; ``own``: its copied modules): on the oneDNN products of ``eager``'s
+    layers where it has them, on the same reordered weights, else on the stock ones."""
+    stacked = {path: module for path, module in eager.named_modules()
+               if isinstance(module, OneDNNLinear)}
+    siblings: dict[int, list[TracedLinear]] = {}
+    for path, parent in list(compiled.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if id(parent) not in own or id(child) not in own or not is_plain_linear(child):
+                continue
+            eager_layer = stacked.get(f"{path}.{name}" if path else name)
+            if eager_layer is None:
+                parent._modules[name] = TracedLinear(child)
+                continue
+            stack = eager_layer.stack
+            if id(stack) not in siblings:
+                siblings[id(stack)] = stack.traced_modules()
+            parent._modules[name] = siblings[id(stack)][eager_layer.index]
 
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
