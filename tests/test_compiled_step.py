@@ -82,16 +82,26 @@ def test_a_static_cache_is_given_back_and_lent_again_its_old_entries_masked(targ
     assert decoder.runner.compiled._spare[1] is lent[1]  # the same tensors: graphs replay
 
 
+def compiled_widths(step):
+    """The widths of the passes ``step`` will run compiled, recorded as they run."""
+    widths = []
+    forward = step._compiled
+    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
+        forward(**inputs)
+    return widths
+
+
+def traced_layers(step):
+    return [m for m in step.module.modules() if isinstance(m, TracedLinear)]
+
+
 def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
     model = tiny_llama(seed=5, layers=3)  # a runner of its own: its step is changed below
     decoder = LookaheadDecoder(model, config=COMPILED)
     step = decoder.runner.compiled
     step.graphs = True  # as on a GPU: all widths compiled, slots in steps of 256
     step._wide = False  # not through oneDNN's products
-    widths = []
-    forward = step._compiled
-    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
-        forward(**inputs)
+    widths = compiled_widths(step)
     for seed in range(2):
         prompt = repetitive_prompt(seed)
         assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
@@ -107,12 +117,9 @@ def test_with_onednn_every_pass_runs_compiled_on_the_eager_layers_reordered_weig
         pytest.skip("oneDNN is not available in this torch build")
     step = runner.compiled
     assert step.wide and not step.graphs
-    traced = [m for m in step.module.modules() if isinstance(m, TracedLinear)]
+    traced = traced_layers(step)
     assert {id(m.stack) for m in traced} == {id(stack) for stack in runner.stacks}  # no copy
-    widths = []
-    forward = step._compiled
-    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
-        forward(**inputs)
+    widths = compiled_widths(step)
     prompt = repetitive_prompt(1)
     assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
     assert max(widths) > 1  # trees ran compiled too
@@ -123,12 +130,9 @@ def test_without_onednn_one_token_steps_run_compiled_on_the_stock_weights():
     decoder = LookaheadDecoder(model, config=LookaheadConfig(compile=True, onednn_linear=False))
     step = decoder.runner.compiled
     assert not step.wide and not decoder.runner.stacks
-    traced = [m for m in step.module.modules() if isinstance(m, TracedLinear)]
+    traced = traced_layers(step)
     assert traced and all(m.stack is None for m in traced)  # single rows reduce, no copy
-    widths = []
-    forward = step._compiled
-    step._compiled = lambda **inputs: widths.append(inputs["input_ids"].shape[1]) or \
-        forward(**inputs)
+    widths = compiled_widths(step)
     prompt = repetitive_prompt(2)
     assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
     assert widths and set(widths) == {1}  # trees stay on the eager kernels

@@ -134,27 +134,39 @@ class Block(torch.nn.Module):
         return torch.cat([q, k, v, mlp], dim=-1)
 
 
+def block(monkeypatch, one_row_packed):
+    """A seeded ``Block`` whose single rows go to oneDNN or not, as told (skips without it)."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    if not onednn_available(model):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
+    return model
+
+
+def products_run(forward, model, x, other, monkeypatch):
+    """``forward``'s and ``model``'s outputs on ``(x, other)``, checked close, and the
+    reordered weights of the oneDNN products ``forward`` ran."""
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        expected = model(x, other)
+        monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
+        got = forward(x, other)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    return got, expected, calls
+
+
 @pytest.mark.parametrize("one_row_packed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 24), (2, 13, 24), (1, 24)])
 @pytest.mark.parametrize("shared", [True, False])
 def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared, one_row_packed,
                                                                   monkeypatch):
-    torch.manual_seed(0)
-    model = Block().eval()
-    if not onednn_available(model):
-        pytest.skip("oneDNN is not available in this torch build")
     # the CPU's choice for single rows, fixed here so that both paths are tested
-    monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
+    model = block(monkeypatch, one_row_packed)
     x = torch.randn(shape)
-    other = None if shared else torch.randn(shape)
-    calls = []
-    pointwise = torch.ops.mkldnn._linear_pointwise
-    fast = private_copy(model)
-    with torch.inference_mode():
-        expected = model(x, other)
-        monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
-        got = fast(x, other)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got, expected, calls = products_run(private_copy(model), model, x,
+                                        None if shared else torch.randn(shape), monkeypatch)
     if x.numel() == x.shape[-1] and not one_row_packed:  # BLAS's products, as F.linear
         assert not calls
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -182,22 +194,13 @@ def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
 @pytest.mark.parametrize("shared", [True, False])
 def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared, compiled,
                                                                    monkeypatch):
-    torch.manual_seed(0)
-    model = Block().eval()
-    if not onednn_available(model):
-        pytest.skip("oneDNN is not available in this torch build")
-    monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: True)
+    model = block(monkeypatch, one_row_packed=True)
     traced = private_copy(model, traced=True)
     assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
     forward = torch.compile(traced, dynamic=True) if compiled else traced
-    x, other = torch.randn(shape), None if shared else torch.randn(shape)
-    calls = []
-    pointwise = torch.ops.mkldnn._linear_pointwise
-    with torch.inference_mode():
-        expected = model(x, other)
-        monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
-        got = forward(x, other)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(shape)
+    _, _, calls = products_run(forward, model, x, None if shared else torch.randn(shape),
+                               monkeypatch)
     if x.numel() == x.shape[-1]:  # a single row: reductions over the weights, no products
         assert not calls
         return
