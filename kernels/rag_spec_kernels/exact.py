@@ -111,9 +111,9 @@ def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
     # float16 holds no 2**24: the same ratio, scaled down
     scale = 1.0 if torch.finfo(weight.dtype).max > 2.0**30 else 2.0**-12
     x = torch.randint(-1, 2, (_MOST_ROWS, linear.in_features), generator=generator) * scale
-    for row in x:
-        plus, minus = torch.randint(linear.in_features, (2,), generator=generator).tolist()
-        row[plus], row[minus] = 2.0**24 * scale, -(2.0**24) * scale
+    rows = torch.arange(_MOST_ROWS)
+    plus, minus = torch.randint(linear.in_features, (2, _MOST_ROWS), generator=generator)
+    x[rows, plus], x[rows, minus] = 2.0**24 * scale, -(2.0**24) * scale
     x = x.to(weight)
     with torch.inference_mode():
         alone = torch.cat([torch.nn.functional.linear(row, weight, bias) for row in x.split(1)])

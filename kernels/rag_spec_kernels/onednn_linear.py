@@ -145,13 +145,6 @@ class LinearStack:
         shared = _Shared()
         return [TracedLinear(linear, self, i, shared) for i, linear in enumerate(self.linears)]
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer's output for ``x``, side by side in the stack's order."""
-        if self._blas_row(x):
-            return torch.cat([torch.nn.functional.linear(x, g.weight, g.bias)
-                              for g in self.linears], dim=-1)
-        return self._product(x)
-
     def refresh(self) -> None:
         """Reorder the weights again if one of them changed (in place or replaced) since."""
         version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
@@ -169,17 +162,13 @@ class LinearStack:
         for stack in alone:
             stack.refresh()
 
-    def _blas_row(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is a single row that BLAS's matrix-vector product takes."""
-        return x.numel() == x.shape[-1] and not self.one_row_packed
-
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self._blas_row(x):
+        if x.numel() == x.shape[-1] and not self.one_row_packed:  # BLAS's matrix-vector product
             linear = self.linears[index]
             return torch.nn.functional.linear(x, linear.weight, linear.bias)
         pending = self._pending.__dict__.setdefault("outputs", {})
         if index == 0:
-            parts = self._product(x).split(self.sizes, dim=-1)
+            parts = self.product(x).split(self.sizes, dim=-1)
             pending.update({i: (x, part) for i, part in enumerate(parts[1:], 1)})
             return parts[0]
         held = pending.pop(index, None)
@@ -189,24 +178,31 @@ class LinearStack:
             if index not in self._alone:
                 self._alone[index] = LinearStack([self.linears[index]])
             alone = self._alone[index]
-        return alone._product(x)
+        return alone.product(x)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's output for ``x``, side by side in the stack's order (oneDNN's)."""
         weight, bias = self._packed
         y = packed_linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return y.reshape(*x.shape[:-1], sum(self.sizes))
 
 
-class OneDNNLinear(torch.nn.Module):
+class _StandIn(torch.nn.Module):
+    """A module in a linear layer's place that holds that layer's very Parameters (shared, not
+    copied) and its sizes."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+
+class OneDNNLinear(_StandIn):
     """A linear layer computed through its ``LinearStack`` (same parameters, no copy of them
     beyond the stack's reordered weight)."""
 
     def __init__(self, stack: LinearStack, index: int) -> None:
-        super().__init__()
-        original = stack.linears[index]
-        self.weight = original.weight  # the same Parameter objects: shared, not copied
-        self.bias = original.bias
-        self.in_features, self.out_features = original.in_features, original.out_features
+        super().__init__(stack.linears[index])
         self.stack = stack
         self.index = index
 
@@ -261,7 +257,7 @@ class _Shared:
     last: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class TracedLinear(torch.nn.Module):
+class TracedLinear(_StandIn):
     """A linear layer for a module tree ``torch.compile`` traces on a CPU (same parameters).
 
     A single row is a sum over the weight's rows, which inductor compiles into a vectorised
@@ -278,10 +274,7 @@ class TracedLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, stack: LinearStack | None = None,
                  index: int = 0, shared: _Shared | None = None) -> None:
-        super().__init__()
-        self.weight = linear.weight  # shared Parameters, as in OneDNNLinear
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         self.stack = stack
         if stack is not None:
             self.key = stack._key

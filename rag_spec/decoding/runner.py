@@ -216,9 +216,10 @@ def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Mo
     stacked = {path: module for path, module in eager.named_modules()
                if isinstance(module, OneDNNLinear)}
     siblings: dict[int, list[TracedLinear]] = {}
-    for path, parent in list(compiled.named_modules()):
+    owned = [(path, parent) for path, parent in compiled.named_modules() if id(parent) in own]
+    for path, parent in owned:
         for name, child in list(parent._modules.items()):
-            if id(parent) not in own or id(child) not in own or not is_plain_linear(child):
+            if id(child) not in own or not is_plain_linear(child):
                 continue
             eager_layer = stacked.get(f"{path}.{name}" if path else name)
             if eager_layer is None:

@@ -8,8 +8,8 @@ position ids, which count committed tokens only. A row's *root* is its newest co
 not yet in the cache: every step feeds it first, then the row's draft tree.
 
 A cache made with a ``capacity`` holds a ``StaticCache`` instead (``compiled_step``): its
-passes take a dense mask over every slot, one-token passes (on a GPU every pass) through the
-runner's compiled step where it has one.
+passes take a dense mask over every slot, through the runner's compiled step where it has one
+(one-token passes, or every pass where that step is ``wide``).
 """
 
 from __future__ import annotations
