@@ -163,3 +163,19 @@ def test_a_stream_closed_early_gives_its_static_cache_back(tokenizer):
     assert decoder.runner.compiled._spare is None  # lent to the stream
     stream.close()
     assert decoder.runner.compiled._spare is not None
+
+
+def test_a_generation_compiles_one_graph_for_one_token_passes_and_one_for_trees():
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(seed=8, layers=2)
+    decoder = LookaheadDecoder(model, config=COMPILED)
+    if not decoder.runner.stacks:
+        pytest.skip("oneDNN is not available in this torch build")
+    widths = compiled_widths(decoder.runner.compiled)
+    before = counters["stats"]["unique_graphs"]
+    for seed in range(3):  # three prompt lengths: three cache sizes
+        decoder.generate(repetitive_prompt(seed, length=12 + 9 * seed), 30)
+    assert 1 in widths and max(widths) > 1
+    # a second graph for a state the first pass left behind would cost a compilation (~15 s)
+    assert counters["stats"]["unique_graphs"] - before == 2

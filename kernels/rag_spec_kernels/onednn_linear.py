@@ -252,9 +252,14 @@ def _stack_product_shape(x: torch.Tensor, key: int) -> torch.Tensor:
 
 
 class _Shared:
-    """The last stack product of a set of sibling ``TracedLinear`` layers and its input."""
+    """The last stack product of a set of sibling ``TracedLinear`` layers and its input.
 
-    last: tuple[torch.Tensor, torch.Tensor] | None = None
+    An instance attribute from the start: ``torch.compile`` guards on where an attribute lives,
+    and one first set on the instance by the first pass would make the second pass compile
+    the step all over again (~15 s on two cores)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TracedLinear(_StandIn):
