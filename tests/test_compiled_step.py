@@ -5,10 +5,12 @@ length (static) and of several (the growing cache), and the user's model left al
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import char_tokenizer, tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
 from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.errors import RagSpecError
+from rag_spec.models import LoadedModel
+from rag_spec.serving.local_lm import GenerateOptions, LocalLM
 from rag_spec_kernels import TracedLinear
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
@@ -179,3 +181,36 @@ def test_a_generation_compiles_one_graph_for_one_token_passes_and_one_for_trees(
     assert 1 in widths and max(widths) > 1
     # a second graph for a state the first pass left behind would cost a compilation (~15 s)
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_a_warmed_up_decoder_compiles_nothing_for_its_first_request():
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(seed=9, layers=2)
+    decoder = LookaheadDecoder(model, config=COMPILED)
+    before = counters["stats"]["unique_graphs"]
+    assert decoder.warm_up(progress=False) > 0
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > before
+    prompt = repetitive_prompt(3, length=40)
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert decoder.drafter.memory.nodes > 0  # it remembers its outputs ...
+    fresh = LookaheadDecoder(model, config=COMPILED, drafter=type(decoder.drafter)())
+    fresh.warm_up(progress=False)
+    assert fresh.drafter.memory.nodes == 0  # ... but not the made-up prompts' answers
+
+
+def test_a_service_warmed_up_compiles_nothing_for_its_first_request():
+    from torch._dynamo.utils import counters
+
+    lm = LoadedModel(tiny_llama(seed=10, vocab_size=35), char_tokenizer(), "tiny",
+                     torch.device("cpu"), torch.float32)
+    lm.tokenizer.chat_template = None
+    local = LocalLM(lm, COMPILED, batch_wait_ms=1)
+    before = counters["stats"]["unique_graphs"]
+    local.warm_up(progress=False)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > before
+    local.generate(["the cat sat on the mat, the cat sat"], GenerateOptions(max_new_tokens=12))
+    assert counters["stats"]["unique_graphs"] == compiled

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -26,6 +26,7 @@ from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter, TrieMode
 from rag_spec.decoding.verify import verify
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
+from rag_spec.progress import progress as progress_bar
 from rag_spec.tokenizing import serial
 
 
@@ -289,6 +290,31 @@ class LookaheadDecoder:
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
+
+    def warm_up(self, max_new_tokens: int = 16, *, progress: bool = True) -> float:
+        """Pay a first request's one-time costs now, before a service takes traffic: with
+        ``compile=True`` the compilation of its steps (a minute or two on a CPU, about 45 s
+        once inductor's disk cache holds them), otherwise the kernels' first-use set-up.
+        Returns the seconds it took.
+
+        Made-up prompts run through this decoder's runner twice, drafting nothing (prefill and
+        one-token passes) and then drafting from the prompt (tree passes), on a private trie:
+        this decoder's drafter learns nothing from them. A batch of several prompts compiles
+        its own graphs at first use. Not in the background: compiling holds Python's
+        interpreter lock for most of a minute, and measured on two cores, eager steps on
+        another thread slowed from 44 ms to 0.7-1 s a token while it ran.
+        """
+        started = time.perf_counter()
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for budget in progress_bar((0, self.config.budget), "warming up decoding steps",
+                                   "pass", enabled=progress):
+            decoder = LookaheadDecoder(self.model, config=replace(self.config, budget=budget))
+            for attempt in range(3):  # a prompt whose answer ends at once runs no steps
+                # mid-vocabulary, clear of the special ids most tokenizers put first
+                prompt = [(vocab // 2 + 8 * attempt + i) % vocab for i in range(8)] * 8
+                if decoder.generate(prompt, max_new_tokens).finish_reason == "length":
+                    break
+        return time.perf_counter() - started
 
     def extend(self, cache: Any, context: list[int], max_new_tokens: int, session: DraftSession,
                budget: AdaptiveBudget) -> GenerationResult:

@@ -135,6 +135,12 @@ class LocalLM:
         """Longest prompt plus output the model takes (None: its config does not say)."""
         return context_window(self.lm.model.config, self.lm.tokenizer)
 
+    def warm_up(self, *, progress: bool = True) -> float:
+        """``LookaheadDecoder.warm_up``: a first request's one-time costs (compiling, with
+        ``compile=True``) paid now, requests held meanwhile; returns its seconds."""
+        with self.exclusive():
+            return self.decoder.warm_up(progress=progress)
+
     def exclusive(self) -> Any:
         """A context manager that holds the model for other work (e.g. an iterative RaLM loop)."""
         return self._batcher.exclusive()
