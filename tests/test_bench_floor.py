@@ -7,6 +7,8 @@ from conftest import tiny_llama
 from rag_spec.bench import floor
 from rag_spec.bench.floor import (
     compiled_over_eager,
+    linear_flops,
+    matmul_peak,
     product_seconds,
     read_bandwidth,
     step_seconds,
@@ -46,6 +48,20 @@ def test_product_time_counts_every_linear_layer_once(monkeypatch):
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert linears == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     assert product_seconds(model, 17) == linears
+
+
+def test_a_trees_arithmetic_counts_two_operations_per_weight_and_row():
+    model = tiny_llama(layers=3, hidden=32)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert linear_flops(model, 17) == 2 * 17 * weights == 17 * linear_flops(model, 1)
+    # any machine this runs on multiplies at between 100 MFLOP/s and 10 PFLOP/s
+    assert 1e8 < matmul_peak(torch.float32, size=256, repeats=2) < 1e16
+
+
+def test_no_tree_step_beats_its_products_at_the_peak():
+    # a 10 ms plain step of which 4 ms are products; a tree's products take 9 ms at the peak
+    assert floor._bound(0.010, 0.004, 0.009, 0.003) == 1.5
+    assert floor._bound(0.010, 0.004, 0.001, 0.003) == 0.9  # never below the weight read
 
 
 def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():

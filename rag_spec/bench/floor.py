@@ -13,7 +13,9 @@ rows is compute, not reads, so ``product_seconds`` times every linear layer's pr
 its best (weight in cache, the faster kernel), for one token and for a tree; with the one-token
 products taken at no less than the weight read. The report's estimate of tree/plain is then
 the one-token step with its products swapped for the tree's: what a tree step would cost beside
-a one-token step if the products alone grew, each at its best speed.
+a one-token step if the products alone grew, each at its best speed. Its bound swaps them for
+the tree's multiply-adds at this machine's peak (``matmul_peak``: a large square product, which
+no few-row kernel outruns): no kernel makes a tree step cheaper beside that one-token step.
 
 ``--compiled`` also times the step gpt-fast style (``compiled_step_seconds``): a static KV cache
 sized for the answer, a dense mask over it, the whole forward pass through ``torch.compile``
@@ -68,6 +70,20 @@ def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
             best = min(best, *(_seconds(product) for _ in range(repeats)))
         total += count * best
     return total
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Floating-point operations per second of the best of several ``size``-square products in
+    ``dtype``: the arithmetic speed a product over many rows can reach here."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # kernels chosen before timing
+    return 2 * size**3 / min(_seconds(lambda: torch.mm(a, b)) for _ in range(repeats))
+
+
+def linear_flops(model: Any, rows: int) -> int:
+    """Floating-point operations of ``rows`` tokens through every linear layer (LM head too)."""
+    return 2 * rows * sum(m.weight.numel() for m in model.modules()
+                          if isinstance(m, torch.nn.Linear))
 
 
 def weight_bytes(model: Any) -> int:
@@ -227,6 +243,7 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
         floor = weights / bandwidth
         products = {rows: max(floor, product_seconds(lm.model, rows))
                     for rows in (1, 1 + TREE_NODES)}
+        arithmetic = linear_flops(lm.model, 1 + TREE_NODES) / matmul_peak(lm.model.dtype)
         steps = step_seconds(lm.model, prompt)
         plain = steps["rag_spec_1"]
         estimate = plain - products[1] + products[1 + TREE_NODES]
@@ -240,6 +257,8 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
             "tree_over_plain": tree_over_plain["rag_spec"],
             "products_ms": {rows: round(1e3 * t, 2) for rows, t in products.items()},
             "tree_over_plain_estimate": round(estimate / plain, 2),
+            "tree_products_at_peak_ms": round(1e3 * arithmetic, 2),
+            "tree_over_plain_bound": _bound(plain, products[1], arithmetic, floor),
             "exact_tree_over_plain": tree_over_plain["rag_spec_exact"]}
         if compiled:
             row = report["dtypes"][dtype]
@@ -248,8 +267,17 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
                 ms = row["compiled"]["compiled_ms"][width]
                 row["step_ms"][f"compiled_{width}"] = ms
                 row["over_floor"][f"compiled_{width}"] = round(ms / row["floor_ms"], 2)
+            row["compiled"]["tree_over_plain_bound"] = _bound(
+                row["compiled"]["compiled_ms"][1] / 1e3, products[1], arithmetic, floor)
     publish(report, json_out, "floor", _plot, _print_table)
     return report
+
+
+def _bound(plain: float, one_row_products: float, tree_products: float, floor: float
+           ) -> float:
+    """The least a tree step can cost over a ``plain`` one-token step: its products swapped for
+    the tree's at the arithmetic peak (no less than the weight read)."""
+    return round((plain - one_row_products + max(tree_products, floor)) / plain, 2)
 
 
 def _seconds(call: Callable[[], Any], device: torch.device | None = None) -> float:
@@ -289,9 +317,12 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{dtype}: weights {row['weight_mb']} MB, floor {row['floor_ms']} ms; {steps}; "
               f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x); "
               f"linear products at their best: {row['products_ms']} ms for 1 / "
-              f"{1 + TREE_NODES} tokens, so tree/plain ~{row['tree_over_plain_estimate']}x")
+              f"{1 + TREE_NODES} tokens, so tree/plain ~{row['tree_over_plain_estimate']}x; "
+              f"at the arithmetic peak {row['tree_products_at_peak_ms']} ms, so tree/plain >= "
+              f"{row['tree_over_plain_bound']}x")
         if "compiled" in row:
             c = row["compiled"]
             print(f"{dtype} compiled (static cache, torch.compile) / our eager step, per width: "
                   f"{c['compiled_over_eager']} ({c['compiled_ms']} ms against {c['eager_ms']} "
-                  f"ms; first passes {c['first_pass_s']} s)")
+                  f"ms; first passes {c['first_pass_s']} s); compiled tree/plain >= "
+                  f"{c['tree_over_plain_bound']}x")
