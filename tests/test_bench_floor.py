@@ -12,6 +12,7 @@ from rag_spec.bench.floor import (
     product_seconds,
     read_bandwidth,
     step_seconds,
+    streamed_product_seconds,
     weight_bytes,
 )
 from rag_spec.cli import main
@@ -48,6 +49,24 @@ def test_product_time_counts_every_linear_layer_once(monkeypatch):
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert linears == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     assert product_seconds(model, 17) == linears
+
+
+def test_streamed_products_run_the_models_own_layers_in_order(monkeypatch):
+    import rag_spec_kernels
+
+    model = tiny_llama(layers=2)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    seen, stock = [], torch.nn.functional.linear
+
+    def recorded(x, weight):
+        seen.append((x.shape[0], weight.data_ptr()))
+        return stock(x, weight)
+
+    monkeypatch.setattr(rag_spec_kernels, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(torch.nn.functional, "linear", recorded)
+    assert streamed_product_seconds(model, 17, repeats=3) > 0
+    # one untimed pass, then three timed ones, each through every layer once, in order
+    assert seen == 4 * [(17, w.data_ptr()) for w in linears]
 
 
 def test_a_trees_arithmetic_counts_two_operations_per_weight_and_row():
