@@ -167,6 +167,14 @@ def test_a_stream_closed_early_gives_its_static_cache_back(tokenizer):
     assert decoder.runner.compiled._spare is not None
 
 
+@pytest.fixture
+def new_process():
+    """Start from no compiled code, as a new process does: a same-shaped model in an earlier
+    test leaves code that dynamo's guards accept, and a count of compilations would see none."""
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("new_process")
 def test_a_generation_compiles_one_graph_for_one_token_passes_and_one_for_trees():
     from torch._dynamo.utils import counters
 
@@ -183,6 +191,7 @@ def test_a_generation_compiles_one_graph_for_one_token_passes_and_one_for_trees(
     assert counters["stats"]["unique_graphs"] - before == 2
 
 
+@pytest.mark.usefixtures("new_process")
 def test_a_warmed_up_decoder_compiles_nothing_for_its_first_request():
     from torch._dynamo.utils import counters
 
@@ -201,6 +210,7 @@ def test_a_warmed_up_decoder_compiles_nothing_for_its_first_request():
     assert fresh.drafter.memory.nodes == 0  # ... but not the made-up prompts' answers
 
 
+@pytest.mark.usefixtures("new_process")
 def test_a_service_warmed_up_compiles_nothing_for_its_first_request():
     from torch._dynamo.utils import counters
 
