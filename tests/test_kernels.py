@@ -16,6 +16,7 @@ from rag_spec_kernels import (
     onednn_ops_available,
     pack_weight,
 )
+from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
 
 
 class Tiny(torch.nn.Module):
@@ -134,36 +135,43 @@ class Block(torch.nn.Module):
         return torch.cat([q, k, v, mlp], dim=-1)
 
 
-def block(monkeypatch, one_row_packed):
-    """A seeded ``Block`` whose single rows go to oneDNN or not, as told (skips without it)."""
+def block(monkeypatch, one_row_packed, streamed=False):
+    """A seeded ``Block`` whose single rows go to the stack's kernel or not, as told, and whose
+    stacks take the streamed kernel or oneDNN's (skips where the one asked for is missing)."""
     torch.manual_seed(0)
     model = Block().eval()
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
+    if streamed and not streamed_available(torch.float32):
+        pytest.skip("the streamed kernel needs AVX-512 and a build")
     monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
+    monkeypatch.setattr(kernel, "streamed_available", lambda dtype: streamed)
     return model
 
 
 def products_run(forward, model, x, other, monkeypatch):
-    """``forward``'s and ``model``'s outputs on ``(x, other)``, checked close, and the
-    reordered weights of the oneDNN products ``forward`` ran."""
+    """``forward``'s and ``model``'s outputs on ``(x, other)``, checked close, and the packed
+    weights of the stack products (oneDNN's or streamed) ``forward`` ran."""
     calls = []
-    pointwise = torch.ops.mkldnn._linear_pointwise
+    pointwise, streamed = torch.ops.mkldnn._linear_pointwise, kernel.streamed_linear
     with torch.inference_mode():
         expected = model(x, other)
         monkeypatch.setattr(kernel, "_POINTWISE", lambda *a: calls.append(a[1]) or pointwise(*a))
+        monkeypatch.setattr(kernel, "streamed_linear",
+                            lambda *a: calls.append(a[1]) or streamed(*a))
         got = forward(x, other)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     return got, expected, calls
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("one_row_packed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 24), (2, 13, 24), (1, 24)])
 @pytest.mark.parametrize("shared", [True, False])
 def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared, one_row_packed,
-                                                                  monkeypatch):
-    # the CPU's choice for single rows, fixed here so that both paths are tested
-    model = block(monkeypatch, one_row_packed)
+                                                                  streamed, monkeypatch):
+    # the CPU's choices for single rows and kernels, fixed here so that every path is tested
+    model = block(monkeypatch, one_row_packed, streamed)
     x = torch.randn(shape)
     got, expected, calls = products_run(private_copy(model), model, x,
                                         None if shared else torch.randn(shape), monkeypatch)
@@ -189,12 +197,13 @@ def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
     assert packed == expected
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (2, 13, 24)])
 @pytest.mark.parametrize("shared", [True, False])
 def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared, compiled,
-                                                                   monkeypatch):
-    model = block(monkeypatch, one_row_packed=True)
+                                                                   streamed, monkeypatch):
+    model = block(monkeypatch, one_row_packed=True, streamed=streamed)
     traced = private_copy(model, traced=True)
     assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
     forward = torch.compile(traced, dynamic=True) if compiled else traced
@@ -219,3 +228,52 @@ def test_a_traced_layer_without_a_stack_matches_f_linear_compiled(bias, shape):
     x = torch.randn(shape)
     with torch.inference_mode():
         torch.testing.assert_close(traced(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def streamed_or_skip():
+    if not streamed_available(torch.float32):
+        pytest.skip("the streamed kernel needs AVX-512 and a build")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 18, 35, 100])
+@pytest.mark.parametrize("out_features", [16, 40, 1000])
+def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_features):
+    streamed_or_skip()
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 72), torch.randn(out_features, 72), torch.randn(
+        out_features)
+    packed = pack_streamed(weight)
+    assert packed.shape == (-(-out_features // 16), 72, 16)  # padded to whole blocks
+    torch.testing.assert_close(streamed_linear(x, packed, out_features, bias),
+                               torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_a_streamed_row_does_not_depend_on_the_rows_beside_it():
+    streamed_or_skip()
+    torch.manual_seed(0)
+    x, weight = torch.randn(40, 576), torch.randn(96, 576)
+    packed = pack_streamed(weight)
+    together = streamed_linear(x, packed, 96)
+    alone = torch.cat([streamed_linear(row[None], packed, 96) for row in x])
+    assert torch.equal(together, alone)  # bit for bit: a tree's logits are one-token steps'
+
+
+@pytest.mark.parametrize("cpu", ["AVX2", "AVX512 that cannot build"])
+def test_the_streamed_kernel_is_offered_for_float32_on_avx512_where_it_builds(cpu, monkeypatch,
+                                                                               caplog):
+    import rag_spec_kernels.streamed_linear as streamed
+
+    assert not streamed_available(torch.bfloat16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu.split()[0])
+
+    def no_compiler():
+        msg = "gcc: not found"
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(streamed, "_extension", no_compiler)
+    streamed_available.cache_clear()
+    try:
+        assert not streamed_available(torch.float32)
+    finally:
+        streamed_available.cache_clear()
+    assert ("gcc: not found" in caplog.text) == (cpu != "AVX2")  # the build's failure, said

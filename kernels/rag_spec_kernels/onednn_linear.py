@@ -3,12 +3,13 @@
 The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-32 (on the
 machine DESIGN.md describes, a 16-token step costs 2.1x a 1-token step); oneDNN's kernels on a
 blocked weight layout make the same step cost 1.6x its own 1-token step and 1.35x the stock one,
-which is what lets a verified tree pay for itself. Which kernel wins for a single row depends
-on the CPU: on an AMX Xeon BLAS's matrix-vector product does (16.5 ms against 19.9 ms for the
-default model's layers), on an AVX2 EPYC oneDNN's does (a one-token step 0.81x BLAS's: MKL
-runs one-row products on one core there); ``one_row_packed`` decides. Layers that read the
-same input (q/k/v, gate/up) multiply as one stacked weight: one call and one weight pass,
-bit-identical results.
+which is what lets a verified tree pay for itself. On AVX-512 CPUs float32 stacks take
+``streamed_linear`` instead, which also hides the weight's read behind the arithmetic. Which
+kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's matrix-vector product
+does (16.5 ms against 19.9 ms for the default model's layers), on an AVX2 EPYC oneDNN's does
+(a one-token step 0.81x BLAS's: MKL runs one-row products on one core there);
+``one_row_packed`` decides. Layers that read the same input (q/k/v, gate/up) multiply as one
+stacked weight: one call and one weight pass, bit-identical results.
 
 The reordered weights are a copy (as large as the layers' weights), made when a stack is built
 and redone by ``LinearStack.refresh`` if a layer's weight changed. ``OneDNNLinear`` modules are
@@ -30,6 +31,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
 
 # oneDNN's inner product on a reordered weight, taking and returning dense tensors (no layout
 # conversions per call), and the reorder into the blocked layout oneDNN picks for a batch size.
@@ -110,7 +113,9 @@ class LinearStack:
 
     The first layer's product computes every sibling's output; the others take their slice when
     handed that same input tensor on the same thread, and compute alone otherwise. A single row
-    takes BLAS's per-layer products unless ``one_row_packed`` says oneDNN is faster. The weights
+    takes BLAS's per-layer products unless ``one_row_packed`` says oneDNN is faster. Where
+    ``streamed_available``, float32 products take the kernel that prefetches the weight
+    (``streamed_linear``) in oneDNN's place, on its own packed copy. The weights
     are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
     (checking costs ~2 us a layer, so it is done once per generation, not per product).
     """
@@ -123,6 +128,7 @@ class LinearStack:
         self._lock = threading.Lock()
         self._version: tuple = ()
         self._key: int | None = None  # in ``_TRACED``, once traced modules exist
+        self.streamed = streamed_available(linears[0].weight.dtype)
         self.refresh()
         self.one_row_packed = one_row_packed(linears[0].weight.dtype)
 
@@ -156,7 +162,8 @@ class LinearStack:
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in self.linears])
-            self._packed = (pack_weight(weight), bias)
+            self._packed = (pack_streamed(weight) if self.streamed else pack_weight(weight),
+                            bias)
             self._version = version
             alone = list(self._alone.values())
         for stack in alone:
@@ -181,9 +188,11 @@ class LinearStack:
         return alone.product(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer's output for ``x``, side by side in the stack's order (oneDNN's)."""
+        """Every layer's output for ``x``, side by side in the stack's order."""
         weight, bias = self._packed
-        y = packed_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        y = (streamed_linear(rows, weight, sum(self.sizes), bias) if self.streamed
+             else packed_linear(rows, weight, bias))
         return y.reshape(*x.shape[:-1], sum(self.sizes))
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rag_spec.bench.report import figure, machine, median, publish, save_figure
+from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
 
 TREE_NODES = 16
 
@@ -54,7 +55,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
 def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
     """Seconds a step over ``rows`` tokens spends in its linear layers (the LM head included)
     if each ran as fast as the best of several isolated products of its shape, its weight in
-    cache, on the stock kernel or oneDNN's packed one where this CPU has it."""
+    cache, on the fastest kernel this CPU offers."""
     shapes = Counter(tuple(m.weight.shape) for m in model.modules()
                      if isinstance(m, torch.nn.Linear))
     return sum(count * _best_product_seconds(torch.randn(rows, inner).to(model.dtype),
@@ -64,13 +65,18 @@ def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
 
 def streamed_product_seconds(model: Any, rows: int, repeats: int = 7) -> float:
     """Seconds of ``rows`` tokens through the model's own linear layers in order, their weights
-    streamed from memory as in a step (oneDNN's packed kernel where this CPU has it): where
+    streamed from memory as in a step, on the runner's kernel (the streamed one, else oneDNN's
+    packed one where this CPU has it): where
     this exceeds both the products in cache and the weight read, reads and arithmetic do not
     overlap."""
     from rag_spec_kernels import onednn_packs, pack_weight, packed_linear
 
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if onednn_packs(model.dtype):
+    if streamed_available(model.dtype):
+        packs = [pack_streamed(w) for w in weights]
+        products = [lambda x, p=p, n=w.shape[0]: streamed_linear(x, p, n)
+                    for p, w in zip(packs, weights)]
+    elif onednn_packs(model.dtype):
         packs = [pack_weight(w) for w in weights]
         products = [lambda x, p=p: packed_linear(x, p) for p in packs]
     else:
@@ -94,13 +100,17 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float
 
 
 def _best_product_seconds(x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
-    """The best of ``repeats`` timings of ``x @ weight.T`` on each kernel this CPU offers."""
+    """The best of ``repeats`` timings of ``x @ weight.T`` on each kernel this CPU offers
+    (stock, oneDNN's, the streamed one)."""
     from rag_spec_kernels import onednn_packs, pack_weight, packed_linear
 
     products = [lambda: torch.nn.functional.linear(x, weight)]
     if onednn_packs(weight.dtype):
         packed = pack_weight(weight)
         products.append(lambda: packed_linear(x, packed))
+    if streamed_available(weight.dtype):
+        blocks = pack_streamed(weight)
+        products.append(lambda: streamed_linear(x, blocks, weight.shape[0]))
     best = float("inf")
     for product in products:
         product()  # kernels chosen before timing
