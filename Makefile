@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-pull: install  ## fetch and convert the embedded model (once; cached)
+pull: install  ## fetch and convert the embedded model, build the CPU kernel (once; cached)
 	$(BIN)/rag-spec models pull
 
 demo: pull  ## answer a question about the standard library, citing the passages used

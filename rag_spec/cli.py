@@ -101,11 +101,15 @@ def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _models_pull(args: argparse.Namespace) -> int:
+    import torch
+
     from rag_spec.models.embedded import pull
+    from rag_spec_kernels.streamed_linear import streamed_available
 
     started = time.perf_counter()
     path = pull(args.name, force=args.force)
     print(f"{args.name}: {path} ({time.perf_counter() - started:.1f} s)")
+    streamed_available(torch.float32)  # built now where this CPU takes it, not in a first answer
     return 0
 
 
