@@ -51,6 +51,16 @@ def test_product_time_counts_every_linear_layer_once(monkeypatch):
     assert product_seconds(model, 17) == linears
 
 
+def test_a_runner_told_so_keeps_onednn_where_the_streamed_kernel_runs():
+    from rag_spec.decoding import Runner, RunnerSettings
+
+    model = tiny_llama()
+    default, onednn = Runner.of(model), Runner.of(model, RunnerSettings(streamed_linear=False))
+    assert default.stacks and not any(stack.streamed for stack in onednn.stacks)
+    assert all(stack.streamed == floor.streamed_available(torch.float32)
+               for stack in default.stacks)
+
+
 def test_streamed_products_run_the_models_own_layers_in_order(monkeypatch):
     import rag_spec_kernels
 
@@ -88,8 +98,10 @@ def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
     model = tiny_llama()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     costs = step_seconds(model, list(range(3, 40)), widths=(1, 5), repeats=3)
+    onednn = {"rag_spec_onednn_1", "rag_spec_onednn_5"} if floor.streamed_available(
+        torch.float32) else set()  # oneDNN's kernels beside the streamed ones, where they run
     assert set(costs) == {"hf_1", "rag_spec_1", "rag_spec_5", "rag_spec_exact_1",
-                          "rag_spec_exact_5"}
+                          "rag_spec_exact_5"} | onednn
     assert all(0 < seconds < 10 for seconds in costs.values())
     assert all((model.state_dict()[k] == v).all() for k, v in state.items())
 

@@ -114,13 +114,14 @@ class LinearStack:
     The first layer's product computes every sibling's output; the others take their slice when
     handed that same input tensor on the same thread, and compute alone otherwise. A single row
     takes BLAS's per-layer products unless ``one_row_packed`` says oneDNN is faster. Where
-    ``streamed_available``, float32 products take the kernel that prefetches the weight
-    (``streamed_linear``) in oneDNN's place, on its own packed copy. The weights
+    ``streamed_available`` (and not turned off by ``streamed``), float32 products take the
+    kernel that prefetches the weight (``streamed_linear``) in oneDNN's place, on its own packed
+    copy. The weights
     are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
     (checking costs ~2 us a layer, so it is done once per generation, not per product).
     """
 
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True) -> None:
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
         self._alone: dict[int, LinearStack] = {}
@@ -128,7 +129,7 @@ class LinearStack:
         self._lock = threading.Lock()
         self._version: tuple = ()
         self._key: int | None = None  # in ``_TRACED``, once traced modules exist
-        self.streamed = streamed_available(linears[0].weight.dtype)
+        self.streamed = streamed and streamed_available(linears[0].weight.dtype)
         self.refresh()
         self.one_row_packed = one_row_packed(linears[0].weight.dtype)
 
@@ -183,7 +184,7 @@ class LinearStack:
             return held[1]
         with self._lock:  # rare (an input the siblings do not share): built once, packed
             if index not in self._alone:
-                self._alone[index] = LinearStack([self.linears[index]])
+                self._alone[index] = LinearStack([self.linears[index]], self.streamed)
             alone = self._alone[index]
         return alone.product(x)
 
@@ -219,8 +220,8 @@ class OneDNNLinear(_StandIn):
         return self.stack.forward(self.index, x)
 
 
-def linear_stacks(root: torch.nn.Module, own: set[int]) -> list[tuple[torch.nn.Module, str,
-                                                                       LinearStack, int]]:
+def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True
+                  ) -> list[tuple[torch.nn.Module, str, LinearStack, int]]:
     """Every plain linear layer under ``root`` among the modules whose ids are in ``own``, as
     (parent, attribute name, stack, index in stack): siblings known to share an input stacked
     together, the others alone."""
@@ -231,13 +232,13 @@ def linear_stacks(root: torch.nn.Module, own: set[int]) -> list[tuple[torch.nn.M
             group = [parent._modules.get(n) for n in names]
             if all(id(g) in own and is_plain_linear(g) for g in group) and len(
                     {g.in_features for g in group}) == 1:
-                stack = LinearStack(group)
+                stack = LinearStack(group, streamed)
                 found += [(parent, n, stack, i) for i, n in enumerate(names)]
                 taken.update(id(g) for g in group)
     for parent in root.modules():
         for name, child in parent._modules.items():
             if id(child) in own and id(child) not in taken and is_plain_linear(child):
-                found.append((parent, name, LinearStack([child]), 0))
+                found.append((parent, name, LinearStack([child], streamed), 0))
                 taken.add(id(child))
     return found
 

@@ -138,8 +138,9 @@ def weight_bytes(model: Any) -> int:
 def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 1 + TREE_NODES),
                  repeats: int = 9) -> dict[str, float]:
     """Median seconds of transformers' one-token step (``hf_1``) and of our runner's steps
-    ``widths`` tokens wide (``rag_spec_W``; with exact numerics ``rag_spec_exact_W``), after
-    ``prompt``'s prefill."""
+    ``widths`` tokens wide (``rag_spec_W``; with exact numerics ``rag_spec_exact_W``; where the
+    streamed kernel runs, on oneDNN's instead ``rag_spec_onednn_W``), after ``prompt``'s
+    prefill."""
     from rag_spec.decoding import RunnerSettings
 
     ids = torch.tensor([list(prompt)], device=model.device)
@@ -150,9 +151,12 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
         model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
 
     costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
-    for name, exact in (("rag_spec", False), ("rag_spec_exact", True)):
+    systems = {"rag_spec": RunnerSettings(), "rag_spec_exact": RunnerSettings(exact=True)}
+    if streamed_available(model.dtype):
+        systems["rag_spec_onednn"] = RunnerSettings(streamed_linear=False)
+    for name, settings in systems.items():
         for width, seconds in runner_step_seconds(model, prompt, widths, repeats,
-                                                  RunnerSettings(exact=exact)).items():
+                                                  settings).items():
             costs[f"{name}_{width}"] = seconds
     return costs
 
@@ -288,7 +292,8 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
         plain = steps["rag_spec_1"]
         estimate = plain - products[1] + products[1 + TREE_NODES]
         tree_over_plain = {name: round(steps[f"{name}_{1 + TREE_NODES}"] / steps[f"{name}_1"], 2)
-                           for name in ("rag_spec", "rag_spec_exact")}
+                           for name in ("rag_spec", "rag_spec_exact", "rag_spec_onednn")
+                           if f"{name}_1" in steps}
         report["prompt_tokens"] = len(prompt)
         report["dtypes"][dtype] = {
             "weight_mb": round(weights / 2**20, 1), "floor_ms": round(1e3 * floor, 2),
@@ -300,7 +305,8 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
             "streamed_products_ms": {rows: round(1e3 * t, 2) for rows, t in streamed.items()},
             "tree_products_at_peak_ms": round(1e3 * arithmetic, 2),
             "tree_over_plain_bound": _bound(plain, products[1], arithmetic, floor),
-            "exact_tree_over_plain": tree_over_plain["rag_spec_exact"]}
+            "exact_tree_over_plain": tree_over_plain["rag_spec_exact"],
+            "onednn_tree_over_plain": tree_over_plain.get("rag_spec_onednn")}
         if compiled:
             row = report["dtypes"][dtype]
             row["compiled"] = compiled_over_eager(lm.model, prompt, (1, 5, 1 + TREE_NODES))
@@ -356,7 +362,8 @@ def _print_table(report: dict[str, Any]) -> None:
         steps = ", ".join(f"{name} {ms} ms ({row['over_floor'][name]}x)"
                           for name, ms in row["step_ms"].items())
         print(f"{dtype}: weights {row['weight_mb']} MB, floor {row['floor_ms']} ms; {steps}; "
-              f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x); "
+              f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x, "
+              f"on oneDNN {row['onednn_tree_over_plain']}x); "
               f"linear products at their best: {row['products_ms']} ms for 1 / "
               f"{1 + TREE_NODES} tokens, so tree/plain ~{row['tree_over_plain_estimate']}x; "
               f"streamed from memory {row['streamed_products_ms']} ms; "
