@@ -124,3 +124,12 @@ def test_unknown_dtypes_are_refused(capsys):
         main(["bench", "floor", "--dtype", "int8"])
     assert exit_info.value.code == 2
     assert "expected float32, bfloat16 or float16" in capsys.readouterr().err
+
+
+def test_the_plot_takes_dtypes_timed_on_different_systems(tmp_path):
+    # the streamed kernel is float32's only, so bfloat16 has no oneDNN variant to show
+    report = {"model": "tiny", "read_bandwidth_gb_s": 50.0, "machine": {"cpus": 2}, "dtypes": {
+        "float32": {"floor_ms": 10.0, "over_floor": {"rag_spec_1": 2.0, "rag_spec_onednn_1": 2.2}},
+        "bfloat16": {"floor_ms": 5.0, "over_floor": {"rag_spec_1": 3.0}}}}
+    floor._plot(report, tmp_path / "floor.png")
+    assert (tmp_path / "floor.png").stat().st_size > 0

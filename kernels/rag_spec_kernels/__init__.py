@@ -1,8 +1,8 @@
 """Kernels for verifying token trees: attention under a compact tree mask that reads each KV
-head once (torch on the CPU, Triton on a GPU), and oneDNN linear layers that keep few-token
-steps cheap on the CPU, and exact numerics for half precision (each token of a step bit for
-bit as a one-token step). Nothing here modifies a caller's model:
-the decoder's runner puts these into its private copy of the module tree."""
+head once (torch on the CPU, Triton on a GPU), linear layers that keep few-token steps cheap on
+the CPU (oneDNN's kernels, or on AVX-512 our streamed one), and exact numerics for half
+precision (each token of a step bit for bit as a one-token step). Nothing here modifies a
+caller's model: the decoder's runner puts these into its private copy of the module tree."""
 
 from rag_spec_kernels.exact import (
     EXACT_TREE_ATTENTION,
@@ -23,6 +23,7 @@ from rag_spec_kernels.onednn_linear import (
     pack_weight,
     packed_linear,
 )
+from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
     SparseView,
@@ -35,5 +36,6 @@ from rag_spec_kernels.tree_attention import (
 __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "LinearStack", "OneDNNLinear",
            "RowChunkedLinear", "SparseView", "TracedLinear", "TreeMask", "exact_tree_attention",
            "invariant_rows", "is_plain_linear", "linear_stacks", "onednn_available",
-           "onednn_ops_available", "onednn_packs", "pack_weight", "packed_linear",
-           "reference_attention", "register_tree_attention", "tree_attention", "whole_rows"]
+           "onednn_ops_available", "onednn_packs", "pack_streamed", "pack_weight",
+           "packed_linear", "reference_attention", "register_tree_attention",
+           "streamed_available", "streamed_linear", "tree_attention", "whole_rows"]

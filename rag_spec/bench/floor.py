@@ -341,11 +341,12 @@ def _seconds(call: Callable[[], Any], device: torch.device | None = None) -> flo
 
 def _plot(report: dict[str, Any], path: Path) -> None:
     fig, ax = figure(size=(8, 4))
-    names = list(next(iter(report["dtypes"].values()))["over_floor"])
+    names = list(dict.fromkeys(n for row in report["dtypes"].values() for n in row["over_floor"]))
     width = 0.8 / len(report["dtypes"])
     for i, (dtype, row) in enumerate(report["dtypes"].items()):
-        ax.bar([j + i * width for j in range(len(names))], [row["over_floor"][n] for n in names],
-               width, label=f"{dtype} (floor {row['floor_ms']} ms)")
+        ax.bar([j + i * width for j in range(len(names))],
+               [row["over_floor"].get(n, 0) for n in names], width,
+               label=f"{dtype} (floor {row['floor_ms']} ms)")
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_xticks([j + width * (len(report["dtypes"]) - 1) / 2 for j in range(len(names))],
                   names, rotation=20, ha="right")
@@ -362,8 +363,9 @@ def _print_table(report: dict[str, Any]) -> None:
         steps = ", ".join(f"{name} {ms} ms ({row['over_floor'][name]}x)"
                           for name, ms in row["step_ms"].items())
         print(f"{dtype}: weights {row['weight_mb']} MB, floor {row['floor_ms']} ms; {steps}; "
-              f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x, "
-              f"on oneDNN {row['onednn_tree_over_plain']}x); "
+              f"tree/plain {row['tree_over_plain']}x (exact {row['exact_tree_over_plain']}x"
+              + (f", on oneDNN {row['onednn_tree_over_plain']}x"
+                 if row["onednn_tree_over_plain"] else "") + "); "
               f"linear products at their best: {row['products_ms']} ms for 1 / "
               f"{1 + TREE_NODES} tokens, so tree/plain ~{row['tree_over_plain_estimate']}x; "
               f"streamed from memory {row['streamed_products_ms']} ms; "
