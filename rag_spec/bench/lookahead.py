@@ -4,8 +4,9 @@ Systems run interleaved on each prompt, all greedy, same model, dtype and device
 greedy and its prompt lookup (the peers), ours, and two ablations of ours (no drafts: the same
 kernels without speculation; in float32, stock linear kernels: speculation without ours; in
 half precision, where ours runs exact numerics, the fast kernels: what exactness costs, and
-that without it tokens differ); with ``--compiled``, ours with torch.compile'd steps, drafting
-and not. Outputs are
+that without it tokens differ); where our streamed kernel runs (float32, AVX-512), ours on
+oneDNN's kernels instead (what that kernel buys); with ``--compiled``, ours with
+torch.compile'd steps, drafting and not. Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
 """
@@ -56,6 +57,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
         if decoder.runner.exact else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
     decoders = {"rag_spec": decoder, "rag_spec_no_drafts": plain,
                 ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)}
+    if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
+        decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer,
+                                                       LookaheadConfig(streamed_linear=False))
     if compiled:
         decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
             lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))
