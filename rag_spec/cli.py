@@ -104,7 +104,7 @@ def _models_pull(args: argparse.Namespace) -> int:
     import torch
 
     from rag_spec.models.embedded import pull
-    from rag_spec_kernels.streamed_linear import streamed_available
+    from rag_spec_kernels.streamed import streamed_available
 
     started = time.perf_counter()
     path = pull(args.name, force=args.force)

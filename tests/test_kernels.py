@@ -16,7 +16,7 @@ from rag_spec_kernels import (
     onednn_ops_available,
     pack_weight,
 )
-from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
 
 class Tiny(torch.nn.Module):
@@ -261,7 +261,7 @@ def test_a_streamed_row_does_not_depend_on_the_rows_beside_it():
 @pytest.mark.parametrize("cpu", ["AVX2", "AVX512 that cannot build"])
 def test_the_streamed_kernel_is_offered_for_float32_on_avx512_where_it_builds(cpu, monkeypatch,
                                                                                caplog):
-    import rag_spec_kernels.streamed_linear as streamed
+    import rag_spec_kernels.streamed as streamed
 
     assert not streamed_available(torch.bfloat16)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu.split()[0])

@@ -23,7 +23,7 @@ from rag_spec_kernels.onednn_linear import (
     pack_weight,
     packed_linear,
 )
-from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
     SparseView,

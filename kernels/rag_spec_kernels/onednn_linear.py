@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
 # oneDNN's inner product on a reordered weight, taking and returning dense tensors (no layout
 # conversions per call), and the reorder into the blocked layout oneDNN picks for a batch size.

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rag_spec.bench.report import figure, machine, median, publish, save_figure
-from rag_spec_kernels.streamed_linear import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
 TREE_NODES = 16
 

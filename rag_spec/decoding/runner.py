@@ -70,7 +70,7 @@ class RunnerSettings:
     onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
     # the copy packed for rag-spec's streamed kernel where the CPU takes it (AVX-512, float32;
-    # ``rag_spec_kernels.streamed_linear``), else for oneDNN's
+    # ``rag_spec_kernels.streamed``), else for oneDNN's
     streamed_linear: bool = True
     # every token of a step computed bit for bit as a one-token step (``rag_spec_kernels.exact``;
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
