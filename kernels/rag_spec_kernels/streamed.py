@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -67,7 +68,8 @@ def _extension() -> Any:
     from torch.utils.cpp_extension import get_default_build_root, load
 
     name = "rag_spec_streamed_linear"
-    build = Path(get_default_build_root()) / f"{name}-torch{torch.__version__}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
+    build = Path(root) / f"{name}-torch{torch.__version__}"
     with _build_lock:
         if not (build / f"{name}.so").exists():
             print(f"rag-spec: building the streamed-product kernel for this CPU in {build} "
