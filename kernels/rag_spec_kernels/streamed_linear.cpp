@@ -3,10 +3,11 @@
 // The weight is packed as 16-output blocks, [blocks][in][16]: one input position's 16 weights
 // fill one cache line, and a block is read front to back. Every row of a chunk (up to
 // CHUNK_ROWS) accumulates against one block at a time, so a block's lines are used by all rows
-// while the next lines are on their way: a software prefetch PREFETCH_LINES ahead, on the
-// first chunk only (the others find the block in the core's cache). Blocks are split between
-// torch's threads. Each output is summed over the inputs in one fixed order, whatever the
-// number of rows: a row's result does not depend on the rows beside it.
+// while the next lines are on their way: a software prefetch PREFETCH_LINES ahead, on a
+// group's first chunk only (the others find the block in the core's cache). Blocks are split
+// between torch's threads; many rows go in groups of chunks, each group past every block.
+// Each output is summed over the inputs in one fixed order, whatever the number of rows: a
+// row's result does not depend on the rows beside it.
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <array>
@@ -20,6 +21,7 @@ namespace {
 
 constexpr int64_t CHUNK_ROWS = 17;
 constexpr int64_t PREFETCH_LINES = 256;
+constexpr int64_t GROUP_BYTES = 256 * 1024;
 
 template <int ROWS>
 void block(const float* __restrict__ xt, const float* __restrict__ w, float* __restrict__ y,
@@ -63,14 +65,20 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packe
   auto y = torch::empty({rows, out}, x.options());
   const float* w = packed.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t n = xts[c].size(1);
-        BLOCKS[n - 1](xts[c].data_ptr<float>(), w + b * in * 16,
-                      py + c * CHUNK_ROWS * out + b * 16, in, out, c == 0);
-      }
-  });
+  // many rows (a prompt): groups of chunks whose inputs stay in a core's cache while every
+  // block passes by, rather than all inputs read again for each block
+  const int64_t group = std::max<int64_t>(1, GROUP_BYTES / (in * CHUNK_ROWS * 4));
+  for (int64_t first_chunk = 0; first_chunk < chunks; first_chunk += group) {
+    const int64_t end_chunk = std::min(chunks, first_chunk + group);
+    at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b)
+        for (int64_t c = first_chunk; c < end_chunk; ++c) {
+          const int64_t n = xts[c].size(1);
+          BLOCKS[n - 1](xts[c].data_ptr<float>(), w + b * in * 16,
+                        py + c * CHUNK_ROWS * out + b * 16, in, out, c == first_chunk);
+        }
+    });
+  }
   return y;
 }
 
