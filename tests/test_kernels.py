@@ -248,25 +248,18 @@ def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_featu
                                torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_a_long_prompt_through_the_streamed_kernel_matches_f_linear():
+# 576 inputs: 40 rows are three chunks of one group; 1,536 inputs: two chunks a group, so a
+# 200-row prompt passes the blocks in six groups
+@pytest.mark.parametrize(("rows", "inputs"), [(40, 576), (200, 1536)])
+def test_a_streamed_row_does_not_depend_on_the_rows_beside_it(rows, inputs):
     streamed_or_skip()
-    torch.manual_seed(1)
-    # 1,536 inputs: two chunks of 17 rows a group, so 200 rows pass the blocks in six groups
-    x, weight = torch.randn(200, 1536), torch.randn(48, 1536)
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, inputs), torch.randn(48, inputs)
     packed = pack_streamed(weight)
     together = streamed_linear(x, packed, 48)
     torch.testing.assert_close(together, torch.nn.functional.linear(x, weight), rtol=1e-5,
                                atol=1e-3)
-    assert torch.equal(together, torch.cat([streamed_linear(row[None], packed, 48) for row in x]))
-
-
-def test_a_streamed_row_does_not_depend_on_the_rows_beside_it():
-    streamed_or_skip()
-    torch.manual_seed(0)
-    x, weight = torch.randn(40, 576), torch.randn(96, 576)
-    packed = pack_streamed(weight)
-    together = streamed_linear(x, packed, 96)
-    alone = torch.cat([streamed_linear(row[None], packed, 96) for row in x])
+    alone = torch.cat([streamed_linear(row[None], packed, 48) for row in x])
     assert torch.equal(together, alone)  # bit for bit: a tree's logits are one-token steps'
 
 
