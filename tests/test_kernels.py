@@ -263,6 +263,16 @@ def test_a_streamed_row_does_not_depend_on_the_rows_beside_it(rows, inputs):
     assert torch.equal(together, alone)  # bit for bit: a tree's logits are one-token steps'
 
 
+def test_probing_the_streamed_kernel_leaves_torchs_global_rng_alone():
+    streamed_available.cache_clear()  # probed again, as in a new process
+    state = torch.get_rng_state()
+    try:
+        streamed_available(torch.float32)
+    finally:
+        streamed_available.cache_clear()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("cpu", ["AVX2", "AVX512 that cannot build"])
 def test_the_streamed_kernel_is_offered_for_float32_on_avx512_where_it_builds(cpu, monkeypatch,
                                                                                caplog):

@@ -124,6 +124,7 @@ class LinearStack:
     def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True) -> None:
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
+        self.out_features = sum(self.sizes)
         self._alone: dict[int, LinearStack] = {}
         self._pending = threading.local()  # index -> (input, output), per thread
         self._lock = threading.Lock()
@@ -192,9 +193,9 @@ class LinearStack:
         """Every layer's output for ``x``, side by side in the stack's order."""
         weight, bias = self._packed
         rows = x.reshape(-1, x.shape[-1])
-        y = (streamed_linear(rows, weight, sum(self.sizes), bias) if self.streamed
+        y = (streamed_linear(rows, weight, self.out_features, bias) if self.streamed
              else packed_linear(rows, weight, bias))
-        return y.reshape(*x.shape[:-1], sum(self.sizes))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class _StandIn(torch.nn.Module):
@@ -258,7 +259,7 @@ def stack_product(x: torch.Tensor, key: int) -> torch.Tensor:
 
 @stack_product.register_fake
 def _stack_product_shape(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(_TRACED[key].sizes))
+    return x.new_empty(*x.shape[:-1], _TRACED[key].out_features)
 
 
 class _Shared:

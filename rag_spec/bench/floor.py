@@ -65,23 +65,18 @@ def product_seconds(model: Any, rows: int, repeats: int = 30) -> float:
 
 def streamed_product_seconds(model: Any, rows: int, repeats: int = 7) -> float:
     """Seconds of ``rows`` tokens through the model's own linear layers in order, their weights
-    streamed from memory as in a step, on the runner's kernel (the streamed one, else oneDNN's
-    packed one where this CPU has it): where
+    streamed from memory as in a step, each through a ``LinearStack`` of its own (the runner's
+    kernel for a tree: the streamed one, else oneDNN's), stock products without oneDNN: where
     this exceeds both the products in cache and the weight read, reads and arithmetic do not
     overlap."""
-    from rag_spec_kernels import onednn_packs, pack_weight, packed_linear
+    from rag_spec_kernels import LinearStack, onednn_available
 
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if streamed_available(model.dtype):
-        packs = [pack_streamed(w) for w in weights]
-        products = [lambda x, p=p, n=w.shape[0]: streamed_linear(x, p, n)
-                    for p, w in zip(packs, weights)]
-    elif onednn_packs(model.dtype):
-        packs = [pack_weight(w) for w in weights]
-        products = [lambda x, p=p: packed_linear(x, p) for p in packs]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if onednn_available(model):
+        products = [LinearStack([linear]).product for linear in linears]
     else:
-        products = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
-    inputs = [torch.randn(rows, w.shape[1]).to(model.dtype) for w in weights]
+        products = [lambda x, w=m.weight: torch.nn.functional.linear(x, w) for m in linears]
+    inputs = [torch.randn(rows, m.in_features).to(model.dtype) for m in linears]
 
     def all_layers() -> None:
         for product, x in zip(products, inputs):
@@ -93,8 +88,8 @@ def streamed_product_seconds(model: Any, rows: int, repeats: int = 7) -> float:
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     """Floating-point operations per second of the best ``size``-square product in ``dtype``
-    (stock or oneDNN's packed kernel): the arithmetic speed a product over many rows reaches
-    here. On AMD CPUs the stock fp32 kernel (MKL) reaches under half of oneDNN's."""
+    (on any kernel ``_best_product_seconds`` tries): the arithmetic speed a product over many
+    rows reaches here. On AMD CPUs the stock fp32 kernel (MKL) reaches under half of oneDNN's."""
     square = torch.randn(size, size).to(dtype)
     return 2 * size**3 / _best_product_seconds(square, square.clone(), repeats)
 
