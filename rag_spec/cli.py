@@ -104,12 +104,14 @@ def _models_pull(args: argparse.Namespace) -> int:
     import torch
 
     from rag_spec.models.embedded import pull
-    from rag_spec_kernels.streamed import streamed_available
+    from rag_spec_kernels import cpu_attention_available, streamed_available
 
     started = time.perf_counter()
     path = pull(args.name, force=args.force)
     print(f"{args.name}: {path} ({time.perf_counter() - started:.1f} s)")
-    streamed_available(torch.float32)  # built now where this CPU takes it, not in a first answer
+    # the CPU kernels built now where this CPU takes them, not in a first answer
+    streamed_available(torch.float32)
+    cpu_attention_available()
     return 0
 
 

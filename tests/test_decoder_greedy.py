@@ -87,6 +87,22 @@ def test_batch_equals_each_prompt_alone(model, batch):
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
 
 
+@pytest.mark.parametrize("cpu_attention", [True, False])
+def test_steps_on_our_cpu_attention_or_sdpa_match_generate(cpu_attention, monkeypatch):
+    import rag_spec_kernels.cpu_attention as kernel
+
+    calls = []
+    own = kernel.cpu_tree_attention
+    monkeypatch.setattr(kernel, "cpu_tree_attention",
+                        lambda *args, **kwargs: calls.append(1) or own(*args, **kwargs))
+    model = tiny_llama(seed=8, hidden=64)  # heads of 16: the kernel takes them
+    prompts = [repetitive_prompt(s, length=15 + 9 * s) for s in range(3)]  # ragged: holes
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(cpu_attention=cpu_attention))
+    results = decoder.generate(prompts, max_new_tokens=25)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
+    assert bool(calls) == (cpu_attention and kernel.cpu_attention_available())
+
+
 def test_padded_tensor_batch(model):
     prompts = [repetitive_prompt(1, length=12), repetitive_prompt(2, length=20)]
     ids = torch.zeros(2, 20, dtype=torch.long)

@@ -274,21 +274,28 @@ def test_probing_the_streamed_kernel_leaves_torchs_global_rng_alone():
 
 
 @pytest.mark.parametrize("cpu", ["AVX2", "AVX512 that cannot build"])
-def test_the_streamed_kernel_is_offered_for_float32_on_avx512_where_it_builds(cpu, monkeypatch,
-                                                                               caplog):
+@pytest.mark.parametrize("kernel", ["streamed product", "attention"])
+def test_our_cpu_kernels_are_offered_on_avx512_where_they_build(kernel, cpu, monkeypatch,
+                                                                caplog):
+    import rag_spec_kernels.cpu_attention as attention
     import rag_spec_kernels.streamed as streamed
 
     assert not streamed_available(torch.bfloat16)
+    module, probe = ((streamed, streamed_available) if kernel == "streamed product"
+                     else (attention, attention.cpu_attention_available))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu.split()[0])
 
     def no_compiler():
         msg = "gcc: not found"
         raise RuntimeError(msg)
 
-    monkeypatch.setattr(streamed, "_extension", no_compiler)
-    streamed_available.cache_clear()
+    monkeypatch.setattr(module, "cpu_extension", no_compiler)
+    probe.cache_clear()
     try:
-        assert not streamed_available(torch.float32)
+        assert not (streamed_available(torch.float32) if module is streamed else probe())
+        if module is attention:
+            query, key = torch.zeros(1, 2, 1, 16), torch.zeros(1, 1, 3, 16)
+            assert not attention.cpu_attention_fits(query, key)  # steps attend through SDPA
     finally:
-        streamed_available.cache_clear()
+        probe.cache_clear()
     assert ("gcc: not found" in caplog.text) == (cpu != "AVX2")  # the build's failure, said

@@ -1,6 +1,6 @@
-"""Attention under a compact tree mask: the torch reference against attention written out in
-float64, the Triton kernel against the reference under Triton's interpreter (on the CPU), and
-the slab KV cache that appends in place."""
+"""Attention under a compact tree mask: the torch reference and our CPU kernel against attention
+written out in float64, the Triton kernel against the reference under Triton's interpreter (on
+the CPU), and the slab KV cache that appends in place."""
 
 import importlib.util
 import json
@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_spec.decoding.kv_cache import new_cache
-from rag_spec_kernels import SparseView, TreeMask, reference_attention
+from rag_spec_kernels import (
+    SparseView,
+    TreeMask,
+    cpu_attention_available,
+    cpu_tree_attention,
+    reference_attention,
+)
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -66,6 +72,64 @@ def test_reference_matches_attention_written_out(seed, batch, kv_heads, groups, 
     expected = written_out(query, key, value, mask)
     got = reference_attention(query, key, value, mask)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_attention_available(),
+                                      reason="our CPU attention kernel needs AVX-512")
+
+
+@needs_cpu_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 3), kv_heads=st.integers(1, 3),
+       groups=st.sampled_from([1, 3, 4]), q_len=st.integers(1, 18),
+       committed=st.sampled_from([1, 15, 33, 511, 512, 513, 1300]), earlier=st.integers(0, 40),
+       sparse=st.booleans(), dim=st.sampled_from([16, 32, 64, 128]))
+def test_the_cpu_kernel_matches_attention_written_out(seed, batch, kv_heads, groups, q_len,
+                                                      committed, earlier, sparse, dim):
+    # slices of 512 committed slots merged (1300: three), rounds past one block of keys
+    select = max(1, committed // 2) if sparse else None
+    query, key, value, mask = random_case(seed, batch, kv_heads, groups, q_len, committed,
+                                          earlier, select, dim)
+    expected = written_out(query, key, value, mask)
+    got = cpu_tree_attention(query, key, value, mask)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpu_kernel
+def test_the_cpu_kernel_reads_strided_caches_and_skips_what_no_row_sees():
+    query, key, value, mask = random_case(3, 2, 3, 3, 4, 700, 2, None, 64)
+    slab_k, slab_v = (torch.randn(2, 3, key.shape[2] + 9, 64) for _ in range(2))
+    slab_k[:, :, :key.shape[2]], slab_v[:, :, :key.shape[2]] = key, value
+    unseen = torch.cat([~mask.committed, torch.zeros(2, mask.round_length, dtype=torch.bool)],
+                       dim=1)[:, None, :, None]
+    # a slab's leading part (strided rows) whose unseen slots hold infinities
+    k, v = (t[:, :, :key.shape[2]].masked_fill(unseen, float("inf")) for t in (slab_k, slab_v))
+    got = cpu_tree_attention(query.transpose(1, 2).contiguous().transpose(1, 2), k, v, mask)
+    torch.testing.assert_close(got.double(), written_out(query, key, value, mask), atol=1e-5,
+                               rtol=1e-5)
+
+
+@needs_cpu_kernel
+def test_a_cpu_kernel_row_does_not_depend_on_the_batch_or_the_tokens_beside_it():
+    query, key, value, mask = random_case(5, 3, 2, 3, 5, 1100, 3, None, 64)
+    together = cpu_tree_attention(query, key, value, mask)
+    for b in range(3):
+        alone = cpu_tree_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1],
+                                   TreeMask(mask.committed[b:b + 1], mask.recent[b:b + 1]))
+        assert torch.equal(alone[0], together[b])
+    first = TreeMask(mask.committed, mask.recent[:, :1])  # the step's first token only
+    assert torch.equal(cpu_tree_attention(query[:, :, :1], key, value, first),
+                       together[:, :, :1])
+
+
+def test_probing_the_cpu_kernel_leaves_torchs_global_rng_alone():
+    cpu_attention_available.cache_clear()  # probed again, as in a new process
+    state = torch.get_rng_state()
+    try:
+        cpu_attention_available()
+    finally:
+        cpu_attention_available.cache_clear()
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_a_selection_reads_only_its_slots():

@@ -1,9 +1,15 @@
 """Kernels for verifying token trees: attention under a compact tree mask that reads each KV
-head once (torch on the CPU, Triton on a GPU), linear layers that keep few-token steps cheap on
-the CPU (oneDNN's kernels, or on AVX-512 our streamed one), and exact numerics for half
-precision (each token of a step bit for bit as a one-token step). Nothing here modifies a
-caller's model: the decoder's runner puts these into its private copy of the module tree."""
+head once (ours in C++ on AVX-512 CPUs, else torch; Triton on a GPU), linear layers that keep
+few-token steps cheap on the CPU (oneDNN's kernels, or on AVX-512 our streamed one), and exact
+numerics for half precision (each token of a step bit for bit as a one-token step). Nothing
+here modifies a caller's model: the decoder's runner puts these into its private copy of the
+module tree."""
 
+from rag_spec_kernels.cpu_attention import (
+    cpu_attention_available,
+    cpu_attention_fits,
+    cpu_tree_attention,
+)
 from rag_spec_kernels.exact import (
     EXACT_TREE_ATTENTION,
     RowChunkedLinear,
@@ -26,6 +32,7 @@ from rag_spec_kernels.onednn_linear import (
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
+    TREE_ATTENTION_SDPA,
     SparseView,
     TreeMask,
     reference_attention,
@@ -33,9 +40,10 @@ from rag_spec_kernels.tree_attention import (
     tree_attention,
 )
 
-__all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "LinearStack", "OneDNNLinear",
-           "RowChunkedLinear", "SparseView", "TracedLinear", "TreeMask", "exact_tree_attention",
-           "invariant_rows", "is_plain_linear", "linear_stacks", "onednn_available",
-           "onednn_ops_available", "onednn_packs", "pack_streamed", "pack_weight",
-           "packed_linear", "reference_attention", "register_tree_attention",
+__all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "LinearStack",
+           "OneDNNLinear", "RowChunkedLinear", "SparseView", "TracedLinear", "TreeMask",
+           "cpu_attention_available", "cpu_attention_fits", "cpu_tree_attention",
+           "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
+           "onednn_available", "onednn_ops_available", "onednn_packs", "pack_streamed",
+           "pack_weight", "packed_linear", "reference_attention", "register_tree_attention",
            "streamed_available", "streamed_linear", "tree_attention", "whole_rows"]

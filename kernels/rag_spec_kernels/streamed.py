@@ -6,26 +6,20 @@ took 20-22 ms where the weight read takes ~11 and the products in cache ~14. Thi
 (``streamed_linear.cpp``) prefetches the weight ahead of the arithmetic: through the same
 layers, alternating with oneDNN in one process, 17 rows in 18.3 ms against 21.4 and one row in
 13.9 against 14.9 (``rag-spec bench floor`` times it in steps). It is built for this machine
-on first use by torch's extension loader (gcc and ninja; ~40 s once, then cached under torch's
-extension root); where the CPU lacks AVX-512 or the build fails, ``streamed_available`` says
-no and the runner keeps oneDNN's kernels.
+on first use (``cpu_extension``); where the CPU lacks AVX-512 or the build fails,
+``streamed_available`` says no and the runner keeps oneDNN's kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
-import threading
-from pathlib import Path
-from typing import Any
 
 import torch
 
-_SOURCE = Path(__file__).with_name("streamed_linear.cpp")
+from rag_spec_kernels.cpu_extension import avx512, cpu_extension
+
 _BLOCK = 16  # outputs per packed block: one cache line of float32 weights per input position
-_build_lock = threading.Lock()
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +27,7 @@ log = logging.getLogger(__name__)
 def streamed_available(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` products can take this kernel here: float32, a CPU with AVX-512, a
     build that succeeds and agrees with the stock product on a probe."""
-    if dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if dtype != torch.float32 or not avx512():
         return False
     generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
     try:
@@ -59,25 +53,7 @@ def pack_streamed(weight: torch.Tensor) -> torch.Tensor:
 def streamed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_streamed`` result."""
-    y = _extension().streamed_linear(x.contiguous(), packed)
+    y = cpu_extension().streamed_linear(x.contiguous(), packed)
     if y.shape[-1] != out_features:
         y = y[:, :out_features].contiguous()
     return y if bias is None else y.add_(bias)
-
-
-@functools.cache
-def _extension() -> Any:
-    from torch.utils.cpp_extension import get_default_build_root, load
-
-    name = "rag_spec_streamed_linear"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
-    build = Path(root) / f"{name}-torch{torch.__version__}"
-    with _build_lock:
-        if not (build / f"{name}.so").exists():
-            print(f"rag-spec: building the streamed-product kernel for this CPU in {build} "
-                  "(once, ~40 s)", file=sys.stderr)
-        build.mkdir(parents=True, exist_ok=True)
-        # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
-        # runtime (not linked here), so the kernel shares torch's threads
-        return load(name=name, sources=[str(_SOURCE)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx512f", "-fopenmp"])

@@ -81,9 +81,3 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packe
   }
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // no Python objects inside: other Python threads run while it computes, as with torch's ops
-  m.def("streamed_linear", &streamed_linear, "x @ W.T over a 16-output-block packed weight",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

@@ -12,26 +12,29 @@ round's newest slots (the step's own tokens, and earlier draft passes of the rou
 sees. Optionally, a ``SparseView`` names the only committed slots to read, such as StreamingLLM's
 attention sinks plus a recent window, read from the same cache.
 
-One contract, two implementations: ``reference_attention`` (torch; the CPU path, on SDPA's
-flash kernel) and ``triton_tree_attention`` (the GPU kernel, tested against the reference under
-``TRITON_INTERPRET=1``).
+One contract, three implementations: ``reference_attention`` (torch, on SDPA's flash kernel),
+``cpu_tree_attention`` (C++, the CPU path for float32 on AVX-512) and ``triton_tree_attention``
+(the GPU kernel, tested against the reference under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 TREE_ATTENTION = "rag_spec_tree"
+TREE_ATTENTION_SDPA = "rag_spec_tree_sdpa"  # the same without our CPU kernel (an ablation)
 
 
 class SparseView:
     """Committed slots that a draft reads instead of all of them (e.g. StreamingLLM's attention
     sinks plus a recent window), ``select``: [B, K] slot indices; ``update`` moves it on.
 
-    The GPU kernel reads the selected slots in place. The torch path keeps, per layer, a buffer
+    Our kernels (C++ on the CPU, Triton on a GPU) read the selected slots in place. The torch
+    reference keeps, per layer, a buffer
     of the selected keys and values with room for a round's own slots: a round's passes append
     only their new tokens, and ``update`` refreshes only the entries whose slot changed. (Fresh
     tensors per pass or per round cost more than the copies: page faults on first touch.)
@@ -239,7 +242,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None,
                    dropout: float = 0.0, scaling: float | None = None,
-                   tree_mask: TreeMask | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                   tree_mask: TreeMask | None = None, cpu_kernel: bool = True, **kwargs: Any
+                   ) -> tuple[torch.Tensor, None]:
     """transformers attention interface.
 
     Args:
@@ -247,12 +251,14 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         attention_mask: [B, 1, q, kv] additive float or bool mask (None: causal); ignored when
             ``tree_mask`` is given (a speculative step's compact mask, passed as a forward
             keyword).
+        cpu_kernel: on the CPU, run such steps on our kernel where it fits (else SDPA).
 
     Returns:
         ([B, q, heads, D], None), as every transformers attention function returns.
     """
     if tree_mask is not None:
-        out = _kernel(query)(query, key, value, tree_mask, scaling, layer=module)
+        out = _kernel(query, key, cpu_kernel)(query, key, value, tree_mask, scaling,
+                                                   layer=module)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is None:  # plain causal prefill or one-token steps: the stock path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -273,28 +279,38 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-def _kernel(query: torch.Tensor) -> Any:
-    """The Triton kernel on a GPU where Triton is installed; the torch reference otherwise."""
+def _kernel(query: torch.Tensor, key: torch.Tensor, cpu_kernel: bool) -> Any:
+    """The Triton kernel on a GPU where Triton is installed; on the CPU, ours where it fits
+    (float32, AVX-512) unless ``cpu_kernel`` is off; the torch reference otherwise."""
     if query.is_cuda:
         from rag_spec_kernels.triton_tree_attention import triton_available, triton_tree_attention
 
         if triton_available():
             return triton_tree_attention
+    elif cpu_kernel:
+        from rag_spec_kernels.cpu_attention import cpu_attention_fits, cpu_tree_attention
+
+        if cpu_attention_fits(query, key):
+            return cpu_tree_attention
     return reference_attention
 
 
-def register_tree_attention(exact: bool = False) -> str:
-    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``) in transformers' public
-    attention registry, with SDPA's mask builder for the masks a model makes itself (causal and
-    sliding-window prefills); idempotent. Returns the name a config's ``_attn_implementation``
-    selects it by."""
+def register_tree_attention(exact: bool = False, cpu_kernel: bool = True) -> str:
+    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``; without ``cpu_kernel``:
+    ``tree_attention`` on SDPA alone) in transformers' public attention registry, with SDPA's
+    mask builder for the masks a model makes itself (causal and sliding-window prefills);
+    idempotent. Returns the name a config's ``_attn_implementation`` selects it by."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from rag_spec_kernels.exact import EXACT_TREE_ATTENTION, exact_tree_attention
 
-    name, function = (EXACT_TREE_ATTENTION, exact_tree_attention) if exact \
-        else (TREE_ATTENTION, tree_attention)
+    if exact:
+        name, function = EXACT_TREE_ATTENTION, exact_tree_attention
+    elif cpu_kernel:
+        name, function = TREE_ATTENTION, tree_attention
+    else:
+        name, function = TREE_ATTENTION_SDPA, functools.partial(tree_attention, cpu_kernel=False)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

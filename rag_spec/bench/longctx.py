@@ -7,7 +7,9 @@ transformers ``generate`` on the left-padded batch (the baseline), our decoder d
 ``SelfSpecDrafter`` (a StreamingLLM view of its own cache), and with the trie. Decoding is timed
 apart from the prefill (ours: the decoder's own prefill time; generate: from its first token),
 every row's tokens are compared with generate's, and the self-drafter's measured step costs,
-acceptance and chosen draft lengths are reported.
+acceptance and chosen draft lengths are reported. The ``_sdpa`` systems are the kernel's
+ablation: the same decoder, without and with self-drafts, attending through SDPA's flash kernel
+instead of ours (``cpu_attention=False``), so the kernel's gain and speculation's are told apart.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from rag_spec.bench.report import (
     setting,
 )
 
-SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_self_spec", "rag_spec_trie")
+SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_self_spec", "rag_spec_trie",
+           "rag_spec_no_drafts_sdpa", "rag_spec_self_spec_sdpa")
 
 
 def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024, 2048, 4096),
@@ -40,12 +43,17 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
-    drafter = SelfSpecDrafter(budget=budget)
+    drafter, drafter_sdpa = SelfSpecDrafter(budget=budget), SelfSpecDrafter(budget=budget)
+    sdpa = LookaheadConfig(cpu_attention=False)
     decoders = {"rag_spec_no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
                                                        LookaheadConfig(budget=0)),
                 "rag_spec_self_spec": LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter),
                 "rag_spec_trie": LookaheadDecoder(lm.model, lm.tokenizer,
-                                                  LookaheadConfig(memory_mb=0))}
+                                                  LookaheadConfig(memory_mb=0)),
+                "rag_spec_no_drafts_sdpa": LookaheadDecoder(
+                    lm.model, lm.tokenizer, LookaheadConfig(budget=0, cpu_attention=False)),
+                "rag_spec_self_spec_sdpa": LookaheadDecoder(lm.model, lm.tokenizer, sdpa,
+                                                            drafter=drafter_sdpa)}
     report: dict[str, Any] = {"benchmark": "longctx", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "self_spec_budget": budget, "machine": machine(), "runs": []}
@@ -69,7 +77,7 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
                     results[name] = _ours(decoders[name], rows, max_new_tokens)
                 print(f"  {name}: {results[name]['decode_tokens_per_second']:.1f} tok/s "
                       f"(prefill {results[name]['prefill_seconds']:.1f} s)")
-            report["runs"].append(_summary(batch, context, results, drafter))
+            report["runs"].append(_summary(batch, context, results, drafter, drafter_sdpa))
     publish(report, json_out, "longctx", _plot, _print_table)
     return report
 
@@ -142,8 +150,8 @@ def _ours(decoder: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[s
             "peak_rss_mb": round(peak_rss_mb())}
 
 
-def _summary(batch: int, context: int, results: dict[str, dict[str, Any]], drafter: Any
-             ) -> dict[str, Any]:
+def _summary(batch: int, context: int, results: dict[str, dict[str, Any]], drafter: Any,
+             drafter_sdpa: Any) -> dict[str, Any]:
     expected = results["hf"]["rows"]
     systems = {}
     for name in SYSTEMS:
@@ -160,7 +168,13 @@ def _summary(batch: int, context: int, results: dict[str, dict[str, Any]], draft
             "self_spec_over_hf": round(rate["rag_spec_self_spec"] / rate["hf"], 3),
             "no_drafts_over_hf": round(rate["rag_spec_no_drafts"] / rate["hf"], 3),
             "trie_over_no_drafts": round(rate["rag_spec_trie"] / rate["rag_spec_no_drafts"], 3),
-            "self_spec": drafter.last.as_dict() if drafter.last is not None else None}
+            "kernel_over_sdpa": round(rate["rag_spec_no_drafts"]
+                                      / rate["rag_spec_no_drafts_sdpa"], 3),
+            "self_spec_over_no_drafts_sdpa": round(rate["rag_spec_self_spec_sdpa"]
+                                                   / rate["rag_spec_no_drafts_sdpa"], 3),
+            "self_spec": drafter.last.as_dict() if drafter.last is not None else None,
+            "self_spec_sdpa": (drafter_sdpa.last.as_dict() if drafter_sdpa.last is not None
+                               else None)}
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
@@ -184,7 +198,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 def _print_table(report: dict[str, Any]) -> None:
     print(f"{'batch':>5} {'context':>7} {'hf tok/s':>9} {'no drafts':>9} {'self-spec':>9} "
-          f"{'trie':>7} {'self/no':>7} {'self/hf':>7} {'tok/step':>8} identical")
+          f"{'trie':>7} {'self/no':>7} {'self/hf':>7} {'tok/step':>8} {'ours/sdpa':>9} "
+          f"{'sdpa self/no':>12} identical")
     for r in report["runs"]:
         s = r["systems"]
         print(f"{r['batch']:>5} {r['context']:>7} "
@@ -194,4 +209,6 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{s['rag_spec_trie']['decode_tokens_per_second']:>7.1f} "
               f"{r['self_spec_over_no_drafts']:>6.2f}x {r['self_spec_over_hf']:>6.2f}x "
               f"{s['rag_spec_self_spec']['tokens_per_step']:>8.2f} "
-              + " ".join(s[n]["identical_rows"] for n in SYSTEMS[1:]))
+              f"{r.get('kernel_over_sdpa', float('nan')):>8.2f}x "
+              f"{r.get('self_spec_over_no_drafts_sdpa', float('nan')):>11.2f}x "
+              + " ".join(s[n]["identical_rows"] for n in SYSTEMS[1:] if n in s))

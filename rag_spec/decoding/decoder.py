@@ -35,8 +35,8 @@ class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
     Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``mode``,
-    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``streamed_linear``, ``exact``,
-    ``compile`` (``.runner``).
+    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``streamed_linear``,
+    ``cpu_attention``, ``exact``, ``compile`` (``.runner``).
     """
 
     budget: int = 12  # most draft nodes verified per step
@@ -48,8 +48,11 @@ class LookaheadConfig:
     # while the copy fits a quarter of the available memory; True forces it, False turns it off.
     onednn_linear: bool | Literal["auto"] = "auto"
     # CPU, float32, AVX-512: that copy packed for rag-spec's kernel that streams the weight
-    # while it computes (built on first use, ~40 s once); False keeps oneDNN's kernels
+    # while it computes (built on first use, ~60 s once); False keeps oneDNN's kernels
     streamed_linear: bool = True
+    # CPU, float32, AVX-512: steps attend through rag-spec's kernel, which reads the KV cache
+    # once for every query row (built with the one above); False: SDPA's flash kernel
+    cpu_attention: bool = True
     # every token of a step computed bit for bit as a one-token step, so output equals
     # ``generate``'s in half precision too (slower steps). "auto": for bfloat16 / float16
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
@@ -70,7 +73,8 @@ class LookaheadConfig:
     @property
     def runner(self) -> RunnerSettings:
         return RunnerSettings(onednn_linear=self.onednn_linear,
-                              streamed_linear=self.streamed_linear, exact=self.exact,
+                              streamed_linear=self.streamed_linear,
+                              cpu_attention=self.cpu_attention, exact=self.exact,
                               compile=self.compile)
 
 

@@ -49,6 +49,7 @@ from rag_spec.errors import RagSpecError
 from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,
     TREE_ATTENTION,
+    TREE_ATTENTION_SDPA,
     LinearStack,
     OneDNNLinear,
     RowChunkedLinear,
@@ -72,6 +73,9 @@ class RunnerSettings:
     # the copy packed for rag-spec's streamed kernel where the CPU takes it (AVX-512, float32;
     # ``rag_spec_kernels.streamed``), else for oneDNN's
     streamed_linear: bool = True
+    # CPU, float32: steps attend through rag-spec's AVX-512 kernel (``cpu_tree_attention``)
+    # where the CPU takes it, else through SDPA
+    cpu_attention: bool = True
     # every token of a step computed bit for bit as a one-token step (``rag_spec_kernels.exact``;
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
     # attention (CPU or GPU), where rounding differences change greedy tokens
@@ -107,9 +111,8 @@ class ModuleRunner:
         take compact tree masks (not where a user's wrapped module keeps its own config)."""
         configs = [config for module in self.module.modules()
                    if hasattr(config := vars(module).get("config"), "_attn_implementation")]
-        return bool(configs) and all(c._attn_implementation in (TREE_ATTENTION,
-                                                                  EXACT_TREE_ATTENTION)
-                                     for c in configs)
+        return bool(configs) and all(c._attn_implementation in (
+            TREE_ATTENTION, TREE_ATTENTION_SDPA, EXACT_TREE_ATTENTION) for c in configs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,7 +139,7 @@ class Runner(ModuleRunner):
         self.settings = settings
         self.source = _structure(model)
         self.exact = _wants_exact(model, settings)
-        module, own = _private_tree(model, self.exact)
+        module, own = _private_tree(model, self.exact, settings.cpu_attention)
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
@@ -150,7 +153,7 @@ class Runner(ModuleRunner):
                     self.stacks.append(stack)
                     self.extra_bytes += stack.nbytes
         if settings.compile:
-            compiled, compiled_own = _private_tree(model, False)
+            compiled, compiled_own = _private_tree(model, False, settings.cpu_attention)
             if self.device.type == "cpu":
                 _traced_linears(compiled, compiled_own, self.module)
             self.compiled = CompiledStep(compiled, wide=bool(self.stacks))
@@ -177,11 +180,11 @@ def _structure(model: Any) -> tuple[int, ...]:
     return (*map(id, model.modules()), *map(id, model.parameters()))
 
 
-def _private_tree(model: Any, exact: bool) -> tuple[Any, set[int]]:
+def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, set[int]]:
     """A copy of ``model``'s module tree sharing its parameters, with private attention configs
-    (tree attention, exact or not); also the ids of the copied modules (the ones the runner may
-    change)."""
-    implementation = register_tree_attention(exact)
+    (tree attention: exact, on our CPU kernel or on SDPA); also the ids of the copied modules
+    (the ones the runner may change)."""
+    implementation = register_tree_attention(exact, cpu_attention)
     memo: dict[int, Any] = {}
     configs: dict[int, Any] = {}
     for module in model.modules():

@@ -1,0 +1,45 @@
+"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``) as one Python module,
+built for this machine on first use by torch's extension loader: gcc and ninja, ~60 s once,
+then cached under torch's extension root (``$TORCH_EXTENSIONS_DIR`` where the user set it).
+Callers probe it (``streamed_available``, ``cpu_attention_available``) and keep torch's kernels
+where it does not build."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "bindings.cpp")
+_build_lock = threading.Lock()
+
+
+def avx512() -> bool:
+    """Whether torch runs this CPU's AVX-512 kernels (the instructions ours are written in)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.cache
+def cpu_extension() -> Any:
+    """The built module (raises where it cannot be built)."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    name = "rag_spec_cpu_kernels"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
+    build = Path(root) / f"{name}-torch{torch.__version__}"
+    with _build_lock:
+        if not (build / f"{name}.so").exists():
+            print(f"rag-spec: building the CPU kernels for this machine in {build} "
+                  "(once, ~60 s)", file=sys.stderr)
+        build.mkdir(parents=True, exist_ok=True)
+        here = Path(__file__).parent
+        # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
+        # runtime (not linked here), so the kernels share torch's threads
+        return load(name=name, sources=[str(here / source) for source in _SOURCES],
+                    build_directory=str(build),
+                    extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-fopenmp"])
