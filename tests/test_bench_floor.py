@@ -132,3 +132,29 @@ def test_the_plot_takes_dtypes_timed_on_different_systems(tmp_path):
         "bfloat16": {"floor_ms": 5.0, "over_floor": {"rag_spec_1": 3.0}}}}
     floor._plot(report, tmp_path / "floor.png")
     assert (tmp_path / "floor.png").stat().st_size > 0
+
+
+def test_longctx_step_costs_time_both_attentions_and_leave_the_prefill_as_it_was(monkeypatch):
+    from rag_spec.bench import longctx
+    from rag_spec.decoding import TreeKVCache
+
+    lengths = []
+    prefill = TreeKVCache.prefill
+
+    def watched(*args, **kwargs):
+        cache = prefill(*args, **kwargs)
+        discard = cache.discard_round
+
+        def dropped():
+            discard()
+            lengths.append(cache.length)
+
+        cache.discard_round = dropped
+        return cache
+
+    monkeypatch.setattr(TreeKVCache, "prefill", watched)
+    costs = longctx.step_ms(tiny_llama(hidden=64), [[5, 6, 7, 8, 9], [5, 6, 7]], widths=(1, 4),
+                            repeats=2)
+    assert set(costs) == {"ours", "sdpa"}
+    assert all(set(c) == {1, 4} and min(c.values()) > 0 for c in costs.values())
+    assert len(lengths) == 3 * 2 * 2 and len(set(lengths)) == 1  # every pass on the prompts

@@ -77,9 +77,40 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
                     results[name] = _ours(decoders[name], rows, max_new_tokens)
                 print(f"  {name}: {results[name]['decode_tokens_per_second']:.1f} tok/s "
                       f"(prefill {results[name]['prefill_seconds']:.1f} s)")
-            report["runs"].append(_summary(batch, context, results, drafter, drafter_sdpa))
+            report["runs"].append({**_summary(batch, context, results, drafter, drafter_sdpa),
+                                   "step_ms": step_ms(lm.model, rows)})
     publish(report, json_out, "longctx", _plot, _print_table)
     return report
+
+
+def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2, 4, 8),
+            repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Median milliseconds of one pass over each row's root plus a chain of ``width - 1``
+    tokens, on our CPU attention kernel (``ours``) and on SDPA (``sdpa``) in turn, over one
+    prefill of ``prompts`` (each pass's entries dropped): what the kernel saves per step, and
+    what a wider verification costs against a one-token step (the first round is not timed)."""
+    import torch
+
+    from rag_spec.decoding import LookaheadConfig, Runner, TokenTree, TreeKVCache
+
+    runners = {"ours": Runner.of(model, LookaheadConfig().runner),
+               "sdpa": Runner.of(model, LookaheadConfig(cpu_attention=False).runner)}
+    timings: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        cache = TreeKVCache.prefill(runners["ours"], prompts)
+        for repeat in range(repeats + 1):
+            for width in widths:
+                chain = TokenTree(tuple(range(3, 2 + width)), tuple(range(-1, width - 2)))
+                for name, runner in runners.items():
+                    batch = cache.step([chain] * len(prompts), runner.dtype)
+                    started = time.perf_counter()
+                    cache.forward(runner, batch)
+                    elapsed = time.perf_counter() - started
+                    cache.discard_round()
+                    if repeat:
+                        timings.setdefault((name, width), []).append(elapsed)
+    return {name: {w: round(1e3 * median(timings[name, w]), 1) for w in widths}
+            for name in runners}
 
 
 def long_prompts(tokenizer: Any, count: int, contexts: Sequence[int]
@@ -212,3 +243,8 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{r.get('kernel_over_sdpa', float('nan')):>8.2f}x "
               f"{r.get('self_spec_over_no_drafts_sdpa', float('nan')):>11.2f}x "
               + " ".join(s[n]["identical_rows"] for n in SYSTEMS[1:] if n in s))
+    for r in report["runs"]:
+        if "step_ms" in r:
+            print(f"step ms at batch {r['batch']} x {r['context']} (tokens per row: ms): "
+                  + "; ".join(f"{name} " + ", ".join(f"{w}: {ms}" for w, ms in costs.items())
+                              for name, costs in r["step_ms"].items()))
