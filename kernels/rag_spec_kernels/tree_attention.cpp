@@ -2,11 +2,11 @@
 // float32): the CPU twin of the Triton kernel, with the same contract as reference_attention.
 //
 // A decoding step at long context reads the whole cache for a few queries; SDPA's CPU flash
-// kernel runs that at ~3x the time of the read. Here each KV head's keys pass once, 16 at a
-// time, for all its query rows (the query heads sharing it, times the step's tokens): a row's 16
-// scores are 16 dot products summed lane-wise, its softmax is online (flash-decoding style),
-// and its values are accumulated from the 16 rows just read, while they are in the core's
-// cache. Holes and unselected keys are skipped a block at a time where a whole block is masked.
+// kernel takes two to three times as long as that read. Here each KV head's keys pass once,
+// KEYS at a time, for all its query rows (the query heads sharing it, times the step's
+// tokens): a row's scores are dot products summed lane-wise, 16 to a vector, its softmax is
+// online (flash-decoding style), and its values are added from the rows just read, while they
+// are in the core's cache. Blocks that no row sees (holes, padding) are skipped.
 //
 // Work items are (batch row, KV head, slice of SPLIT_KEYS committed slots), merged per query
 // row in slice order: a row's result depends on its own keys and mask only, never on the other

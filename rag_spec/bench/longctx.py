@@ -209,21 +209,27 @@ def _summary(batch: int, context: int, results: dict[str, dict[str, Any]], draft
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    fig, axes = figure(ncols=2, size=(11, 4))
-    panels = (("self_spec_over_no_drafts", "self-spec / ours without drafts (speculation)"),
-              ("self_spec_over_hf", "self-spec / transformers generate (everything)"))
-    for ax, (key, title) in zip(axes, panels):
+    fig, axes = figure(ncols=3, size=(15, 4))
+    panels = ((("self_spec_over_no_drafts", "our attention"),
+               ("self_spec_over_no_drafts_sdpa", "SDPA attention")),
+              "self-spec / the same decoder without drafts (speculation)",
+              (("kernel_over_sdpa", ""),), "ours / SDPA attention, no drafts (the kernel)",
+              (("self_spec_over_hf", ""),), "self-spec / transformers generate (everything)")
+    for ax, lines, title in zip(axes, panels[::2], panels[1::2]):
         for context in sorted({r["context"] for r in report["runs"]}):
             runs = sorted((r for r in report["runs"] if r["context"] == context),
                           key=lambda r: r["batch"])
-            ax.plot([r["batch"] for r in runs], [r[key] for r in runs], marker="o",
-                    label=f"{context} tokens")
+            for (key, name), style in zip(lines, ("-", "--")):
+                if all(key in r for r in runs):  # reports from before the kernel lack some
+                    ax.plot([r["batch"] for r in runs], [r[key] for r in runs], style,
+                            marker="o", label=f"{context} tokens {name}".strip())
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode speedup")
         ax.set_title(title, fontsize=10)
-        ax.legend(title="context")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(title="context")
     save_figure(fig, path, f"Long-context batches, greedy: {setting(report)}")
 
 
