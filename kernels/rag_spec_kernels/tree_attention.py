@@ -34,10 +34,10 @@ class SparseView:
     sinks plus a recent window), ``select``: [B, K] slot indices; ``update`` moves it on.
 
     Our kernels (C++ on the CPU, Triton on a GPU) read the selected slots in place. The torch
-    reference keeps, per layer, a buffer
-    of the selected keys and values with room for a round's own slots: a round's passes append
-    only their new tokens, and ``update`` refreshes only the entries whose slot changed. (Fresh
-    tensors per pass or per round cost more than the copies: page faults on first touch.)
+    reference keeps, per layer, a buffer of the selected keys and values with room for a
+    round's own slots: a round's passes append only their new tokens, and ``update`` refreshes
+    only the entries whose slot changed. (Fresh tensors per pass or per round cost more than the
+    copies: page faults on first touch.)
     """
 
     def __init__(self, select: torch.Tensor, present: torch.Tensor | None = None,
