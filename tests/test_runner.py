@@ -27,7 +27,8 @@ def test_decoders_leave_the_users_model_as_it_was():
     model = tiny_llama(seed=2)
     before = module_state(model)
     prompt = repetitive_prompt(0)
-    for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False)):
+    for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False),
+                   LookaheadConfig(cpu_attention=False)):
         LookaheadDecoder(model, config=config).generate(prompt, 20)
     assert module_state(model) == before
 

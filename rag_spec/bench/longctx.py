@@ -44,7 +44,6 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
 
     lm = load_model(model_name)
     drafter, drafter_sdpa = SelfSpecDrafter(budget=budget), SelfSpecDrafter(budget=budget)
-    sdpa = LookaheadConfig(cpu_attention=False)
     decoders = {"rag_spec_no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
                                                        LookaheadConfig(budget=0)),
                 "rag_spec_self_spec": LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter),
@@ -52,8 +51,9 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
                                                   LookaheadConfig(memory_mb=0)),
                 "rag_spec_no_drafts_sdpa": LookaheadDecoder(
                     lm.model, lm.tokenizer, LookaheadConfig(budget=0, cpu_attention=False)),
-                "rag_spec_self_spec_sdpa": LookaheadDecoder(lm.model, lm.tokenizer, sdpa,
-                                                            drafter=drafter_sdpa)}
+                "rag_spec_self_spec_sdpa": LookaheadDecoder(
+                    lm.model, lm.tokenizer, LookaheadConfig(cpu_attention=False),
+                    drafter=drafter_sdpa)}
     report: dict[str, Any] = {"benchmark": "longctx", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "self_spec_budget": budget, "machine": machine(), "runs": []}
@@ -100,7 +100,7 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
         cache = TreeKVCache.prefill(runners["ours"], prompts)
         for repeat in range(repeats + 1):
             for width in widths:
-                chain = TokenTree(tuple(range(3, 2 + width)), tuple(range(-1, width - 2)))
+                chain = TokenTree.from_paths([range(3, 2 + width)])
                 for name, runner in runners.items():
                     batch = cache.step([chain] * len(prompts), runner.dtype)
                     started = time.perf_counter()
@@ -210,26 +210,25 @@ def _summary(batch: int, context: int, results: dict[str, dict[str, Any]], draft
 
 def _plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = figure(ncols=3, size=(15, 4))
-    panels = ((("self_spec_over_no_drafts", "our attention"),
-               ("self_spec_over_no_drafts_sdpa", "SDPA attention")),
-              "self-spec / the same decoder without drafts (speculation)",
-              (("kernel_over_sdpa", ""),), "ours / SDPA attention, no drafts (the kernel)",
-              (("self_spec_over_hf", ""),), "self-spec / transformers generate (everything)")
-    for ax, lines, title in zip(axes, panels[::2], panels[1::2]):
+    panels = (
+        ((("self_spec_over_no_drafts", " our attention"),
+          ("self_spec_over_no_drafts_sdpa", " SDPA attention")),
+         "self-spec / the same decoder without drafts (speculation)"),
+        ((("kernel_over_sdpa", ""),), "ours / SDPA attention, no drafts (the kernel)"),
+        ((("self_spec_over_hf", ""),), "self-spec / transformers generate (everything)"))
+    for ax, (lines, title) in zip(axes, panels):
         for context in sorted({r["context"] for r in report["runs"]}):
             runs = sorted((r for r in report["runs"] if r["context"] == context),
                           key=lambda r: r["batch"])
             for (key, name), style in zip(lines, ("-", "--")):
-                if all(key in r for r in runs):  # reports from before the kernel lack some
-                    ax.plot([r["batch"] for r in runs], [r[key] for r in runs], style,
-                            marker="o", label=f"{context} tokens {name}".strip())
+                ax.plot([r["batch"] for r in runs], [r[key] for r in runs], style, marker="o",
+                        label=f"{context} tokens{name}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode speedup")
         ax.set_title(title, fontsize=10)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(title="context")
+        ax.legend(title="context")
     save_figure(fig, path, f"Long-context batches, greedy: {setting(report)}")
 
 
@@ -246,11 +245,9 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{s['rag_spec_trie']['decode_tokens_per_second']:>7.1f} "
               f"{r['self_spec_over_no_drafts']:>6.2f}x {r['self_spec_over_hf']:>6.2f}x "
               f"{s['rag_spec_self_spec']['tokens_per_step']:>8.2f} "
-              f"{r.get('kernel_over_sdpa', float('nan')):>8.2f}x "
-              f"{r.get('self_spec_over_no_drafts_sdpa', float('nan')):>11.2f}x "
-              + " ".join(s[n]["identical_rows"] for n in SYSTEMS[1:] if n in s))
+              f"{r['kernel_over_sdpa']:>8.2f}x {r['self_spec_over_no_drafts_sdpa']:>11.2f}x "
+              + " ".join(s[n]["identical_rows"] for n in SYSTEMS[1:]))
     for r in report["runs"]:
-        if "step_ms" in r:
-            print(f"step ms at batch {r['batch']} x {r['context']} (tokens per row: ms): "
-                  + "; ".join(f"{name} " + ", ".join(f"{w}: {ms}" for w, ms in costs.items())
-                              for name, costs in r["step_ms"].items()))
+        print(f"step ms at batch {r['batch']} x {r['context']} (tokens per row: ms): "
+              + "; ".join(f"{name} " + ", ".join(f"{w}: {ms}" for w, ms in costs.items())
+                          for name, costs in r["step_ms"].items()))
