@@ -148,6 +148,23 @@ def test_drafting_is_weighed_at_what_proposals_took_not_only_at_their_count():
     assert best(budgets, costs) == 0  # 1.5 tokens for 2.0 steps does not
 
 
+def test_a_batch_steps_plain_before_any_cost_is_measured():
+    # one row drafts its full trees from the start (a wide step costs it little more than a
+    # plain one); a batch times a plain step first: at 16 x 4k a 13-token step costs several
+    assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == (12, True)
+    assert TreeSizer(12).size(rows(0.0, 0.0), [64, 64], StepCosts(rows=2)) == (0, False)
+
+
+def test_unmeasured_widths_cost_more_per_token_for_more_rows():
+    # each extra token per row is a row more per batch row through every layer
+    alone, batch = StepCosts(target={1: 1.0}), StepCosts(target={1: 1.0}, rows=16)
+    assert alone.verify(13) == pytest.approx(1.6)  # 0.05 of a plain step per token
+    assert batch.verify(13) == pytest.approx(1 + 12 * 16 * 0.015)
+    # so a full tree keeping 2 tokens pays for one row and not for sixteen
+    assert best(rows(2.0), alone) == 12
+    assert best(rows(*[2.0] * 16), batch) == 0
+
+
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
     costs = StepCosts(target={13: 2.0})
     assert 0 < costs.verify(1) < costs.verify(5) < 2.0 < costs.verify(20)

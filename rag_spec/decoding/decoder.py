@@ -17,7 +17,7 @@ from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, Targe
 from rag_spec.decoding.kv_cache import attention_window, crop, fill
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.decoding.sampling import RowSampler, SamplingParams
-from rag_spec.decoding.step_costs import settle
+from rag_spec.decoding.step_costs import StepCosts, settle
 from rag_spec.decoding.stopping import StopRule
 from rag_spec.decoding.streaming import TextStream
 from rag_spec.decoding.tree import TokenTree
@@ -364,7 +364,7 @@ class LookaheadDecoder:
             else:
                 cache = TreeKVCache.prefill(runner, [r.prompt for r in rows],
                                             self._capacity(runner, rows, rules))
-        target = TargetView(runner, cache)
+        target = TargetView(runner, cache, StepCosts(rows=len(rows)))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
         if runner.exact:
