@@ -128,6 +128,22 @@ def test_gamma_maximises_the_expected_rate_of_the_cost_model():
     assert StepCosts(target={1: 1.0}).best_gamma([0.9], 6) is None  # the draft is unmeasured
 
 
+def test_a_batch_drafts_one_token_until_its_passes_are_timed_then_times_a_plain_step():
+    # where drafts lose (a 1k context: a sparse draft pass costs about a plain step) a first
+    # chain of 3 lost ~3% of a batch's decoding; one draft pass times both passes as well
+    from types import SimpleNamespace
+
+    from rag_spec.decoding.self_drafter import _SelfBatch
+
+    def gamma(costs: StepCosts) -> int:
+        batch = SimpleNamespace(costs=costs, drafter=SelfSpecDrafter(), plain_rounds=0)
+        return _SelfBatch._gamma(batch, [Acceptance()])
+
+    assert gamma(StepCosts()) == 1  # nothing timed
+    assert gamma(StepCosts(target={2: 1.2})) == 1  # the draft pass not yet
+    assert gamma(StepCosts(target={2: 1.2}, draft=0.3)) == 0  # a plain step: what drafts beat
+
+
 def test_gamma_grows_with_the_share_of_the_step_the_draft_saves():
     # MagicDec's shape: the longer the context (the dearer verification against a draft of
     # fixed cost), the longer the best draft.
