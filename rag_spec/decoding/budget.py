@@ -153,13 +153,14 @@ class TreeSizer:
     def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
              costs: StepCosts) -> int:
         """The size with the highest expected rate (the larger of equals); the full budget
-        when the budget is fixed. Before any cost is known, one row drafts its full budget (a
-        wide step costs it little more than a plain one) and a batch takes a plain step, timed
-        first as what every draft must beat (a wide step at batch 16 x 4k costs several)."""
+        when the budget is fixed. Before any cost is known, a batch of one row (``costs.rows``)
+        drafts its full budget (a wide step costs it little more than a plain one) and a larger
+        batch takes a plain step, timed first as what every draft must beat (a wide step at
+        batch 16 x 4k costs several)."""
         if not self.adaptive or not budgets:
             return self.full
         if not costs.target:
-            return self.full if len(budgets) == 1 else 0
+            return self.full if costs.rows == 1 else 0
         rates = {}
         # seconds (the batch's passes are shared), the count scaled by what proposals took
         drafting = costs.drafting(_drafting(budgets)) * (costs.verify(1) or 0.0)
