@@ -25,6 +25,7 @@ _EXPORTS = {
     "TrieDrafter": "rag_spec.decoding",
     "DraftModelDrafter": "rag_spec.decoding",
     "EarlyExitDrafter": "rag_spec.decoding",
+    "FeatureDrafter": "rag_spec.decoding",
     "MergedDrafter": "rag_spec.decoding",
     "SelfSpecDrafter": "rag_spec.decoding",
     "Expansion": "rag_spec.decoding",

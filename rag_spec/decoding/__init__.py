@@ -6,7 +6,9 @@ from rag_spec.decoding.decoder import (
     LookaheadConfig,
     LookaheadDecoder,
 )
+from rag_spec.decoding.draft_head import DraftHead, cached_head
 from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView
+from rag_spec.decoding.feature_drafter import FeatureDrafter
 from rag_spec.decoding.merged_drafter import MergedDrafter
 from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.decoding.runner import Runner, RunnerSettings
@@ -18,8 +20,8 @@ from rag_spec.decoding.tree_expansion import Expansion
 from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter
 from rag_spec.decoding.verify import Verdict, verify
 
-__all__ = ["DecodeStats", "DraftModelDrafter", "DraftRequest", "DraftSession", "Drafter",
-           "EarlyExitDrafter", "Expansion", "GenerationResult", "LookaheadConfig",
-           "LookaheadDecoder", "MergedDrafter", "Runner", "RunnerSettings", "SamplingParams",
-           "SelfSpecDrafter", "TargetView", "TokenTree", "TreeKVCache", "TrieConfig",
-           "TrieDrafter", "Verdict", "verify"]
+__all__ = ["DecodeStats", "DraftHead", "DraftModelDrafter", "DraftRequest", "DraftSession",
+           "Drafter", "EarlyExitDrafter", "Expansion", "FeatureDrafter", "GenerationResult",
+           "LookaheadConfig", "LookaheadDecoder", "MergedDrafter", "Runner", "RunnerSettings",
+           "SamplingParams", "SelfSpecDrafter", "TargetView", "TokenTree", "TreeKVCache",
+           "TrieConfig", "TrieDrafter", "Verdict", "cached_head", "verify"]

@@ -444,7 +444,8 @@ class LookaheadDecoder:
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
         target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
-        logits = cache.forward(runner, cache.step(trees, runner.dtype))
+        logits = cache.forward(runner, cache.step(trees, runner.dtype),
+                               features=getattr(self.drafter, "reads_features", False))
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)

@@ -102,17 +102,37 @@ class ExitAdapter:
         return cls(int(meta["layers"]), state, tensors["subset"], json.loads(meta["agreement"]))
 
 
+def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int, *,
+                       progress: bool = True) -> tuple[Callable[[], list[list[int]]], str]:
+    """What a draft trains on: ``texts`` passages of ``sources`` and ``answers`` of the model's
+    own answers (``own_answers``), shuffled, as a function that makes them (answering takes
+    minutes: only called when nothing is cached), and a fingerprint of the passages."""
+    from rag_spec.corpus import fingerprint, load_passages
+    from rag_spec.decoding.own_answers import own_answers
+
+    passages = load_passages(sources)
+
+    def make() -> list[list[int]]:
+        chosen = random.Random(0).sample(passages, min(texts, len(passages)))
+        sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
+                                 max_length=_LENGTH, add_special_tokens=False)["input_ids"]
+        sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in own_answers(
+            lm.model, lm.tokenizer, passages, answers, progress=progress)]
+        random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
+        return sequences
+
+    return make, fingerprint(passages)
+
+
 def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
                 texts: int = 800, answers: int = 240, progress: bool = True) -> ExitAdapter:
     """The adapter for ``lm`` exiting after ``layers`` layers, trained the first time (minutes
     on a CPU) on ``texts`` passages of ``sources`` and ``answers`` of the model's own answers
     (``own_answers``), and loaded from rag-spec's cache after."""
-    from rag_spec.corpus import fingerprint, load_passages
-    from rag_spec.decoding.own_answers import own_answers
     from rag_spec.paths import atomic_file, cache_dir
 
-    passages = load_passages(sources)
-    key = f"{lm.name}|{layers}|{fingerprint(passages)}|{texts}|{answers}|{_VERSION}"
+    sequences, passages = training_sequences(lm, sources, texts, answers, progress=progress)
+    key = f"{lm.name}|{layers}|{passages}|{texts}|{answers}|{_VERSION}"
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     path = cache_dir() / "drafts" / f"{Path(lm.name).name}-exit{layers}-{digest}.safetensors"
     if path.is_file():
@@ -120,13 +140,7 @@ def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
             return ExitAdapter.load(path)
         except Exception:  # damaged: train it again
             path.unlink(missing_ok=True)
-    chosen = random.Random(0).sample(passages, min(texts, len(passages)))
-    sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
-                             max_length=_LENGTH, add_special_tokens=False)["input_ids"]
-    sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in own_answers(
-        lm.model, lm.tokenizer, passages, answers, progress=progress)]
-    random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
-    adapter = train_exit(lm.model, layers, sequences, progress=progress)
+    adapter = train_exit(lm.model, layers, sequences(), progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as scratch:
         adapter.save(scratch)
@@ -146,8 +160,8 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
     if len(sequences) < 10:
         msg = "Training an exit needs at least 10 texts of a few words; give a larger corpus."
         raise RagSpecError(msg)
-    samples = _teacher(model, sequences, layers, progress)
-    subset = _frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
+    samples = teacher_samples(model, sequences, layers, progress)
+    subset = frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
     held_out = samples[:max(1, len(samples) // 10)]
     trainer = _Trainer(model, layers, subset, lr)
     before = _agreement(samples=held_out, predict=lambda h: _untrained(model, h))
@@ -163,28 +177,38 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
 
 
 @dataclass
-class _Sample:
-    """One text: hidden states after the exit layer, the full model's top tokens and log-probs."""
+class TrainingSample:
+    """One text: its tokens, the model's hidden states after some layer (the last: the states
+    its LM head reads), and its top tokens and log-probs at each position."""
 
+    ids: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, hidden]
     top_ids: torch.Tensor  # [T, _TOP]
     top_logprobs: torch.Tensor  # [T, _TOP]
 
 
-@torch.inference_mode()
-def _teacher(model: Any, sequences: list[list[int]], layers: int, progress: bool
-             ) -> list[_Sample]:
+@torch.no_grad()
+def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress: bool
+                    ) -> list[TrainingSample]:
+    """The model's states after ``layer`` layers (-1: after its final norm) and predictions on
+    each sequence, read through rag-spec's private copy of it (asking transformers for hidden
+    states installs hooks on the modules it runs: those must not be the user's)."""
+    from rag_spec.decoding.runner import Runner
+
+    runner = Runner.of(model)
     samples = []
     for ids in progress_bar(sequences, "reading the full model's predictions", "text",
                             enabled=progress):
-        out = model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True)
+        tokens = torch.tensor(ids)
+        out = runner(input_ids=tokens[None].to(runner.device), output_hidden_states=True)
         top = out.logits[0].float().log_softmax(-1).topk(_TOP)
-        samples.append(_Sample(out.hidden_states[layers][0].float().cpu(), top.indices.cpu(),
-                               top.values.cpu()))
+        # copies made outside inference mode: training may save them for backward
+        samples.append(TrainingSample(tokens, out.hidden_states[layer][0].float().cpu().clone(),
+                                      top.indices.cpu().clone(), top.values.cpu().clone()))
     return samples
 
 
-def _frequent_tokens(samples: list[_Sample], vocab_size: int, size: int) -> torch.Tensor:
+def frequent_tokens(samples: list[TrainingSample], vocab_size: int, size: int) -> torch.Tensor:
     """The ``size`` tokens the model predicts most often (top-4), ascending."""
     counts = torch.zeros(vocab_size)
     for s in samples:
@@ -225,7 +249,7 @@ class _Trainer:
         out = out[0] if isinstance(out, tuple) else out
         return self.norm(out)[0].float() @ self.head.T
 
-    def step(self, sample: _Sample) -> None:
+    def step(self, sample: TrainingSample) -> None:
         logq = self.logits(sample.hidden).log_softmax(-1)
         where = self.position_in_subset[sample.top_ids.to(self.device)]
         inside = where >= 0
@@ -262,7 +286,8 @@ def _untrained(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(decoder.norm(hidden)).argmax(-1).cpu()
 
 
-def _agreement(samples: list[_Sample], predict: Callable[[torch.Tensor], torch.Tensor]) -> float:
+def _agreement(samples: list[TrainingSample], predict: Callable[[torch.Tensor], torch.Tensor]
+               ) -> float:
     """How often the draft's greedy token is the full model's."""
     agree = total = 0
     for s in samples:

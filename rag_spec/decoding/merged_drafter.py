@@ -90,6 +90,11 @@ class MergedDrafter:
         self.trie = trie or TrieDrafter()
         self.eager = eager  # ask the model from the first step, not from the fourth
 
+    @property
+    def reads_features(self) -> bool:
+        """Whether the model drafts from the target's hidden states (``FeatureDrafter``)."""
+        return getattr(self.model, "reads_features", False)
+
     def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
         """The model's drafting state follows the rows that go on (the trie's is per row)."""
         self.model.keep_rows(cache, rows)

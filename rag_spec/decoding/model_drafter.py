@@ -147,6 +147,27 @@ class _Batch:
     def end_round(self) -> None:
         """The round's passes are done (their KV entries stay for the next ``begin_round``)."""
 
+    def forward(self, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
+                ) -> tuple[torch.Tensor, int]:
+        """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other
+        rows ride along as padding. Returns the logits [B, W, vocab] and the round slot of each
+        row's first token (its j-th token lands at that slot + j)."""
+        cache, runner = self.cache, self.runner
+        self.passes += 1
+        first = cache.round_length
+        width = max(len(f) for f in feeds.values())
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        position_ids = torch.zeros(rows, width, dtype=torch.long)
+        sees = torch.zeros(rows, width, first + width, dtype=torch.bool)
+        sees[:, torch.arange(width), first + torch.arange(width)] = True  # each sees itself
+        for b, fed in feeds.items():
+            for j, (token, position, slots) in enumerate(fed):
+                input_ids[b, j] = token
+                position_ids[b, j] = position
+                sees[b, j, slots] = True
+        step = cache.grow(input_ids, position_ids, sees, runner.dtype, self.sparse)
+        return cache.forward(runner, step), first
+
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Only the target's rows ``rows`` go on (the others finished): so do their drafts."""
         self.rows = [self.rows[b] for b in rows]
@@ -374,7 +395,7 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
                           batch.cost)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
-    logits, _ = _forward(batch, len(requests), {
+    logits, _ = batch.forward(len(requests), {
         b: [(token, g.base + i, list(range(i))) for i, token in enumerate(g.row.chain)]
         for b, g in growing.items()})
     for b, g in growing.items():
@@ -384,7 +405,7 @@ def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
         feeds = {b: new for b, g in growing.items() if (new := g.expand(depth)) and g.grows(depth)}
         if not feeds:
             break
-        logits, first = _forward(batch, len(requests), {
+        logits, first = batch.forward(len(requests), {
             b: [(growing[b].row.tokens[n], growing[b].position(depth), growing[b].sees(n))
                 for n in new] for b, new in feeds.items()})
         for b, new in feeds.items():
@@ -497,25 +518,3 @@ class _Growth:
             path.append(self.row.tokens[node])
             node = self.row.parents[node]
         return path[::-1]
-
-
-def _forward(batch: _Batch, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
-             ) -> tuple[torch.Tensor, int]:
-    """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other rows
-    ride along as padding. Returns the logits [B, W, vocab] and the round slot of each row's
-    first token (its j-th token lands at that slot + j)."""
-    cache, runner = batch.cache, batch.runner
-    batch.passes += 1
-    first = cache.round_length
-    width = max(len(f) for f in feeds.values())
-    input_ids = torch.zeros(rows, width, dtype=torch.long)
-    position_ids = torch.zeros(rows, width, dtype=torch.long)
-    sees = torch.zeros(rows, width, first + width, dtype=torch.bool)
-    sees[:, torch.arange(width), first + torch.arange(width)] = True  # each token sees itself
-    for b, fed in feeds.items():
-        for j, (token, position, slots) in enumerate(fed):
-            input_ids[b, j] = token
-            position_ids[b, j] = position
-            sees[b, j, slots] = True
-    step = cache.grow(input_ids, position_ids, sees, runner.dtype, batch.sparse)
-    return cache.forward(runner, step), first

@@ -70,6 +70,11 @@ class TreeKVCache:
         self.valid = valid
         self.roots = list(roots)
         self.positions = valid.sum(dim=1).tolist()  # [B] position id of each root
+        # [B, hidden] the target's last hidden state before each root, kept by ``keep`` after
+        # passes that asked for it (``forward(features=True)``; drafters that read the
+        # target's states); None until then
+        self.root_features: torch.Tensor | None = None
+        self._step_features: torch.Tensor | None = None  # [B, W, hidden] of the last pass
         self.window = window
         # [B, round] position ids of the slots written since the last keep (-1: padding)
         self._round_positions = torch.zeros(valid.shape[0], 0, dtype=torch.long,
@@ -224,11 +229,17 @@ class TreeKVCache:
         allowed &= self._in_window(position_ids, kv_positions)
         return TreeBatch(input_ids.to(device), position_ids, None, _additive(allowed, dtype))
 
-    def forward(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
+    def forward(self, runner: Any, batch: TreeBatch, features: bool = False) -> torch.Tensor:
         """Logits [B, W, vocab] of one pass over ``batch``, its KV entries written to the round.
         The compact mask goes to runners whose attention is ``tree_attention``; others (a
-        user's wrapped module) get it spelled out as a dense mask."""
+        user's wrapped module) get it spelled out as a dense mask. With ``features`` the pass
+        also keeps the model's last hidden states, and ``keep`` the ones before the new roots.
+        """
         if self.capacity is not None:
+            if features:
+                msg = ("A compiled step returns logits only, so drafts that read the target's "
+                       "hidden states (FeatureDrafter) need LookaheadConfig(compile=False).")
+                raise RagSpecError(msg)
             return self._forward_static(runner, batch)
         if batch.mask is None:
             masks: dict[str, Any] = {"attention_mask": batch.attention_mask}
@@ -237,8 +248,12 @@ class TreeKVCache:
         else:
             allowed = batch.mask.over_cache(self.length)
             masks = {"attention_mask": _additive(allowed, runner.dtype)}
-        return runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                      past_key_values=self.cache, use_cache=True, **masks).logits
+        if features:
+            masks["output_hidden_states"] = True
+        out = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                     past_key_values=self.cache, use_cache=True, **masks)
+        self._step_features = out.hidden_states[-1] if features else None
+        return out.logits
 
     def _forward_static(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
         """``forward`` on a static cache: the pass writes after the round's earlier slots and
@@ -267,7 +282,14 @@ class TreeKVCache:
 
     def keep(self, paths: Sequence[Sequence[int]], next_roots: Sequence[int]) -> None:
         """After a step: keep each row's root and accepted path ``paths[b]`` (node indices of
-        its tree), compacted to the front of the step's slots; ``next_roots`` become pending."""
+        its tree), compacted to the front of the step's slots; ``next_roots`` become pending
+        (and, after a pass with ``features``, the hidden states their tokens came from)."""
+        if self._step_features is not None:
+            last = torch.tensor([1 + path[-1] if path else 0 for path in paths],
+                                device=self._step_features.device)
+            rows = torch.arange(len(paths), device=last.device)
+            self.root_features = self._step_features[rows, last]
+            self._step_features = None
         self.keep_slots([[0] + [1 + node for node in path] for path in paths], next_roots)
 
     def keep_slots(self, slots: Sequence[Sequence[int]], next_roots: Sequence[int]) -> None:
@@ -308,6 +330,8 @@ class TreeKVCache:
         self.roots = [self.roots[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
         self._round_positions = self._round_positions.index_select(0, index)
+        if self.root_features is not None:
+            self.root_features = self.root_features.index_select(0, index)
 
     def discard_round(self) -> None:
         """Drop every slot the current round wrote (a self-draft's passes, whose entries were

@@ -1,0 +1,110 @@
+"""The draft head (EAGLE-style self-draft on the target's hidden states): the states it reads are
+the model's own, training raises its agreement and leaves the model alone, and decoding with it
+is lossless, greedy and sampled."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter
+from rag_spec.decoding.draft_head import load_head, save_head, train_head
+from rag_spec.decoding.feature_drafter import FeatureDrafter
+from rag_spec.decoding.runner import Runner
+from rag_spec.decoding.tree import TokenTree
+from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.errors import RagSpecError
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+from test_sampling import KNOBS, PROMPT, assert_plain_sampling
+
+
+def sequences(count: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [repetitive_prompt(int(s), length=48)
+            for s in torch.randint(0, 999, (count,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return train_head(target, sequences(), vocabulary=48, epochs=4, lr=5e-3, progress=False)
+
+
+def test_roots_carry_the_models_last_hidden_state_before_them(target):
+    runner = Runner.of(target)
+    prompts = [repetitive_prompt(s, length=9 + 5 * s) for s in range(3)]
+    trees = [TokenTree.from_paths([[7, 8]]), TokenTree.empty(), TokenTree.from_paths([[3]])]
+    with torch.inference_mode():
+        cache = TreeKVCache.prefill(runner, prompts)
+        cache.forward(runner, cache.step(trees, runner.dtype), features=True)
+        cache.keep([[0, 1], [], [0]], [11, 12, 13])  # rows accept 2, 0 and 1 draft tokens
+        reference = tiny_llama(seed=0, layers=4)  # the target's twin: hidden states install
+        # hooks on the model asked for them, and later tests check the target has none
+        for b, (prompt, path) in enumerate(zip(prompts, ([7, 8], [], [3]))):
+            sequence = torch.tensor([prompt + path])
+            states = reference(sequence, output_hidden_states=True).hidden_states[-1][0]
+            torch.testing.assert_close(cache.root_features[b], states[-1], atol=1e-5, rtol=1e-5)
+        cache.keep_rows([2, 0])  # finished rows leave: the others' states follow
+    assert cache.root_features.shape[0] == 2
+
+
+def test_training_raises_agreement_and_leaves_the_model_alone(target, head, tmp_path):
+    before, after = head.agreement["untrained"], head.agreement["trained"]
+    assert after["top4"] > before["top4"] + 0.1 and after["top1"] > before["top1"]
+    config = target.config.to_dict()
+    assert all(p.grad is None for p in target.parameters())
+    # asking transformers for hidden states installs hooks: on rag-spec's copy, not the model
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
+    assert target.config.to_dict() == config
+    save_head(head, tmp_path / "head.safetensors")
+    loaded = load_head(target, tmp_path / "head.safetensors")
+    assert loaded.agreement == head.agreement and torch.equal(loaded.subset, head.subset)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
+    config = LookaheadConfig(budget=budget, adaptive=False)
+    for drafter in (FeatureDrafter(head), MergedDrafter(FeatureDrafter(head), eager=True)):
+        decoder = LookaheadDecoder(target, config=config, drafter=drafter)
+        kept = 0
+        for seed in range(3):
+            prompt = repetitive_prompt(seed)
+            result = decoder.generate(prompt, 30)
+            assert result.token_ids == hf_greedy(target, prompt, 30)
+            kept += sum(result.stats.accepted_per_step)
+        assert kept > 0  # acceptance was exercised, not only rejection
+
+
+def test_a_ragged_batch_gives_each_row_its_tokens_alone(target, head):
+    prompts = [repetitive_prompt(s, length=10 + 7 * s) for s in range(4)]
+    results = LookaheadDecoder(target, drafter=FeatureDrafter(head)).generate(prompts, 25)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 25) for p in prompts]
+    sampled = LookaheadDecoder(target, drafter=FeatureDrafter(head)).generate(
+        prompts, 25, do_sample=True, temperature=0.8, seed=5)
+    alone = [LookaheadDecoder(target, drafter=FeatureDrafter(head)).generate(
+        p, 25, do_sample=True, temperature=0.8, seed=5 + b).token_ids
+        for b, p in enumerate(prompts)]
+    assert [r.token_ids for r in sampled] == alone
+
+
+def test_sampling_keeps_the_distribution(model):
+    small = train_head(model, sequences(), vocabulary=48, epochs=2, lr=5e-3, progress=False)
+    knobs = KNOBS["temperature"]
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
+                               drafter=FeatureDrafter(small))
+    results = decoder.generate([PROMPT] * 4000, max_new_tokens=3, do_sample=True, seed=7,
+                               **knobs)
+    assert sum(sum(r.stats.accepted_per_step) for r in results) > 400  # drafts were kept
+    assert_plain_sampling(model, results, knobs)
+
+
+def test_compiled_steps_refuse_it_with_the_fix(target, head):
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(compile=True, exact=False),
+                               drafter=FeatureDrafter(head))
+    with pytest.raises(RagSpecError, match="compile=False"):
+        decoder.generate(repetitive_prompt(0), 5)
