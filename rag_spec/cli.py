@@ -136,6 +136,16 @@ def _draft_train(args: argparse.Namespace) -> int:
             raise RagSpecError(msg)
     started = time.perf_counter()
     lm = load_model(args.model)
+    if args.head:
+        from rag_spec.decoding.draft_head import cached_head
+
+        head = cached_head(lm, args.source or ["stdlib"], texts=args.texts, answers=args.answers)
+        before, after = head.agreement["untrained"], head.agreement["trained"]
+        print(f"draft head: the model's next token is the head's first guess "
+              f"{before['top1']:.1%} of the time untrained, {after['top1']:.1%} trained "
+              f"(among its four likeliest: {after['top4']:.1%}; {len(head.subset)}-token head; "
+              f"{time.perf_counter() - started:.0f} s). Use it: rag-spec ask --draft head")
+        return 0
     adapter = cached_exit(lm, args.layers, args.source or ["stdlib"], texts=args.texts,
                           answers=args.answers)
     agreement = adapter.agreement
@@ -192,7 +202,11 @@ def _parser() -> argparse.ArgumentParser:
 
     draft = commands.add_parser("draft", help="self-drafts")
     draft_commands = draft.add_subparsers(required=True, metavar="ACTION")
-    train = draft_commands.add_parser("train", help="train an early-exit adapter (cached)")
+    train = draft_commands.add_parser(
+        "train", help="train an early-exit adapter, or with --head a draft head (cached)")
+    train.add_argument("--head", action="store_true",
+                       help="a draft head on the model's last hidden states (EAGLE-style; "
+                       "--layers is ignored)")
     train.add_argument("--source", action="append",
                        help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
     train.add_argument("--layers", type=int, default=8, help="exit after N layers (default 8)")

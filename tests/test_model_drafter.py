@@ -104,14 +104,14 @@ def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatc
         drafter.first_pass = True  # the next pass is this round's pending tokens
 
     monkeypatch.setattr(module._Growth, "__init__", mark)
-    real_forward = module._forward
+    real_forward = module._Batch.forward
 
     def forward(*args):
         out = real_forward(*args)
         drafter.first_pass = False
         return out
 
-    monkeypatch.setattr(module, "_forward", forward)
+    monkeypatch.setattr(module._Batch, "forward", forward)
     prompt = repetitive_prompt(2)
     # a fixed budget: the draft keeps drafting through its hits and misses
     result = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),

@@ -3,7 +3,9 @@
 The draft on this CPU is the target's own first ``layers`` layers, three ways: saved as a model
 folder of its own (what ``assistant_model`` and ``DraftModelDrafter`` take), as an early exit
 (``assistant_early_exit`` and ``EarlyExitDrafter``), and as an early exit with the adapter
-``rag-spec draft train`` trains (a decoder layer and a smaller head, on the default corpus).
+``rag-spec draft train`` trains (a decoder layer and a smaller head, on the default corpus);
+also the draft head ``rag-spec draft train --head`` trains (EAGLE-style, on the target's last
+hidden states: ``FeatureDrafter``).
 Systems run interleaved on each prompt; greedy runs are compared token for token with
 transformers greedy, sampled runs (temperature 0.7, top-p 0.9) report speed only (their
 outputs differ by design, not their distribution: the tests check that).
@@ -36,9 +38,10 @@ SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 GREEDY_SYSTEMS = ("hf", "hf_assisted", "hf_assisted_heuristic", "hf_early_exit",
                   "rag_spec_no_drafts", "rag_spec_trie", "rag_spec_draft_chain",
                   "rag_spec_draft_tree", "rag_spec_early_exit", "rag_spec_trained_exit",
-                  "rag_spec_merged", "rag_spec_merged_trained_exit")
+                  "rag_spec_draft_head", "rag_spec_merged", "rag_spec_merged_trained_exit",
+                  "rag_spec_merged_draft_head")
 SAMPLED_SYSTEMS = ("hf", "hf_assisted", "rag_spec_no_drafts", "rag_spec_draft_tree",
-                   "rag_spec_merged")
+                   "rag_spec_draft_head", "rag_spec_merged")
 BATCH_SYSTEMS = ("hf", "rag_spec_no_drafts", "rag_spec_trie", "rag_spec_draft_tree",
                  "rag_spec_merged")
 
@@ -49,22 +52,25 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
     """Run the benchmark (the runs ``modes`` names), print a table, write JSON and a PNG plot;
     return the report."""
     from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.decoding.draft_head import cached_head
     from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
     draft = load_model(str(first_layers_folder(lm, layers)))
     adapter = cached_exit(lm, layers)  # trained on the default corpus once, then cached
+    head = cached_head(lm)  # likewise
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     report: dict[str, Any] = {"benchmark": "draft", "model": model_name, "dtype": str(lm.dtype),
                               "draft": f"the model's first {layers} layers", "layers": layers,
                               "exit_agreement": adapter.agreement,
+                              "head_agreement": head.agreement,
                               "max_new_tokens": max_new_tokens, "machine": machine()}
     for mode, names, options in (("greedy", GREEDY_SYSTEMS, {}),
                                  ("sampling", SAMPLED_SYSTEMS, SAMPLING)):
         if mode not in modes:
             continue
-        systems = _systems(lm, draft.model, adapter, max_new_tokens, options)
+        systems = _systems(lm, draft.model, adapter, head, max_new_tokens, options)
         systems = {name: systems[name] for name in names}
         for system in systems.values():  # warm up: runners built, kernels primed
             system([rag[0][:48]])
@@ -74,7 +80,7 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
             runs = interleaved(systems, [[p] for p in prompts])
             report[mode][name] = _summarise(runs, check=not options)
     if "batch" in modes:
-        systems = _systems(lm, draft.model, adapter, max_new_tokens, {})
+        systems = _systems(lm, draft.model, adapter, head, max_new_tokens, {})
         batches = [rag[i:i + batch] for i in range(0, len(rag) - batch + 1, batch)] or [rag]
         print(f"greedy, batch {batch}: {len(batches)} batches")
         runs = interleaved({name: systems[name] for name in BATCH_SYSTEMS}, batches)
@@ -105,12 +111,13 @@ def first_layers_folder(lm: Any, layers: int) -> Path:
     return folder
 
 
-def _systems(lm: Any, draft: Any, adapter: Any, max_new_tokens: int,
+def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
              options: dict[str, Any]) -> dict[str, Callable[[list[list[int]]], Run]]:
     from rag_spec.decoding import (
         DraftModelDrafter,
         EarlyExitDrafter,
         Expansion,
+        FeatureDrafter,
         LookaheadConfig,
         LookaheadDecoder,
         MergedDrafter,
@@ -157,9 +164,11 @@ def _systems(lm: Any, draft: Any, adapter: Any, max_new_tokens: int,
         "rag_spec_draft_tree": decoder(DraftModelDrafter(draft)),
         "rag_spec_early_exit": decoder(EarlyExitDrafter(layers)),
         "rag_spec_trained_exit": decoder(EarlyExitDrafter(layers, adapter=adapter)),
+        "rag_spec_draft_head": decoder(FeatureDrafter(head)),
         "rag_spec_merged": decoder(MergedDrafter(DraftModelDrafter(draft))),
         "rag_spec_merged_trained_exit": decoder(MergedDrafter(
             EarlyExitDrafter(layers, adapter=adapter))),
+        "rag_spec_merged_draft_head": decoder(MergedDrafter(FeatureDrafter(head))),
     }
 
 

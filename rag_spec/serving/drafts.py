@@ -15,19 +15,23 @@ from rag_spec.models.loader import LoadedModel, load_model
 
 # "early-exit:8": the target's own first 8 layers; "trained-exit:8": with a trained adapter
 _EARLY_EXIT = re.compile(r"(early|trained)[-_]exit:(\d+)")
+# "head": a draft head on the target's last hidden states (trained on the default corpus)
+_HEAD = re.compile(r"(draft[-_])?head")
 # "self-spec:256": the target itself through a StreamingLLM view of 256 KV entries
 _SELF_SPEC = re.compile(r"self[-_]spec(?::(\d+))?")
 
 DRAFT_HELP = ("a draft model of the target's vocabulary: an embedded name, a model folder, "
               "early-exit:L (the target's own first L layers), trained-exit:L (with an "
-              "adapter trained on the default corpus, see rag-spec draft train) or "
+              "adapter trained on the default corpus, see rag-spec draft train), head (a draft "
+              "head on the target's hidden states, rag-spec draft train --head) or "
               "self-spec:N (the target itself reading N KV entries: long contexts)")
 
 
 def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
     """The drafter for ``draft``: None (the trie alone), a Drafter (as given), an int or
     ``"early-exit:L"`` (the target's first L layers), ``"trained-exit:L"`` (with the adapter
-    trained on the default corpus: trained now if not cached), ``"self-spec:N"`` (the target
+    trained on the default corpus: trained now if not cached), ``"head"`` (a draft head on the
+    target's hidden states, likewise), ``"self-spec:N"`` (the target
     through a sparse view of N KV entries, default 256), a name or folder (loaded on the
     target's device and dtype), a ``LoadedModel`` or a transformers model."""
     from rag_spec.decoding.exit_adapter import cached_exit
@@ -45,6 +49,11 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
             layers = int(match.group(2))
             adapter = cached_exit(target, layers) if match.group(1) == "trained" else None
             return MergedDrafter(EarlyExitDrafter(layers, adapter=adapter))
+        if _HEAD.fullmatch(draft.strip()):
+            from rag_spec.decoding.draft_head import cached_head
+            from rag_spec.decoding.feature_drafter import FeatureDrafter
+
+            return MergedDrafter(FeatureDrafter(cached_head(target)))
         match = _SELF_SPEC.fullmatch(draft.strip())
         if match:
             return SelfSpecDrafter(budget=int(match.group(1) or 256))
