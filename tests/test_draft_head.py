@@ -78,6 +78,8 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
             assert result.token_ids == hf_greedy(target, prompt, 30)
             kept += sum(result.stats.accepted_per_step)
         assert kept > 0  # acceptance was exercised, not only rejection
+    # steps asked for hidden states on rag-spec's copy of the model, never on the model itself
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
 
 def test_a_ragged_batch_gives_each_row_its_tokens_alone(target, head):

@@ -136,14 +136,18 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
     ``widths`` tokens wide (``rag_spec_W``; with exact numerics ``rag_spec_exact_W``; where the
     streamed kernel runs, on oneDNN's instead ``rag_spec_onednn_W``), after ``prompt``'s
     prefill."""
+    from transformers import DynamicCache
+
     from rag_spec.decoding import RunnerSettings
+    from rag_spec.decoding.kv_cache import cache_argument
 
     ids = torch.tensor([list(prompt)], device=model.device)
-    past = model(input_ids=ids, use_cache=True).past_key_values
+    past = cache_argument(model, DynamicCache(config=model.config))  # transformers' own
+    model(input_ids=ids, use_cache=True, **past)
     token = ids[:, -1:]
 
     def hf_step() -> None:
-        model(input_ids=token, past_key_values=past, use_cache=True)  # appends a position
+        model(input_ids=token, use_cache=True, **past)  # appends a position
 
     costs = {"hf_1": median([_seconds(hf_step, model.device) for _ in range(repeats)])}
     systems = {"rag_spec": RunnerSettings(), "rag_spec_exact": RunnerSettings(exact=True)}
@@ -201,20 +205,21 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
     compiles its own)."""
     from rag_spec.decoding import Runner, RunnerSettings
     from rag_spec.decoding.compiled_step import rewind, static_cache
+    from rag_spec.decoding.kv_cache import cache_argument
 
     step = Runner.of(model, RunnerSettings(compile=True)).compiled
     assert step is not None
     device, length = model.device, len(prompt)
     capacity = length + answer_tokens + max(widths)
     cache = static_cache(step.module.config, capacity)
-    step.module(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=cache,
-                use_cache=True)
+    step.module(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True,
+                **cache_argument(step.module, cache))
 
     def compiled(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                  ) -> torch.Tensor:
         rewind(cache, length)  # each pass rewrites the same slots
         return step(input_ids=ids, position_ids=positions, attention_mask=mask,
-                    past_key_values=cache)
+                    **cache_argument(step.module, cache))
 
     found = CompiledSteps({}, {}, {}, {})
     for width in widths:

@@ -41,10 +41,10 @@ class CompiledStep:
         self._spare: tuple[tuple[int, int], Any] | None = None  # (batch, slots), a cache
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, past_key_values: Any) -> torch.Tensor:
+                 attention_mask: torch.Tensor, **cache: Any) -> torch.Tensor:
+        """A pass; ``cache``: the static cache under the keyword the model takes it by."""
         return self.module(input_ids=input_ids, position_ids=position_ids,
-                           attention_mask=attention_mask, past_key_values=past_key_values,
-                           use_cache=True).logits
+                           attention_mask=attention_mask, use_cache=True, **cache).logits
 
     @property
     def wide(self) -> bool:

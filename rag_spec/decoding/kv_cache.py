@@ -146,10 +146,24 @@ def _skips_logits(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword the model's forward takes it by: ``cache`` in transformers
+    releases that renamed it (``past_key_values`` is deprecated there, and goes in 5.40),
+    ``past_key_values`` in earlier ones."""
+    module = getattr(model, "module", model)
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def fill(model: Any, cache: Any, tokens: list[int]) -> None:
     """Append ``tokens`` to a one-row ``cache`` (positions continue from its length)."""
-    model(input_ids=torch.tensor([tokens], device=model.device), past_key_values=cache,
-          use_cache=True, **fill_only(model))
+    model(input_ids=torch.tensor([tokens], device=model.device), use_cache=True,
+          **cache_argument(model, cache), **fill_only(model))
 
 
 def crop(cache: Any, length: int) -> None:

@@ -128,7 +128,7 @@ class Runner(ModuleRunner):
 
     Examples:
         >>> runner = Runner.of(model)                                    # doctest: +SKIP
-        >>> runner(input_ids=ids, past_key_values=cache).logits          # doctest: +SKIP
+        >>> runner(input_ids=ids, **cache_argument(runner, cache)).logits  # doctest: +SKIP
     """
 
     _cache: weakref.WeakKeyDictionary[Any, dict[RunnerSettings, Runner]] = (

@@ -24,6 +24,7 @@ import torch
 from rag_spec.decoding.compiled_step import rewind
 from rag_spec.decoding.kv_cache import (
     attention_window,
+    cache_argument,
     crop,
     fill_only,
     keep_batch_rows,
@@ -126,7 +127,7 @@ class TreeKVCache:
             cache = new_cache()
             with whole_rows():
                 out = model(input_ids=torch.tensor([list(prompt)], device=model.device),
-                            past_key_values=cache, use_cache=True, **fill_only(model))
+                            use_cache=True, **cache_argument(model, cache), **fill_only(model))
             caches.append(cache)
             logits.append(out.logits[0, -1])
         width = max(len(p) for p in prompts)
@@ -157,8 +158,8 @@ class TreeKVCache:
     def _fill(self, model: Any, ids: torch.Tensor) -> None:
         positions = (self.valid.long().cumsum(-1) - 1).clamp(min=0)
         if self.valid.all():  # no padding: the model's own causal (and sliding-window) mask
-            model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
-                  use_cache=True, **fill_only(model))
+            model(input_ids=ids, position_ids=positions, use_cache=True,
+                  **cache_argument(model, self.cache), **fill_only(model))
             return
         batch, width = ids.shape
         chunk = max(1, _MASK_ELEMENTS // (batch * width))
@@ -171,8 +172,8 @@ class TreeKVCache:
             allowed &= self._in_window(slot_positions[:, start:end], slot_positions[:, :end])
             allowed |= (keys == queries)[None]  # padding sees itself: no NaN rows
             model(input_ids=ids[:, start:end], position_ids=positions[:, start:end],
-                  attention_mask=_additive(allowed, model.dtype), past_key_values=self.cache,
-                  use_cache=True, **fill_only(model))
+                  attention_mask=_additive(allowed, model.dtype), use_cache=True,
+                  **cache_argument(model, self.cache), **fill_only(model))
 
     def step(self, trees: Sequence[TokenTree], dtype: torch.dtype) -> TreeBatch:
         """Inputs for verifying ``trees`` (one per row, empty for none) below each root. Built
@@ -251,7 +252,7 @@ class TreeKVCache:
         if features:
             masks["output_hidden_states"] = True
         out = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                     past_key_values=self.cache, use_cache=True, **masks)
+                     use_cache=True, **cache_argument(runner, self.cache), **masks)
         self._step_features = out.hidden_states[-1] if features else None
         return out.logits
 
@@ -269,7 +270,7 @@ class TreeKVCache:
         rewind(self.cache, end - batch.input_ids.shape[1])
         mask = _additive(batch.mask.over_cache(self.length), runner.dtype, self.capacity)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-                  "attention_mask": mask, "past_key_values": self.cache}
+                  "attention_mask": mask, **cache_argument(runner, self.cache)}
         step = runner.compiled
         if step is not None and (step.wide or batch.input_ids.shape[1] == 1):
             return step(**inputs)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from rag_spec.decoding.kv_cache import cache_argument
 from rag_spec.decoding.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
 
@@ -62,13 +63,14 @@ class KeyedLM:
     def _capture(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
         self._captured.append(output)
 
-    def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor,
-                                                                         torch.Tensor]:
-        """(logits [batch, seq, vocab], keys [batch, seq, dim]) in float32."""
+    def __call__(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+        """(logits [batch, seq, vocab], keys [batch, seq, dim]) in float32; ``cache``: a KV
+        cache the pass continues and extends (None: none)."""
         with self._lock:
             self._captured.clear()
-            out = self.runner(input_ids=input_ids, use_cache="past_key_values" in inputs,
-                              **inputs)
+            cached = {} if cache is None else cache_argument(self.runner, cache)
+            out = self.runner(input_ids=input_ids, use_cache=cache is not None, **cached)
             return out.logits.float(), self._captured.pop().float()
 
     def keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -271,8 +271,7 @@ class _Run:
 
     def _forward(self, ids: list[int]) -> tuple[torch.Tensor, np.ndarray]:
         started = time.perf_counter()
-        logits, keys = self.knn.keyed(torch.tensor([ids], device=self.device),
-                                      past_key_values=self.cache)
+        logits, keys = self.knn.keyed(torch.tensor([ids], device=self.device), self.cache)
         self.stats.generation_seconds += time.perf_counter() - started
         return logits[0, -1].cpu(), keys[0, -1].cpu().numpy()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.kv_cache import crop, new_cache
+from rag_spec.decoding.kv_cache import cache_argument, crop, new_cache
 from rag_spec.decoding.kv_cache import fill as fill_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
@@ -98,7 +98,8 @@ class RalmState:
         while added < n and not self.finished:
             pending = self.output[-1] if self.output else segment.prompt_last
             logits = self.model(input_ids=torch.tensor([[pending]], device=self.model.device),
-                                past_key_values=segment.cache, use_cache=True).logits
+                                use_cache=True, **cache_argument(self.model, segment.cache)
+                                ).logits
             self.output.append(int(logits[0, -1].argmax()))
             added += 1
         self.compute_seconds += time.perf_counter() - started
