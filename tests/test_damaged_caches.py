@@ -245,3 +245,30 @@ def test_scratch_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
     assert not abandoned.exists()
     assert live.exists()
     assert (target / "meta.json").exists()
+
+
+def test_a_damaged_draft_is_trained_again_and_a_sound_one_loaded(tmp_path):
+    from types import SimpleNamespace
+
+    from test_draft_head import sequences
+
+    from rag_spec.decoding.draft_head import load_head, save_head, train_head
+    from rag_spec.decoding.exit_adapter import cached_draft
+    from rag_spec.paths import cache_dir
+
+    target = tiny_llama(seed=0, layers=2)
+    lm, trained = SimpleNamespace(name=f"{tmp_path.name}-tiny"), []
+
+    def train():
+        trained.append(1)
+        return train_head(target, sequences(12), vocabulary=48, epochs=1, progress=False)
+
+    def cached():
+        return cached_draft(lm, "head", "key", lambda path: load_head(target, path), train,
+                            save_head)
+
+    first = cached()
+    assert torch.equal(cached().subset, first.subset) and trained == [1]  # loaded, not trained
+    path = next((cache_dir() / "drafts").glob(f"{lm.name}-head-*.safetensors"))
+    path.write_bytes(b"not safetensors")  # damaged: trained again, not a traceback
+    assert torch.equal(cached().subset, first.subset) and trained == [1, 1]

@@ -18,7 +18,6 @@ Trained once per (model, corpus, sizes) and cached like the exit adapters (``exi
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import torch
 
 from rag_spec.decoding.exit_adapter import (
     TrainingSample,
+    cached_draft,
     frequent_tokens,
     teacher_samples,
     training_sequences,
@@ -107,22 +107,11 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
     """The draft head for ``lm``, trained the first time (minutes on a CPU) on ``texts``
     passages of ``sources`` and ``answers`` of the model's own answers, loaded from rag-spec's
     cache after."""
-    from rag_spec.paths import atomic_file, cache_dir
-
     sequences, fingerprint = training_sequences(lm, sources, texts, answers, progress=progress)
     key = f"{lm.name}|head|{fingerprint}|{texts}|{answers}|{epochs}|{_VERSION}"
-    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-    path = cache_dir() / "drafts" / f"{Path(lm.name).name}-head-{digest}.safetensors"
-    if path.is_file():
-        try:
-            return load_head(lm.model, path)
-        except Exception:  # damaged: train it again
-            path.unlink(missing_ok=True)
-    head = train_head(lm.model, sequences(), epochs=epochs, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as scratch:
-        save_head(head, scratch)
-    return head
+    return cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
+                        lambda: train_head(lm.model, sequences(), epochs=epochs,
+                                           progress=progress), save_head)
 
 
 def save_head(head: DraftHead, path: Path) -> None:

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from rag_spec.progress import progress as progress_bar
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
 _VERSION = 3  # bump when training changes: cached adapters are trained again
 _LENGTH = 256  # tokens of a text trained on (the last ones of an answer)
+Trained = TypeVar("Trained")
 
 
 class SubsetHead(torch.nn.Module):
@@ -129,22 +130,31 @@ def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
     """The adapter for ``lm`` exiting after ``layers`` layers, trained the first time (minutes
     on a CPU) on ``texts`` passages of ``sources`` and ``answers`` of the model's own answers
     (``own_answers``), and loaded from rag-spec's cache after."""
-    from rag_spec.paths import atomic_file, cache_dir
-
     sequences, passages = training_sequences(lm, sources, texts, answers, progress=progress)
     key = f"{lm.name}|{layers}|{passages}|{texts}|{answers}|{_VERSION}"
+    return cached_draft(lm, f"exit{layers}", key, ExitAdapter.load,
+                        lambda: train_exit(lm.model, layers, sequences(), progress=progress),
+                        ExitAdapter.save)
+
+
+def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
+                 train: Callable[[], Trained], save: Callable[[Trained, Path], None]) -> Trained:
+    """A trained draft (``kind``: what it is) for ``lm`` from rag-spec's cache, under a hash of
+    ``key`` (what it was trained from); trained and saved the first time, or if damaged."""
+    from rag_spec.paths import atomic_file, cache_dir
+
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-    path = cache_dir() / "drafts" / f"{Path(lm.name).name}-exit{layers}-{digest}.safetensors"
+    path = cache_dir() / "drafts" / f"{Path(lm.name).name}-{kind}-{digest}.safetensors"
     if path.is_file():
         try:
-            return ExitAdapter.load(path)
+            return load(path)
         except Exception:  # damaged: train it again
             path.unlink(missing_ok=True)
-    adapter = train_exit(lm.model, layers, sequences(), progress=progress)
+    trained = train()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as scratch:
-        adapter.save(scratch)
-    return adapter
+        save(trained, scratch)
+    return trained
 
 
 def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
