@@ -51,6 +51,12 @@ def test_roots_carry_the_models_last_hidden_state_before_them(target):
     assert cache.root_features.shape[0] == 2
 
 
+def test_a_head_is_made_and_trained_without_drawing_from_torchs_global_rng(target):
+    state = torch.random.get_rng_state()
+    train_head(target, sequences(12), vocabulary=48, epochs=1, progress=False)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_training_raises_agreement_and_leaves_the_model_alone(target, head, tmp_path):
     before, after = head.agreement["untrained"], head.agreement["trained"]
     assert after["top4"] > before["top4"] + 0.1 and after["top1"] > before["top1"]

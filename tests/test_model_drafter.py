@@ -329,6 +329,9 @@ def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
     assert loaded.agreement == adapter.agreement and torch.equal(loaded.subset, adapter.subset)
     layers, config = len(target.model.layers), target.config.to_dict()
     decoder = LookaheadDecoder(target, drafter=EarlyExitDrafter(1, adapter=loaded))
+    rng = torch.random.get_rng_state()  # the exit's layer is built without moving it
+    decoder.generate(repetitive_prompt(0), 5)
+    assert torch.equal(torch.random.get_rng_state(), rng)
     for seed in range(3):
         prompt = repetitive_prompt(seed)
         assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils import skip_init
 
 from rag_spec.decoding.exit_adapter import (
     TrainingSample,
@@ -55,7 +56,8 @@ class DraftHead(torch.nn.Module):
                    "draft head from; use EarlyExitDrafter or DraftModelDrafter instead.")
             raise RagSpecError(msg)
         hidden = model.config.hidden_size
-        self.fc = torch.nn.Linear(2 * hidden, hidden)
+        # layers made without a random start (set below): torch's global RNG is the caller's
+        self.fc = skip_init(torch.nn.Linear, 2 * hidden, hidden)
         with torch.no_grad():  # start as the mean of the two inputs
             self.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], 1) / 2)
             self.fc.bias.zero_()
@@ -63,7 +65,7 @@ class DraftHead(torch.nn.Module):
         self.mlp = copy.deepcopy(last.mlp)
         self.final_norm = copy.deepcopy(decoder.norm)
         head = model.get_output_embeddings().weight.detach()
-        self.readout = torch.nn.Linear(hidden, len(subset), bias=False)
+        self.readout = skip_init(torch.nn.Linear, hidden, len(subset), bias=False)
         with torch.no_grad():
             self.readout.weight.copy_(head[subset.to(head.device)])
         self.readout.requires_grad_(False)

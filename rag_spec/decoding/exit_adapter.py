@@ -69,7 +69,9 @@ class ExitAdapter:
         and the subset head; the view's modules and config are its own, so only it changes."""
         decoder = view.get_decoder()
         config = decoder.config
-        layer = type(decoder.layers[0])(config, layer_idx=self.layers)
+        with torch.random.fork_rng(devices=[]):  # its random start is overwritten: the
+            # caller's torch RNG must not move for it
+            layer = type(decoder.layers[0])(config, layer_idx=self.layers)
         layer.load_state_dict(self.layer_state)
         layer.to(device=view.device, dtype=view.dtype).eval()
         decoder._modules["layers"] = torch.nn.ModuleList([*decoder.layers, layer])
