@@ -28,9 +28,12 @@ import torch
 from torch.nn.utils import skip_init
 
 from rag_spec.decoding.exit_adapter import (
+    SubsetHead,
     TrainingSample,
     cached_draft,
     frequent_tokens,
+    subset_cross_entropy,
+    subset_positions,
     teacher_samples,
     training_sequences,
 )
@@ -65,12 +68,8 @@ class DraftHead(torch.nn.Module):
         self.mlp = copy.deepcopy(last.mlp)
         self.final_norm = copy.deepcopy(decoder.norm)
         head = model.get_output_embeddings().weight.detach()
-        self.readout = skip_init(torch.nn.Linear, hidden, len(subset), bias=False)
-        with torch.no_grad():
-            self.readout.weight.copy_(head[subset.to(head.device)])
-        self.readout.requires_grad_(False)
-        self.register_buffer("subset", subset.clone())
-        self.vocab_size = head.shape[0]
+        self.lm_head = SubsetHead(head[subset.to(head.device)], subset.to(head.device),
+                               head.shape[0])
         self.agreement: dict[str, dict[str, float]] = {}  # held out, before and after training
         self.to(device=head.device, dtype=head.dtype)
 
@@ -80,15 +79,17 @@ class DraftHead(torch.nn.Module):
         ``embedded`` [..., H] the token's embedding -> (state after it, logits [..., vocab])."""
         x = self.fc(torch.cat([hidden, embedded], -1))
         state = self.final_norm(x + self.mlp(self.norm(x)))
-        small = self.readout(state)
-        logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.subset] = small
-        return state, logits
+        return state, self.lm_head(state)
+
+    @property
+    def subset(self) -> torch.Tensor:
+        """The token ids the head scores, ascending."""
+        return self.lm_head.subset
 
     def trained_state(self) -> dict[str, torch.Tensor]:
-        """The weights training changes (the readout's rows are the target's)."""
-        return {k: v.detach().cpu().clone() for k, v in self.state_dict().items()
-                if not k.startswith("readout.")}
+        """The weights training changes, and the subset (the head's rows are the target's)."""
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.")}
+        return {k: v.detach().cpu().clone() for k, v in {**state, "subset": self.subset}.items()}
 
 
 def load_head(model: Any, path: Path) -> DraftHead:
@@ -99,7 +100,8 @@ def load_head(model: Any, path: Path) -> DraftHead:
         meta = file.metadata()
         tensors = {k: file.get_tensor(k) for k in file.keys()}  # noqa: SIM118
     head = DraftHead(model, tensors["subset"])
-    head.load_state_dict(tensors, strict=False)  # the readout is the model's
+    head.load_state_dict({k: v for k, v in tensors.items() if k != "subset"}, strict=False)
+    # (the LM head's rows are the model's)
     head.agreement = json.loads(meta["agreement"])
     return head.eval().requires_grad_(False)
 
@@ -137,8 +139,7 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     subset = frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
     head = DraftHead(model, subset).float().train()
     table = model.get_input_embeddings().weight.detach().float()
-    position = torch.full((table.shape[0],), -1, dtype=torch.long, device=table.device)
-    position[subset.to(table.device)] = torch.arange(len(subset), device=table.device)
+    position = subset_positions(head.subset, head.lm_head.vocab_size)
     held_out = samples[:max(1, len(samples) // 10)]
     before = _agreement(head, table, held_out)
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
@@ -167,10 +168,9 @@ def _loss(head: DraftHead, table: torch.Tensor, position: torch.Tensor,
     subset), plus EAGLE's regression of the predicted state onto the model's next state (what
     a deeper draft feeds back)."""
     state, _ = head.forward(*_inputs(sample, table))
-    logq = head.readout(state).log_softmax(-1)
-    where = position[sample.top_ids[1:].to(table.device)]
-    teacher = sample.top_logprobs[1:].to(table.device).exp() * (where >= 0)
-    cross_entropy = -(teacher * logq.gather(1, where.clamp(min=0))).sum(-1).mean()
+    logq = head.lm_head.readout(state).log_softmax(-1)
+    cross_entropy = subset_cross_entropy(logq, sample.top_ids[1:], sample.top_logprobs[1:],
+                                         position)
     target = sample.hidden[1:].to(table.device)
     return cross_entropy + 0.1 * torch.nn.functional.smooth_l1_loss(state, target)
 
@@ -183,7 +183,7 @@ def _agreement(head: DraftHead, table: torch.Tensor, samples: list[TrainingSampl
     top1 = top4 = total = 0
     for sample in samples:
         state, _ = head.forward(*_inputs(sample, table))
-        guesses = head.subset[head.readout(state).topk(4).indices].cpu()
+        guesses = head.subset[head.lm_head.readout(state).topk(4).indices].cpu()
         truth = sample.top_ids[1:, 0]
         top1 += int((guesses[:, 0] == truth).sum())
         top4 += int((guesses == truth[:, None]).any(-1).sum())

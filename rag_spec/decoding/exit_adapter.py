@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.nn.utils import skip_init
 
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
@@ -44,12 +45,18 @@ class SubsetHead(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, subset: torch.Tensor, vocab_size: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [len(subset), hidden]
-        self.register_buffer("subset", subset)
+        # [len(subset), hidden], a plain linear layer: the runner's kernels can take it; made
+        # without a random start (torch's global RNG is the caller's)
+        self.readout = skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=False,
+                                 device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.readout.weight.copy_(weight)
+        self.readout.requires_grad_(False)
+        self.register_buffer("subset", subset.clone())
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = hidden @ self.weight.T
+        small = self.readout(hidden)
         logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.subset] = small
         return logits
@@ -245,9 +252,7 @@ class _Trainer:
         self.rotary = decoder.rotary_emb
         self.subset = subset.to(self.device)
         self.head = model.get_output_embeddings().weight.detach()[self.subset].float()
-        self.position_in_subset = torch.full((model.get_output_embeddings().weight.shape[0],),
-                                             -1, dtype=torch.long, device=self.device)
-        self.position_in_subset[self.subset] = torch.arange(len(subset), device=self.device)
+        self.position = subset_positions(self.subset, model.get_output_embeddings().weight.shape[0])
         self.optimiser = torch.optim.AdamW([p for p in self.layer.parameters()
                                             if p.requires_grad], lr=lr)
 
@@ -263,10 +268,7 @@ class _Trainer:
 
     def step(self, sample: TrainingSample) -> None:
         logq = self.logits(sample.hidden).log_softmax(-1)
-        where = self.position_in_subset[sample.top_ids.to(self.device)]
-        inside = where >= 0
-        teacher = sample.top_logprobs.to(self.device).exp() * inside
-        loss = -(teacher * logq.gather(1, where.clamp(min=0))).sum(-1).mean()
+        loss = subset_cross_entropy(logq, sample.top_ids, sample.top_logprobs, self.position)
         self.optimiser.zero_grad()
         loss.backward()
         self.optimiser.step()
@@ -274,6 +276,23 @@ class _Trainer:
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.subset[self.logits(hidden).argmax(-1)].cpu()
+
+
+def subset_positions(subset: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] each token's index in ``subset`` (-1 outside it)."""
+    position = torch.full((vocab_size,), -1, dtype=torch.long, device=subset.device)
+    position[subset] = torch.arange(len(subset), device=subset.device)
+    return position
+
+
+def subset_cross_entropy(logq: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                         position: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of draft log-probs ``logq`` [T, subset] to the model's top tokens
+    and log-probs [T, _TOP] (``position``: ``subset_positions``); mass outside the subset,
+    which the draft cannot offer, counts for nothing."""
+    where = position[top_ids.to(position.device)]
+    teacher = top_logprobs.to(position.device).exp() * (where >= 0)
+    return -(teacher * logq.gather(1, where.clamp(min=0))).sum(-1).mean()
 
 
 def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
