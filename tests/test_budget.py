@@ -27,6 +27,21 @@ def test_probes_back_off_while_drafts_keep_missing():
     assert drafting_steps(AdaptiveBudget(8), 200) == [0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 192]
 
 
+def test_a_steady_drafters_probes_keep_their_pace_and_a_few_misses_do_not_stop_it():
+    # A trained draft's misses come one at a time: a useless one stops at its first miss (its
+    # estimate is a running mean at first), and its probes do not back off ...
+    assert drafting_steps(AdaptiveBudget(8, steady=True), 40) == [0, *range(4, 40, 4)]
+    # ... and after drafts kept half a token a step, four misses in a row (one run in sixteen
+    # at that rate) do not stop them; a trie's, whose misses come in runs, they do.
+    steady, trie = AdaptiveBudget(8, steady=True), AdaptiveBudget(8)
+    for budget in (steady, trie):
+        for step in range(40):
+            budget.update(8, step % 2)
+        for _ in range(4):
+            budget.update(8, 0)
+    assert steady.paying and not trie.paying
+
+
 def test_a_probe_that_hits_brings_drafting_back():
     drafted = drafting_steps(AdaptiveBudget(8), 80, hits=lambda step: 3 if step == 32 else 0)
     assert 32 in drafted and 33 in drafted  # the hit restored the full budget at once
@@ -117,6 +132,9 @@ def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying(
     assert [step for step, (_, propose) in enumerate(sizes) if propose] == [3, 11, 27]
     assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == (12, True)  # nothing measured
     assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == (12, True)  # fixed
+    steady = TreeSizer(12, steady=True)  # a trained draft's probes keep their pace
+    sizes = [steady.size(rows(0.0), [64], costs) for _ in range(20)]
+    assert [step for step, (_, propose) in enumerate(sizes) if propose] == [3, 7, 11, 15, 19]
     assert TreeSizer(12).size(rows(0.5, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.1})
                               ) == (5, True)
 

@@ -289,7 +289,8 @@ class LookaheadDecoder:
         with self._lock:
             started = time.perf_counter()
             rows = [_Row(p, self.drafter.session(p, documents),
-                         AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive),
+                         AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive,
+                                        steady=self._steady),
                          RowSampler(params, None if seed is None else seed + b))
                     for b, p in enumerate(prompts)]
             rules = [StopRule(self._tokens, self._eos_ids(), stop,
@@ -379,7 +380,8 @@ class LookaheadDecoder:
         fixed = not rows[0].sampler.params.do_sample \
             or not getattr(self.drafter, "draws_drafts", True)
         sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
-        sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive) if sized else None
+        sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
+                          steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
         try:
             while any(r.finish_reason is None for r in live):
@@ -495,6 +497,11 @@ class LookaheadDecoder:
             row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
+
+    @property
+    def _steady(self) -> bool:
+        """Whether the drafter's hits are steady, not in runs (``budget.STEADY_SMOOTHING``)."""
+        return getattr(self.drafter, "steady", False)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)

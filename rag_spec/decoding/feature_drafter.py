@@ -72,8 +72,10 @@ class FeatureDrafter(ModelDrafter):
     Args:
         head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
             ``draft_head.cached_head``) for this model.
-        expansion: the trees' shape; by default the four likeliest next tokens (one pass:
-            measured on the embedded model, deeper trees' passes cost more than they add).
+        expansion: the trees' shape; by default the four likeliest next tokens, each only
+            if the head gives it at least 5% (one pass: measured on the embedded model, deeper
+            trees' passes cost more than they add, and a token the head gives less than 5% is
+            accepted too rarely to pay for its place in the verification pass).
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP
@@ -81,9 +83,10 @@ class FeatureDrafter(ModelDrafter):
     """
 
     reads_features = True  # the decoder keeps the target's states before each root
+    steady = True  # its hits come about independently step to step (budget.STEADY_SMOOTHING)
 
     def __init__(self, head: DraftHead, *, expansion: Expansion | None = None) -> None:
-        super().__init__(expansion or Expansion(max_depth=1))
+        super().__init__(expansion or Expansion(max_depth=1, min_prob=0.05))
         self.head = head
         self._fast: weakref.WeakKeyDictionary[Runner, DraftHead] = weakref.WeakKeyDictionary()
 

@@ -38,11 +38,12 @@ class _Both:
     (and costing passes) while its guesses keep missing, even when the trie's keep the
     request's overall budget up."""
 
-    def __init__(self, model: DraftSession, trie: DraftSession, eager: bool) -> None:
+    def __init__(self, model: DraftSession, trie: DraftSession, eager: bool, steady: bool
+                 ) -> None:
         self.model, self.trie = model, trie
         # a draft model costs passes, and a prefill on first use: unless eager, it waits for
         # the first probe (the fourth step), by which time a copying answer has shown itself
-        self.model_budget = AdaptiveBudget(1, initial=1.0 if eager else 0.0)
+        self.model_budget = AdaptiveBudget(1, initial=1.0 if eager else 0.0, steady=steady)
         self._guess, self._asked_at = TokenTree.empty(), 0  # the model's last tree, and when
 
     def model_share(self, context: Sequence[int], budget: int, copies: TokenTree) -> int:
@@ -102,7 +103,8 @@ class MergedDrafter:
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Both:
         return _Both(self.model.session(prompt, extra_context),
-                     self.trie.session(prompt, extra_context), self.eager)
+                     self.trie.session(prompt, extra_context), self.eager,
+                     getattr(self.model, "steady", False))
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
