@@ -130,7 +130,7 @@ def _draft_train(args: argparse.Namespace) -> int:
     from rag_spec.models import load_model
 
     for flag, value, least in (("--layers", args.layers, 1), ("--texts", args.texts, 1),
-                               ("--answers", args.answers, 0)):
+                               ("--answers", args.answers, 0), ("--written", args.written, 0)):
         if value < least:
             msg = f"{flag} must be at least {least} (got {value})."
             raise RagSpecError(msg)
@@ -139,7 +139,8 @@ def _draft_train(args: argparse.Namespace) -> int:
     if args.head:
         from rag_spec.decoding.draft_head import cached_head
 
-        head = cached_head(lm, args.source or ["stdlib"], texts=args.texts, answers=args.answers)
+        head = cached_head(lm, args.source or ["stdlib"], texts=args.texts, answers=args.answers,
+                           written=args.written)
         before, after = head.agreement["untrained"], head.agreement["trained"]
         print(f"draft head: the model's next token is the head's first guess "
               f"{before['top1']:.1%} of the time untrained, {after['top1']:.1%} trained "
@@ -213,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--texts", type=int, default=800, help="passages to train on")
     train.add_argument("--answers", type=int, default=240,
                        help="the model's own answers to train on too (default 240; 0: none)")
+    train.add_argument("--written", type=int, default=800,
+                       help="with --head: longer answers to questions the model writes itself "
+                       "(default 800; 0: none)")
     train.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
     train.set_defaults(run=_draft_train)
 

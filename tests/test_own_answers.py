@@ -41,3 +41,15 @@ def test_the_model_writes_questions_when_its_template_opens_a_user_turn():
     assert len(about) == 6 - len(questions)
     assert [f"q {q}\na " for q in questions] == texts[len(about):]
     assert all(answer == hf_greedy(model, prompt, 6) for prompt, answer in answered)
+
+
+def test_answers_to_written_questions_only_when_asked():
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    questions = written_questions(LookaheadDecoder(model, tokenizer), 4, seed=1)
+    answered = own_answers(model, tokenizer, PASSAGES, 4, written_share=1.0, seed=1,
+                           max_new_tokens=6, progress=False)
+    texts = [tokenizer.decode(prompt) for prompt, _ in answered]
+    about = [t for t in texts if any(p.text in t for p in PASSAGES)]
+    assert len(questions) == 4 and about == []  # every prompt a question it wrote
+    assert [f"q {q}\na " for q in questions] == texts

@@ -31,16 +31,17 @@ _MARK = "\x00rag-spec\x00"  # stands for a message's content while the template 
 
 
 def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: int, *,
-                max_new_tokens: int = 64, seed: int = 0, progress: bool = True
-                ) -> list[tuple[list[int], list[int]]]:
-    """``count`` chat prompts and the model's greedy answers to them (token ids): half of them
-    questions about ``passages`` (in corpus order), the rest questions the model writes itself
-    (all about passages where its tokenizer has no chat template), fewer where some do not fit
-    the model's context window. The model is only read."""
+                written_share: float = 0.5, max_new_tokens: int = 64, seed: int = 0,
+                progress: bool = True) -> list[tuple[list[int], list[int]]]:
+    """``count`` chat prompts and the model's greedy answers to them (token ids): questions the
+    model writes itself (``written_share`` of them), the rest questions about ``passages`` (all
+    of them where its tokenizer has no chat template), fewer where some do not fit the model's
+    context window. The model is only read."""
     from rag_spec.decoding import LookaheadDecoder
 
     decoder = LookaheadDecoder(model, tokenizer)
-    questions = written_questions(decoder, count - count // 2, seed=seed, progress=progress)
+    questions = written_questions(decoder, count - int(count * (1 - written_share)), seed=seed,
+                                  progress=progress)
     chosen = random.Random(seed).sample(range(len(passages)), min(count - len(questions),
                                                                   len(passages)))
     prompts = [chat_input_ids(tokenizer, rag_messages(
