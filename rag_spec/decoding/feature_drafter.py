@@ -74,8 +74,8 @@ class FeatureDrafter(ModelDrafter):
             ``draft_head.cached_head``) for this model.
         expansion: the trees' shape; by default the four likeliest next tokens, each only
             if the head gives it at least 5% (one pass: measured on the embedded model, deeper
-            trees' passes cost more than they add, and a token the head gives less than 5% is
-            accepted too rarely to pay for its place in the verification pass).
+            trees' passes cost more than they add; the 5% floor, simulated on recorded guesses,
+            spares nodes too rarely accepted to pay for their place, and measured about even).
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP
