@@ -110,9 +110,9 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
                 answers: int = 240, written: int = 800, epochs: int = 6, progress: bool = True
                 ) -> DraftHead:
     """The draft head for ``lm``, trained the first time (about 25 minutes on a CPU, more than
-    half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the model's own
-    answers and ``written`` more to questions it wrote itself, loaded from rag-spec's cache
-    after.
+    half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
+    model's own answers and ``written`` more to questions it wrote itself, loaded from
+    rag-spec's cache after.
 
     A head is cheap to run but knows only what it read: trained without the ``written``
     answers, it guessed the embedded model's next token in open-ended answers first 23% of the
