@@ -253,7 +253,7 @@ def test_a_damaged_draft_is_trained_again_and_a_sound_one_loaded(tmp_path):
     from test_draft_head import sequences
 
     from rag_spec.decoding.draft_head import load_head, save_head, train_head
-    from rag_spec.decoding.exit_adapter import cached_draft
+    from rag_spec.decoding.draft_training import cached_draft
     from rag_spec.paths import cache_dir
 
     target = tiny_llama(seed=0, layers=2)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.utils import skip_init
 
-from rag_spec.decoding.exit_adapter import (
+from rag_spec.decoding.draft_training import (
     SubsetHead,
     TrainingSample,
     cached_draft,

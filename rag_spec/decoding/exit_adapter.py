@@ -20,46 +20,29 @@ train`` shows progress and reports top-1 agreement with the full model before an
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch.nn.utils import skip_init
 
+from rag_spec.decoding.draft_training import (
+    SubsetHead,
+    TrainingSample,
+    cached_draft,
+    frequent_tokens,
+    subset_cross_entropy,
+    subset_positions,
+    teacher_samples,
+    training_sequences,
+)
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
 
-_TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
 _VERSION = 3  # bump when training changes: cached adapters are trained again
-_LENGTH = 256  # tokens of a text trained on (the last ones of an answer)
-Trained = TypeVar("Trained")
-
-
-class SubsetHead(torch.nn.Module):
-    """An LM head over some tokens: full-vocabulary logits, -inf outside ``subset``."""
-
-    def __init__(self, weight: torch.Tensor, subset: torch.Tensor, vocab_size: int) -> None:
-        super().__init__()
-        # [len(subset), hidden], a plain linear layer: the runner's kernels can take it; made
-        # without a random start (torch's global RNG is the caller's)
-        self.readout = skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=False,
-                                 device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            self.readout.weight.copy_(weight)
-        self.readout.requires_grad_(False)
-        self.register_buffer("subset", subset.clone())
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = self.readout(hidden)
-        logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.subset] = small
-        return logits
 
 
 @dataclass
@@ -112,33 +95,6 @@ class ExitAdapter:
         return cls(int(meta["layers"]), state, tensors["subset"], json.loads(meta["agreement"]))
 
 
-def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int, *,
-                       written: int = 0, progress: bool = True
-                       ) -> tuple[Callable[[], list[list[int]]], str]:
-    """What a draft trains on: ``texts`` passages of ``sources``, ``answers`` of the model's
-    own answers (``own_answers``) and ``written`` more, longer ones to questions it wrote
-    itself, shuffled, as a function that makes them (answering takes minutes: only called
-    when nothing is cached), and a fingerprint of the passages."""
-    from rag_spec.corpus import fingerprint, load_passages
-    from rag_spec.decoding.own_answers import own_answers
-
-    passages = load_passages(sources)
-
-    def make() -> list[list[int]]:
-        chosen = random.Random(0).sample(passages, min(texts, len(passages)))
-        sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
-                                 max_length=_LENGTH, add_special_tokens=False)["input_ids"]
-        answered = own_answers(lm.model, lm.tokenizer, passages, answers, progress=progress)
-        if written:  # other questions than the first answers' (another seed)
-            answered += own_answers(lm.model, lm.tokenizer, passages, written, written_share=1.0,
-                                    max_new_tokens=128, seed=1000, progress=progress)
-        sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in answered]
-        random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
-        return sequences
-
-    return make, fingerprint(passages)
-
-
 def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
                 texts: int = 800, answers: int = 240, progress: bool = True) -> ExitAdapter:
     """The adapter for ``lm`` exiting after ``layers`` layers, trained the first time (minutes
@@ -149,26 +105,6 @@ def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
     return cached_draft(lm, f"exit{layers}", key, ExitAdapter.load,
                         lambda: train_exit(lm.model, layers, sequences(), progress=progress),
                         ExitAdapter.save)
-
-
-def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
-                 train: Callable[[], Trained], save: Callable[[Trained, Path], None]) -> Trained:
-    """A trained draft (``kind``: what it is) for ``lm`` from rag-spec's cache, under a hash of
-    ``key`` (what it was trained from); trained and saved the first time, or if damaged."""
-    from rag_spec.paths import atomic_file, cache_dir
-
-    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-    path = cache_dir() / "drafts" / f"{Path(lm.name).name}-{kind}-{digest}.safetensors"
-    if path.is_file():
-        try:
-            return load(path)
-        except Exception:  # damaged: train it again
-            path.unlink(missing_ok=True)
-    trained = train()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as scratch:
-        save(trained, scratch)
-    return trained
 
 
 def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
@@ -198,47 +134,6 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
     state = {k: v.detach().cpu().clone() for k, v in trainer.layer.state_dict().items()}
     return ExitAdapter(layers, state, subset, {"untrained": round(before, 4),
                                                "trained": round(after, 4)})
-
-
-@dataclass
-class TrainingSample:
-    """One text: its tokens, the model's hidden states after some layer (the last: the states
-    its LM head reads), and its top tokens and log-probs at each position."""
-
-    ids: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, hidden]
-    top_ids: torch.Tensor  # [T, _TOP]
-    top_logprobs: torch.Tensor  # [T, _TOP]
-
-
-@torch.no_grad()
-def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress: bool
-                    ) -> list[TrainingSample]:
-    """The model's states after ``layer`` layers (-1: after its final norm) and predictions on
-    each sequence, read through rag-spec's private copy of it (asking transformers for hidden
-    states installs hooks on the modules it runs: those must not be the user's)."""
-    from rag_spec.decoding.runner import Runner
-
-    runner = Runner.of(model)
-    samples = []
-    for ids in progress_bar(sequences, "reading the full model's predictions", "text",
-                            enabled=progress):
-        tokens = torch.tensor(ids)
-        out = runner(input_ids=tokens[None].to(runner.device), output_hidden_states=True)
-        top = out.logits[0].float().log_softmax(-1).topk(_TOP)
-        # copies made outside inference mode: training may save them for backward
-        samples.append(TrainingSample(tokens, out.hidden_states[layer][0].float().cpu().clone(),
-                                      top.indices.cpu().clone(), top.values.cpu().clone()))
-    return samples
-
-
-def frequent_tokens(samples: list[TrainingSample], vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` tokens the model predicts most often (top-4), ascending."""
-    counts = torch.zeros(vocab_size)
-    for s in samples:
-        counts += torch.bincount(s.top_ids[:, :4].reshape(-1), minlength=vocab_size)
-    counts[counts == 0] = -1  # never-seen tokens last, in id order
-    return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
 class _Trainer:
@@ -281,23 +176,6 @@ class _Trainer:
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.subset[self.logits(hidden).argmax(-1)].cpu()
-
-
-def subset_positions(subset: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] each token's index in ``subset`` (-1 outside it)."""
-    position = torch.full((vocab_size,), -1, dtype=torch.long, device=subset.device)
-    position[subset] = torch.arange(len(subset), device=subset.device)
-    return position
-
-
-def subset_cross_entropy(logq: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
-                         position: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of draft log-probs ``logq`` [T, subset] to the model's top tokens
-    and log-probs [T, _TOP] (``position``: ``subset_positions``); mass outside the subset,
-    which the draft cannot offer, counts for nothing."""
-    where = position[top_ids.to(position.device)]
-    teacher = top_logprobs.to(position.device).exp() * (where >= 0)
-    return -(teacher * logq.gather(1, where.clamp(min=0))).sum(-1).mean()
 
 
 def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
