@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rag_spec.decoding.budget import PROBE_SHARE, AdaptiveBudget, TreeSizer
+from rag_spec.decoding.budget import PROBE_SHARE, STEADY_TREES, AdaptiveBudget, TreeSizer
 from rag_spec.decoding.step_costs import StepCosts
 
 
@@ -40,6 +40,23 @@ def test_a_steady_drafters_probes_keep_their_pace_and_a_few_misses_do_not_stop_i
         for _ in range(4):
             budget.update(8, 0)
     assert steady.paying and not trie.paying
+
+
+def test_a_resumed_budget_starts_from_the_estimates_and_keeps_them_against_a_few_misses():
+    learnt = AdaptiveBudget(8, steady=True)
+    for step in range(60):
+        learnt.record(4, [0] if step % 2 else [], cost=0.05)
+    resumed = learnt.resumed()
+    assert resumed.trees == STEADY_TREES and resumed.steady and resumed.full == 8
+    assert (resumed.mean_accepted, resumed.kept, resumed.cost) == (
+        learnt.mean_accepted, learnt.kept, learnt.cost)
+    fresh = AdaptiveBudget(8, steady=True)
+    for budget in (resumed, fresh):  # an answer that starts with three misses
+        for _ in range(3):
+            budget.record(4, [], cost=0.05)
+    assert resumed.paying and not fresh.paying  # from scratch, they stopped its drafting
+    resumed.record(4, [0])
+    assert learnt.kept != resumed.kept and learnt.trees == 60  # the learnt ones stay as they were
 
 
 def test_a_probe_that_hits_brings_drafting_back():

@@ -88,6 +88,38 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
 
+def test_a_single_row_verifies_the_heads_trees_whole(target, head):
+    """The head's guesses are those its probabilities say pay; the batch's sizer is for
+    batches (its estimates of the rarer guesses learn slowly)."""
+    class Counting(FeatureDrafter):
+        proposed = 0
+
+        def propose(self, requests, view):
+            trees = super().propose(requests, view)
+            self.proposed += sum(len(tree) for tree in trees)
+            return trees
+
+    for seed in range(3):
+        drafter = Counting(head)
+        prompt = repetitive_prompt(seed)
+        result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 30)
+        assert result.token_ids == hf_greedy(target, prompt, 30)
+        assert result.stats.drafted == drafter.proposed > 0
+
+
+def test_estimates_carry_to_the_next_greedy_generation_never_to_a_sampled_one(target, head):
+    decoder = LookaheadDecoder(target, drafter=FeatureDrafter(head))
+    prompt = repetitive_prompt(4)
+    def sampled():
+        return decoder.generate(prompt, 20, do_sample=True, temperature=0.8, seed=3).token_ids
+
+    first = sampled()  # seeded sampling gives the same tokens whatever ran before it
+    for seed in range(3):  # greedy generations teach the next ones, and stay generate's
+        assert decoder.generate(repetitive_prompt(seed), 20).token_ids == hf_greedy(
+            target, repetitive_prompt(seed), 20)
+    assert sampled() == first
+
+
 def test_a_ragged_batch_gives_each_row_its_tokens_alone(target, head):
     prompts = [repetitive_prompt(s, length=10 + 7 * s) for s in range(4)]
     results = LookaheadDecoder(target, drafter=FeatureDrafter(head)).generate(prompts, 25)

@@ -3,6 +3,7 @@ batch, from what that acceptance earns against what a wider step costs."""
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -21,6 +22,12 @@ PROBE_SHARE = 0.02  # the most of plain decoding's time that probes (drafts not 
 # (the head ran 1.08x no drafts so; 1.16x with steady estimates, 1.22x verifying every step). A
 # steady drafter's estimates average over about twenty trees, and its probes keep their pace.
 STEADY_SMOOTHING = 0.95
+# A steady drafter's acceptance belongs to the drafter and the model more than to one request,
+# so a new greedy row starts from the estimates the last ended with (``AdaptiveBudget.resumed``)
+# counted as this many trees: the ~twenty the smoothing averages over. From scratch, a few
+# misses among an answer's first trees stopped the head's drafting there for a while (measured
+# on 8 open-ended prompts: 1.39 tokens per step from scratch, 1.46 carried over).
+STEADY_TREES = 20
 
 
 class AdaptiveBudget:
@@ -69,6 +76,20 @@ class AdaptiveBudget:
             return self.full
         interval = max(self._interval, _affordable_interval(self.cost))
         return self.full if self._idle >= interval - 1 else 0
+
+    @property
+    def trees(self) -> int:
+        """Proposals recorded so far: what the estimates rest on."""
+        return self._proposals
+
+    def resumed(self) -> AdaptiveBudget:
+        """A new row's budget with this one's settings and estimates, as if it had seen up to
+        ``STEADY_TREES`` trees, its probes at their first pace."""
+        budget = copy.copy(self)
+        budget.kept = list(self.kept)
+        budget._proposals = min(self._proposals, STEADY_TREES)
+        budget._interval, budget._idle = self.probe_every, 0
+        return budget
 
     def update(self, drafted: int, accepted: int, cost: float = 0.0) -> None:
         """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them, drafted

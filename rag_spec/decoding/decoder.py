@@ -193,6 +193,8 @@ class LookaheadDecoder:
         self._tokens = serial(tokenizer)
         self._pending = threading.local()  # add_context documents, per calling thread
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
+        # a steady drafter's estimates at the end of the last greedy generation (``_budget``)
+        self._learnt: AdaptiveBudget | None = None
 
     @property
     def runner(self) -> Runner:
@@ -288,15 +290,15 @@ class LookaheadDecoder:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         with self._lock:
             started = time.perf_counter()
-            rows = [_Row(p, self.drafter.session(p, documents),
-                         AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive,
-                                        steady=self._steady),
+            rows = [_Row(p, self.drafter.session(p, documents), self._budget(params),
                          RowSampler(params, None if seed is None else seed + b))
                     for b, p in enumerate(prompts)]
             rules = [StopRule(self._tokens, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
             yield from self._decode(rows, rules, stream, started)
+            if self._steady and not params.do_sample:
+                self._learnt = max((r.budget for r in rows), key=lambda b: b.trees)
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
@@ -376,10 +378,11 @@ class LookaheadDecoder:
         # nor does sampled output under drafts that are not drawn (sample-and-match). A sampled
         # row's does under multi-step speculative sampling: it keeps its own budget, so it
         # samples the same tokens in any batch. A drafter that sizes its drafts from measured
-        # costs itself (``sizes_own_drafts``) is left to do so.
+        # costs itself (``sizes_own_drafts``) is left to do so, and so is a steady drafter's
+        # single row (``_sizes_itself``).
         fixed = not rows[0].sampler.params.do_sample \
             or not getattr(self.drafter, "draws_drafts", True)
-        sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
+        sized = fixed and not self._sizes_itself(len(rows))
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
                           steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
@@ -497,6 +500,26 @@ class LookaheadDecoder:
             row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
+
+    def _budget(self, params: SamplingParams) -> AdaptiveBudget:
+        """A new row's budget. A steady drafter's greedy rows start from the estimates the
+        last greedy generation ended with (``budget.STEADY_TREES``); sampled rows start
+        afresh, as the tokens they sample depend on their trees, never on what ran before."""
+        if self._learnt is not None and not params.do_sample:
+            return self._learnt.resumed()
+        return AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive,
+                              steady=self._steady)
+
+    def _sizes_itself(self, rows: int) -> bool:
+        """Whether the drafter's trees go unsized by the batch (``TreeSizer``): it says so
+        (``sizes_own_drafts``), or it is steady and drafts for one row. A steady drafter's
+        trees hold only the guesses its probabilities say pay (``Expansion.min_prob``), its
+        row's budget stops it while they miss, and a wider step costs one row little; the
+        sizer, whose estimates of what its rarer guesses keep learn slowly, verified fewer
+        than paid (the draft head on the embedded model, one interleaved run of 8 prompts per
+        set: 1.25x no drafts on open-ended prompts unsized, 1.19x sized; 1.39x / 1.35x on RAG
+        prompts)."""
+        return getattr(self.drafter, "sizes_own_drafts", False) or (self._steady and rows == 1)
 
     @property
     def _steady(self) -> bool:
