@@ -143,8 +143,33 @@ def test_sampling_keeps_the_distribution(model):
     assert_plain_sampling(model, results, knobs)
 
 
-def test_compiled_steps_refuse_it_with_the_fix(target, head):
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(compile=True, exact=False),
+def test_compiled_steps_return_the_states_it_reads_and_give_generates_tokens(target, head):
+    config = LookaheadConfig(compile=True, exact=False, budget=5, adaptive=False)
+    decoder = LookaheadDecoder(target, config=config, drafter=FeatureDrafter(head))
+    assert decoder.runner.compiled.features_split
+    kept = 0
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        result = decoder.generate(prompt, 30)
+        assert result.token_ids == hf_greedy(target, prompt, 30)
+        kept += sum(result.stats.accepted_per_step)
+    assert kept > 0
+
+
+def test_compiled_steps_refuse_it_with_the_fix_where_logits_are_more_than_the_head(target,
+                                                                                  head):
+    from transformers import LlamaForCausalLM
+
+    class Scaled(LlamaForCausalLM):  # as models that scale or cap their logits do
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    scaled = Scaled(target.config).eval()
+    scaled.load_state_dict(target.state_dict())
+    decoder = LookaheadDecoder(scaled, config=LookaheadConfig(compile=True, exact=False),
                                drafter=FeatureDrafter(head))
+    assert not decoder.runner.compiled.features_split
     with pytest.raises(RagSpecError, match="compile=False"):
         decoder.generate(repetitive_prompt(0), 5)

@@ -24,6 +24,10 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--compiled", action="store_true",
                            help="also our decoder with torch.compile'd steps (compiles for "
                                 "minutes on a CPU)")
+    lookahead.add_argument("--draft-head", action="store_true",
+                           help="also our decoder drafting with the trained draft head, "
+                                "compiled too with --compiled (trains it the first time: "
+                                "about 25 minutes on a CPU)")
     lookahead.set_defaults(run=_lookahead)
     draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
     draft.add_argument("--layers", type=int, default=8,
@@ -133,7 +137,7 @@ def _lookahead(args: argparse.Namespace) -> int:
     from rag_spec.bench.lookahead import run
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, dtype=args.dtype, compiled=args.compiled)
+        limit=args.limit, dtype=args.dtype, compiled=args.compiled, draft_head=args.draft_head)
     return 0
 
 

@@ -19,6 +19,7 @@ over the cache tensors it recorded, so the step lends its static caches out and 
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -27,9 +28,11 @@ import torch
 
 class CompiledStep:
     """``module``'s forward pass compiled; call it like the module with a static cache and a
-    dense mask over the cache's slots; returns the logits. ``wide``: ``module`` multiplies
-    through oneDNN (``TracedLinear``), so tree passes pay compiled too. One call at a time:
-    compiling is not thread-safe, and on a CPU two passes at once slow each other anyway."""
+    dense mask over the cache's slots; returns the logits, or with ``features=True`` the logits
+    and the last hidden states (what the LM head read: ``features_split`` says whether this
+    model's logits are just that). ``wide``: ``module`` multiplies through oneDNN
+    (``TracedLinear``), so tree passes pay compiled too. One call at a time: compiling is not
+    thread-safe, and on a CPU two passes at once slow each other anyway."""
 
     def __init__(self, module: torch.nn.Module, wide: bool = False) -> None:
         self.module = module
@@ -41,10 +44,31 @@ class CompiledStep:
         self._spare: tuple[tuple[int, int], Any] | None = None  # (batch, slots), a cache
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, **cache: Any) -> torch.Tensor:
-        """A pass; ``cache``: the static cache under the keyword the model takes it by."""
-        return self.module(input_ids=input_ids, position_ids=position_ids,
-                           attention_mask=attention_mask, use_cache=True, **cache).logits
+                 attention_mask: torch.Tensor, features: bool = False, **cache: Any
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A pass; ``cache``: the static cache under the keyword the model takes it by. Its
+        hidden states come from the decoder and its LM head in turn (transformers records them
+        with hooks and context variables, which the compiler cannot trace)."""
+        inputs = {"input_ids": input_ids, "position_ids": position_ids,
+                  "attention_mask": attention_mask, "use_cache": True, **cache}
+        if not features:
+            return self.module(**inputs).logits
+        hidden = self.module.get_decoder()(**inputs).last_hidden_state
+        return self.module.get_output_embeddings()(hidden), hidden
+
+    @functools.cached_property
+    def features_split(self) -> bool:
+        """Whether the model's logits are its LM head over its decoder's last hidden states,
+        bit for bit (probed once on a few tokens): not where a model scales or caps them."""
+        decoder, head = self.module.get_decoder(), self.module.get_output_embeddings()
+        if decoder is None or head is None or decoder is self.module:
+            return False
+        device = next(self.module.parameters()).device
+        probe = torch.arange(1, 4, device=device)[None]
+        with self._lock, torch.inference_mode():
+            logits = self.module(input_ids=probe, use_cache=False).logits
+            split = head(decoder(input_ids=probe, use_cache=False).last_hidden_state)
+        return torch.equal(logits, split)
 
     @property
     def wide(self) -> bool:
@@ -53,12 +77,13 @@ class CompiledStep:
         over trees lose to the eager kernels there."""
         return self._wide or self.graphs
 
-    def __call__(self, **inputs: Any) -> torch.Tensor:
+    def __call__(self, **inputs: Any) -> Any:
         with self._lock, torch.inference_mode():
             if not self.graphs:
                 return self._compiled(**inputs)
             torch.compiler.cudagraph_mark_step_begin()
-            return self._compiled(**inputs).clone()  # the next replay reuses the graph's output
+            out = self._compiled(**inputs)  # the next replay reuses the graph's outputs
+            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
     def capacity(self, slots: int) -> int:
         """The slots of a static cache that must hold ``slots``: with CUDA graphs, in steps of

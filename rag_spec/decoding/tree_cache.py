@@ -237,11 +237,7 @@ class TreeKVCache:
         also keeps the model's last hidden states, and ``keep`` the ones before the new roots.
         """
         if self.capacity is not None:
-            if features:
-                msg = ("A compiled step returns logits only, so drafts that read the target's "
-                       "hidden states (FeatureDrafter) need LookaheadConfig(compile=False).")
-                raise RagSpecError(msg)
-            return self._forward_static(runner, batch)
+            return self._forward_static(runner, batch, features)
         if batch.mask is None:
             masks: dict[str, Any] = {"attention_mask": batch.attention_mask}
         elif runner.tree_attention:
@@ -256,11 +252,13 @@ class TreeKVCache:
         self._step_features = out.hidden_states[-1] if features else None
         return out.logits
 
-    def _forward_static(self, runner: Any, batch: TreeBatch) -> torch.Tensor:
+    def _forward_static(self, runner: Any, batch: TreeBatch, features: bool) -> torch.Tensor:
         """``forward`` on a static cache: the pass writes after the round's earlier slots and
         attends through a dense mask over all ``capacity`` slots. Where the runner has a compiled
         step, one-token passes (plain steps) run compiled, and every pass where the step is
-        ``wide`` (CUDA graphs on a GPU, oneDNN products on a CPU)."""
+        ``wide`` (CUDA graphs on a GPU, oneDNN products on a CPU); with ``features`` too, where
+        the model's logits are its LM head over its last hidden states
+        (``CompiledStep.features_split``)."""
         assert self.capacity is not None and batch.mask is not None
         end = self.length + self.round_length
         if end > self.capacity:
@@ -272,9 +270,19 @@ class TreeKVCache:
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
                   "attention_mask": mask, **cache_argument(runner, self.cache)}
         step = runner.compiled
+        if features and step is not None and not step.features_split:
+            msg = (f"{type(runner.module).__name__} turns its last hidden states into logits "
+                   "with more than its LM head, which a compiled step cannot return apart: "
+                   "drafts that read the target's hidden states (FeatureDrafter) need "
+                   "LookaheadConfig(compile=False) with this model.")
+            raise RagSpecError(msg)
         if step is not None and (step.wide or batch.input_ids.shape[1] == 1):
-            return step(**inputs)
-        return runner(use_cache=True, **inputs).logits
+            out = step(**inputs, features=features)
+            logits, self._step_features = out if features else (out, None)
+            return logits
+        out = runner(use_cache=True, output_hidden_states=features, **inputs)
+        self._step_features = out.hidden_states[-1] if features else None
+        return out.logits
 
     @property
     def round_length(self) -> int:
