@@ -11,7 +11,8 @@ from typing import Any
 
 from rag_spec.decoding.drafter import Drafter
 from rag_spec.errors import RagSpecError
-from rag_spec.models.loader import LoadedModel, load_model
+from rag_spec.models import loader
+from rag_spec.models.loader import LoadedModel
 
 # "early-exit:8": the target's own first 8 layers; "trained-exit:8": with a trained adapter
 _EARLY_EXIT = re.compile(r"(early|trained)[-_]exit:(\d+)")
@@ -57,7 +58,8 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
         match = _SELF_SPEC.fullmatch(draft.strip())
         if match:
             return SelfSpecDrafter(budget=int(match.group(1) or 256))
-        draft = load_model(draft, device=str(target.device), dtype=target.dtype)
+        # looked up when called: a test that stubs the loader must not leave its stub here
+        draft = loader.load_model(draft, device=str(target.device), dtype=target.dtype)
     if isinstance(draft, LoadedModel):
         draft = draft.model
     if getattr(draft, "config", None) is None:
