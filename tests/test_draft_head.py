@@ -2,6 +2,8 @@
 the model's own, training raises its agreement and leaves the model alone, and decoding with it
 is lossless, greedy and sampled."""
 
+import functools
+
 import pytest
 import torch
 
@@ -161,6 +163,7 @@ def test_compiled_steps_refuse_it_with_the_fix_where_logits_are_more_than_the_he
     from transformers import LlamaForCausalLM
 
     class Scaled(LlamaForCausalLM):  # as models that scale or cap their logits do
+        @functools.wraps(LlamaForCausalLM.forward)  # its parameters, as callers read them
         def forward(self, *args, **kwargs):
             out = super().forward(*args, **kwargs)
             out.logits = out.logits * 2
