@@ -74,18 +74,24 @@ def test_training_raises_agreement_and_leaves_the_model_alone(target, head, tmp_
         assert torch.equal(loaded.state_dict()[name], value), name
 
 
+def kept_with_generates_tokens(decoder, target) -> int:
+    """Draft tokens ``decoder`` kept over three prompts, each answer asserted ``generate``'s."""
+    kept = 0
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        result = decoder.generate(prompt, 30)
+        assert result.token_ids == hf_greedy(target, prompt, 30)
+        kept += sum(result.stats.accepted_per_step)
+    return kept
+
+
 @pytest.mark.parametrize("budget", [1, 5, 16])
 def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     config = LookaheadConfig(budget=budget, adaptive=False)
     for drafter in (FeatureDrafter(head), MergedDrafter(FeatureDrafter(head), eager=True)):
         decoder = LookaheadDecoder(target, config=config, drafter=drafter)
-        kept = 0
-        for seed in range(3):
-            prompt = repetitive_prompt(seed)
-            result = decoder.generate(prompt, 30)
-            assert result.token_ids == hf_greedy(target, prompt, 30)
-            kept += sum(result.stats.accepted_per_step)
-        assert kept > 0  # acceptance was exercised, not only rejection
+        # acceptance was exercised, not only rejection
+        assert kept_with_generates_tokens(decoder, target) > 0
     # steps asked for hidden states on rag-spec's copy of the model, never on the model itself
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
@@ -149,13 +155,7 @@ def test_compiled_steps_return_the_states_it_reads_and_give_generates_tokens(tar
     config = LookaheadConfig(compile=True, exact=False, budget=5, adaptive=False)
     decoder = LookaheadDecoder(target, config=config, drafter=FeatureDrafter(head))
     assert decoder.runner.compiled.features_split
-    kept = 0
-    for seed in range(3):
-        prompt = repetitive_prompt(seed)
-        result = decoder.generate(prompt, 30)
-        assert result.token_ids == hf_greedy(target, prompt, 30)
-        kept += sum(result.stats.accepted_per_step)
-    assert kept > 0
+    assert kept_with_generates_tokens(decoder, target) > 0
 
 
 def test_compiled_steps_refuse_it_with_the_fix_where_logits_are_more_than_the_head(target,
