@@ -58,7 +58,7 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
         match = _SELF_SPEC.fullmatch(draft.strip())
         if match:
             return SelfSpecDrafter(budget=int(match.group(1) or 256))
-        # looked up when called: a test that stubs the loader must not leave its stub here
+        # looked up when called, so a loader replaced at runtime is the one used
         draft = loader.load_model(draft, device=str(target.device), dtype=target.dtype)
     if isinstance(draft, LoadedModel):
         draft = draft.model
