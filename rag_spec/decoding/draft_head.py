@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,10 @@ from rag_spec.decoding.draft_training import (
     SubsetHead,
     TrainingSample,
     cached_draft,
-    frequent_tokens,
     subset_cross_entropy,
     subset_positions,
-    teacher_samples,
     training_sequences,
+    training_set,
 )
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
@@ -138,28 +136,20 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     """Train a draft head to predict ``model``'s next-token distribution one token ahead of its
     hidden state, on token ``sequences`` (a tenth held out to measure agreement). The model is
     only read (its predictions come from rag-spec's private copy)."""
-    sequences = [list(ids) for ids in sequences if len(ids) > 8]
-    if len(sequences) < 10:
-        msg = "Training a draft head needs at least 10 texts of a few words; give a larger corpus."
-        raise RagSpecError(msg)
-    samples = teacher_samples(model, sequences, -1, progress)
-    subset = frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
-    head = DraftHead(model, subset).float().train()
+    data = training_set(model, sequences, -1, vocabulary, "a draft head", progress)
+    head = DraftHead(model, data.subset).float().train()
     table = model.get_input_embeddings().weight.detach().float()
     position = subset_positions(head.subset, head.lm_head.vocab_size)
-    held_out = samples[:max(1, len(samples) // 10)]
-    before = _agreement(head, table, held_out)
+    before = _agreement(head, table, data.held_out)
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    order = list(range(len(held_out), len(samples)))
-    shuffled = [i for epoch in range(epochs) for i in random.Random(epoch).sample(order,
-                                                                                  len(order))]
-    for i in progress_bar(shuffled, "training the draft head", "text", enabled=progress):
-        loss = _loss(head, table, position, samples[i])
+    for sample in progress_bar(data.shuffled(epochs), "training the draft head", "text",
+                               enabled=progress):
+        loss = _loss(head, table, position, sample)
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
     head.agreement = {"untrained": _agreement_of(before),
-                      "trained": _agreement_of(_agreement(head, table, held_out))}
+                      "trained": _agreement_of(_agreement(head, table, data.held_out))}
     return head.to(model.dtype).eval().requires_grad_(False)
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch.nn.utils import skip_init
 
+from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
 
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
@@ -121,6 +122,36 @@ def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress
         samples.append(TrainingSample(tokens, out.hidden_states[layer][0].float().cpu().clone(),
                                       top.indices.cpu().clone(), top.values.cpu().clone()))
     return samples
+
+
+@dataclass
+class TrainingSet:
+    """A draft's training data: the held-out tenth (agreement is measured on it), the rest,
+    and the tokens its read-out scores."""
+
+    held_out: list[TrainingSample]
+    train: list[TrainingSample]
+    subset: torch.Tensor
+
+    def shuffled(self, epochs: int) -> list[TrainingSample]:
+        """The training samples ``epochs`` times, each epoch in its own seeded order."""
+        return [s for epoch in range(epochs)
+                for s in random.Random(epoch).sample(self.train, len(self.train))]
+
+
+def training_set(model: Any, sequences: Sequence[Sequence[int]], layer: int, vocabulary: int,
+                 what: str, progress: bool) -> TrainingSet:
+    """The model's predictions on ``sequences`` (texts of a few words or more) after ``layer``
+    layers (``teacher_samples``), split, with the ``vocabulary`` tokens it predicts most;
+    ``what`` names the draft in the error a too small corpus gets."""
+    sequences = [list(ids) for ids in sequences if len(ids) > 8]
+    if len(sequences) < 10:
+        msg = f"Training {what} needs at least 10 texts of a few words; give a larger corpus."
+        raise RagSpecError(msg)
+    samples = teacher_samples(model, sequences, layer, progress)
+    subset = frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
+    held = max(1, len(samples) // 10)
+    return TrainingSet(samples[:held], samples[held:], subset)
 
 
 def frequent_tokens(samples: list[TrainingSample], vocab_size: int, size: int) -> torch.Tensor:

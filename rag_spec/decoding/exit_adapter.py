@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,10 @@ from rag_spec.decoding.draft_training import (
     SubsetHead,
     TrainingSample,
     cached_draft,
-    frequent_tokens,
     subset_cross_entropy,
     subset_positions,
-    teacher_samples,
     training_sequences,
+    training_set,
 )
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
@@ -116,24 +114,16 @@ def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,
     if not 1 <= layers < depth:
         msg = f"An exit needs 1 <= layers < {depth} (got {layers})."
         raise RagSpecError(msg)
-    sequences = [list(ids) for ids in sequences if len(ids) > 8]
-    if len(sequences) < 10:
-        msg = "Training an exit needs at least 10 texts of a few words; give a larger corpus."
-        raise RagSpecError(msg)
-    samples = teacher_samples(model, sequences, layers, progress)
-    subset = frequent_tokens(samples, model.get_output_embeddings().weight.shape[0], vocabulary)
-    held_out = samples[:max(1, len(samples) // 10)]
-    trainer = _Trainer(model, layers, subset, lr)
-    before = _agreement(samples=held_out, predict=lambda h: _untrained(model, h))
-    order = list(range(len(held_out), len(samples)))
-    shuffled = [i for epoch in range(epochs) for i in random.Random(epoch).sample(order,
-                                                                                  len(order))]
-    for i in progress_bar(shuffled, "training the exit", "text", enabled=progress):
-        trainer.step(samples[i])
-    after = _agreement(samples=held_out, predict=trainer.predict)
+    data = training_set(model, sequences, layers, vocabulary, "an exit", progress)
+    trainer = _Trainer(model, layers, data.subset, lr)
+    before = _agreement(samples=data.held_out, predict=lambda h: _untrained(model, h))
+    for sample in progress_bar(data.shuffled(epochs), "training the exit", "text",
+                               enabled=progress):
+        trainer.step(sample)
+    after = _agreement(samples=data.held_out, predict=trainer.predict)
     state = {k: v.detach().cpu().clone() for k, v in trainer.layer.state_dict().items()}
-    return ExitAdapter(layers, state, subset, {"untrained": round(before, 4),
-                                               "trained": round(after, 4)})
+    return ExitAdapter(layers, state, data.subset, {"untrained": round(before, 4),
+                                                    "trained": round(after, 4)})
 
 
 class _Trainer:
