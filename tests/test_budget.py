@@ -5,7 +5,13 @@ import math
 
 import pytest
 
-from rag_spec.decoding.budget import PROBE_SHARE, STEADY_TREES, AdaptiveBudget, TreeSizer
+from rag_spec.decoding.budget import (
+    CHEAP_PROPOSAL,
+    PROBE_SHARE,
+    STEADY_TREES,
+    AdaptiveBudget,
+    TreeSizer,
+)
 from rag_spec.decoding.step_costs import StepCosts
 
 
@@ -116,17 +122,29 @@ def rows(*kept: float, reach: int = 12, full: int = 12) -> list[AdaptiveBudget]:
 
 def best(budgets: list[AdaptiveBudget], costs: StepCosts, remaining: list[int] | None = None
          ) -> int:
+    costs.rows = len(budgets)
     return TreeSizer(12).best(budgets, remaining or [64] * len(budgets), costs)
 
 
 def test_tree_size_maximises_committed_tokens_per_second():
-    cheap = StepCosts(target={1: 1.0, 13: 1.1})
-    assert best(rows(0.5, reach=1), cheap) == 1  # as good as larger, cheaper
-    assert best(rows(0.5, reach=5), cheap) == 5
-    assert best(rows(0.5), cheap) == 12  # 1.5 tokens for 1.1 steps
+    cheap = StepCosts(target={1: 1.0, 13: 1.1})  # two rows alike: a batch is sized
+    assert best(rows(0.5, 0.5, reach=1), cheap) == 1  # as good as larger, cheaper
+    assert best(rows(0.5, 0.5, reach=5), cheap) == 5
+    assert best(rows(0.5, 0.5), cheap) == 12  # 1.5 tokens for 1.1 steps
     dear = StepCosts(target={1: 1.0, 13: 3.0})
-    assert best(rows(0.5), dear) == 0  # a plain step commits faster
-    assert best(rows(2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
+    assert best(rows(0.5, 0.5), dear) == 0  # a plain step commits faster
+    assert best(rows(2.5, 2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
+
+
+def test_a_single_rows_cheap_trees_are_verified_whole_and_dear_ones_sized():
+    # one row on a short prompt: a 13-token step costs it little more than a plain one, and
+    # the average over recent trees misses the long paths of a copy that just started
+    cut = rows(0.5, reach=5)
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 12  # 1.5 tokens for 1.1 steps
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.4})) == 12  # for 1.4: still > 1 per step
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.6})) == 5  # whole trees lose to plain
+    cut[0].cost = CHEAP_PROPOSAL  # a draft model's passes: weighed against what trees keep
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 5
 
 
 def test_a_batch_drafts_for_the_row_it_waits_for():
@@ -142,18 +160,19 @@ def test_a_batch_that_copies_everywhere_drafts():
 
 
 def test_while_no_size_pays_rows_propose_at_growing_intervals_without_verifying():
-    costs = StepCosts(target={1: 1.0, 13: 3.0})
+    costs = StepCosts(target={1: 1.0, 13: 3.0}, rows=2)
     sizer = TreeSizer(12)
-    sizes = [sizer.size(rows(0.0), [64], costs) for _ in range(40)]
+    sizes = [sizer.size(rows(0.0, 0.0), [64, 64], costs) for _ in range(40)]
     assert {cap for cap, _ in sizes} == {0}
     assert [step for step, (_, propose) in enumerate(sizes) if propose] == [3, 11, 27]
     assert TreeSizer(12).size(rows(0.0), [64], StepCosts()) == (12, True)  # nothing measured
-    assert TreeSizer(12, adaptive=False).size(rows(0.0), [64], costs) == (12, True)  # fixed
+    assert TreeSizer(12, adaptive=False).size(rows(0.0, 0.0), [64, 64], costs
+                                              ) == (12, True)  # fixed
     steady = TreeSizer(12, steady=True)  # a trained draft's probes keep their pace
-    sizes = [steady.size(rows(0.0), [64], costs) for _ in range(20)]
+    sizes = [steady.size(rows(0.0, 0.0), [64, 64], costs) for _ in range(20)]
     assert [step for step, (_, propose) in enumerate(sizes) if propose] == [3, 7, 11, 15, 19]
-    assert TreeSizer(12).size(rows(0.5, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.1})
-                              ) == (5, True)
+    assert TreeSizer(12).size(rows(0.5, 0.5, reach=5), [64, 64],
+                              StepCosts(target={1: 1.0, 13: 1.1}, rows=2)) == (5, True)
 
 
 def test_a_dear_draft_must_pay_for_itself_and_probes_stay_within_their_share():
@@ -228,6 +247,33 @@ def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch)
     assert built == [True, True]  # drawn drafts, sampled: each row keeps its own budget
     LookaheadDecoder(model, drafter=SelfSpecDrafter(budget=8)).generate(prompt, 4)
     assert built == [True, True]  # the self-drafter chooses its own draft lengths
+
+
+def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
+    """The trie's proposals cost nothing: while whole trees commit faster than plain steps, one
+    row verifies every node they offer, even where a cut is expected to keep as much."""
+    from conftest import tiny_llama
+    from rag_spec.decoding import LookaheadDecoder, TrieDrafter
+    from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+    class Counting(TrieDrafter):
+        proposed = 0
+
+        def propose(self, requests, view):
+            trees = super().propose(requests, view)
+            self.proposed += sum(len(tree) for tree in trees)
+            return trees
+
+    # a short prompt's step costs: each token past the first a twentieth of a plain step
+    monkeypatch.setattr(StepCosts, "verify", lambda self, width: 1 + 0.05 * (width - 1))
+    model = tiny_llama()
+    prompt = repetitive_prompt(7)
+    answer = hf_greedy(model, prompt, 40)
+    drafter = Counting()
+    drafter.remember(prompt + answer)  # 8-token copies of the answer
+    result = LookaheadDecoder(model, drafter=drafter).generate(prompt, 40)
+    assert result.token_ids == answer
+    assert result.stats.drafted == drafter.proposed > 0
 
 
 @pytest.mark.parametrize(("committed", "learnt"), [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter, TrieDrafter
 from rag_spec.decoding.draft_head import load_head, save_head, train_head
 from rag_spec.decoding.feature_drafter import FeatureDrafter
 from rag_spec.decoding.runner import Runner
@@ -96,23 +96,29 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
 
-def test_a_single_row_verifies_the_heads_trees_whole(target, head):
-    """The head's guesses are those its probabilities say pay; the batch's sizer is for
-    batches (its estimates of the rarer guesses learn slowly)."""
-    class Counting(FeatureDrafter):
-        proposed = 0
+def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target, head):
+    """A draft model is spared while the trie copies; the head's pass costs a few percent of a
+    step, and its guesses add to the copies (here they miss: it is asked in probe steps)."""
+    steps = []
 
+    class Trie(TrieDrafter):
         def propose(self, requests, view):
             trees = super().propose(requests, view)
-            self.proposed += sum(len(tree) for tree in trees)
+            steps.append([len(t) > 0 and int(t.depths.max()) >= 2 for t in trees])
             return trees
 
-    for seed in range(3):
-        drafter = Counting(head)
-        prompt = repetitive_prompt(seed)
-        result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 30)
-        assert result.token_ids == hf_greedy(target, prompt, 30)
-        assert result.stats.drafted == drafter.proposed > 0
+    class Head(FeatureDrafter):
+        def propose(self, requests, view):
+            steps[-1] = [(copying, r.budget > 0) for copying, r in zip(steps[-1], requests)]
+            return super().propose(requests, view)
+
+    prompt = repetitive_prompt(5)
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
+                               drafter=MergedDrafter(Head(head), Trie(memory_mb=0)))
+    assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)
+    asked = [row for step in steps for row in step]
+    assert asked[0][1]  # from the first step
+    assert any(copying and ask for copying, ask in asked)  # and while the trie copied
 
 
 def test_estimates_carry_to_the_next_greedy_generation_never_to_a_sampled_one(target, head):

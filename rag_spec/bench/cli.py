@@ -26,6 +26,7 @@ def add_bench_commands(commands: Any) -> None:
                                 "minutes on a CPU)")
     lookahead.add_argument("--draft-head", action="store_true",
                            help="also our decoder drafting with the trained draft head, "
+                                "alone and merged with the trie, "
                                 "compiled too with --compiled (trains it the first time: "
                                 "about 25 minutes on a CPU)")
     lookahead.set_defaults(run=_lookahead)

@@ -7,7 +7,8 @@ half precision, where ours runs exact numerics, the fast kernels: what exactness
 that without it tokens differ); where our streamed kernel runs (float32, AVX-512), ours on
 oneDNN's kernels instead (what that kernel buys); with ``--compiled``, ours with
 torch.compile'd steps, drafting and not; with ``--draft-head``, ours drafting with the trained
-draft head (``draft_head.cached_head``), eager and, with ``--compiled``, compiled. Outputs are
+draft head (``draft_head.cached_head``), alone and merged with the trie, eager and, with
+``--compiled``, compiled. Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
 """
@@ -44,8 +45,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report.
     ``compiled`` adds our decoder with compiled steps, drafting and not (its warm-up, which
     compiles, is reported as ``warm_up_s``); ``draft_head`` our decoder drafting with the
-    draft head (trained the first time: about 25 minutes), with compiled steps too."""
-    from rag_spec.decoding import FeatureDrafter, LookaheadConfig, LookaheadDecoder
+    draft head (trained the first time: about 25 minutes), alone and merged with the trie,
+    with compiled steps too."""
+    from rag_spec.decoding import FeatureDrafter, LookaheadConfig, LookaheadDecoder, MergedDrafter
     from rag_spec.decoding.draft_head import cached_head
     from rag_spec.models import load_model
 
@@ -68,14 +70,16 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
         decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
             lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))
             for suffix, budget in (("", LookaheadConfig.budget), ("_no_drafts", 0))})
-    if draft_head:
+    if draft_head:  # alone, and merged with the trie
         head = cached_head(lm)
-        configs = {"rag_spec_draft_head": LookaheadConfig()}
+        configs = {"rag_spec": LookaheadConfig()}
         if compiled:
-            configs["rag_spec_compiled_draft_head"] = LookaheadConfig(exact=False, compile=True)
-        decoders.update({name: LookaheadDecoder(lm.model, lm.tokenizer, config,
-                                                drafter=FeatureDrafter(head))
-                         for name, config in configs.items()})
+            configs["rag_spec_compiled"] = LookaheadConfig(exact=False, compile=True)
+        for name, config in configs.items():
+            decoders[f"{name}_draft_head"] = LookaheadDecoder(
+                lm.model, lm.tokenizer, config, drafter=FeatureDrafter(head))
+            decoders[f"{name}_draft_head_trie"] = LookaheadDecoder(
+                lm.model, lm.tokenizer, config, drafter=MergedDrafter(FeatureDrafter(head)))
     systems = _systems(lm.model, decoders, max_new_tokens)
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,

@@ -28,6 +28,14 @@ STEADY_SMOOTHING = 0.95
 # misses among an answer's first trees stopped the head's drafting there for a while (measured
 # on 8 open-ended prompts: 1.39 tokens per step from scratch, 1.46 carried over).
 STEADY_TREES = 20
+# A single row's trees are verified whole while its proposals cost under this many plain steps
+# (the trie's nothing, the draft head's ~0.06) and whole trees commit faster than plain steps:
+# on a short prompt a wide step costs one row little more than a plain one, and cuts chosen
+# from estimates averaged over recent trees lose the long paths of copies that just started
+# (the trie on the embedded model, one row, RAG prompts: 1.41x no drafts whole against 1.34x
+# cut; see the benchmarks). Dearer proposals (a draft model's passes) are sized, as are trees
+# whose whole width costs more than they keep (over a long prompt, a wide step costs more).
+CHEAP_PROPOSAL = 0.1
 
 
 class AdaptiveBudget:
@@ -192,10 +200,10 @@ class TreeSizer:
     def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
              costs: StepCosts) -> int:
         """The size with the highest expected rate (the larger of equals); the full budget
-        when the budget is fixed. Before any cost is known, a batch of one row (``costs.rows``)
-        drafts its full budget (a wide step costs it little more than a plain one) and a larger
-        batch takes a plain step, timed first as what every draft must beat (a wide step at
-        batch 16 x 4k costs several)."""
+        when the budget is fixed, and for a batch of one row (``costs.rows``) before any cost
+        is known, or while its proposals are cheap (``CHEAP_PROPOSAL``) and its whole trees
+        commit faster than plain steps. A larger batch takes a plain step first, timed as what
+        every draft must beat (a wide step at batch 16 x 4k costs several)."""
         if not self.adaptive or not budgets:
             return self.full
         if not costs.target:
@@ -211,6 +219,9 @@ class TreeSizer:
             slowest = min((1 + b.expected(n)) / max(left, 1)
                           for b, left in zip(budgets, remaining))
             rates[n] = slowest / seconds
+        if costs.rows == 1 and _drafting(budgets) < CHEAP_PROPOSAL \
+                and rates[self.full] >= rates[0]:
+            return self.full
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more
 
 
