@@ -33,6 +33,20 @@ def tiny_llama(seed: int = 0, vocab_size: int = 64, init: float = 0.3, layers: i
     return model
 
 
+def counting(drafter_class: type) -> type:
+    """``drafter_class`` counting the nodes it proposes (``proposed``): what a step verified
+    is compared with it."""
+    class Counting(drafter_class):
+        proposed = 0
+
+        def propose(self, requests, view):
+            trees = super().propose(requests, view)
+            self.proposed += sum(len(tree) for tree in trees)
+            return trees
+
+    return Counting
+
+
 def char_tokenizer():
     """A character-level fast tokenizer: ids 0-2 special, then one id per character."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -252,24 +252,16 @@ def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch)
 def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
     """The trie's proposals cost nothing: while whole trees commit faster than plain steps, one
     row verifies every node they offer, even where a cut is expected to keep as much."""
-    from conftest import tiny_llama
+    from conftest import counting, tiny_llama
     from rag_spec.decoding import LookaheadDecoder, TrieDrafter
     from test_decoder_greedy import hf_greedy, repetitive_prompt
-
-    class Counting(TrieDrafter):
-        proposed = 0
-
-        def propose(self, requests, view):
-            trees = super().propose(requests, view)
-            self.proposed += sum(len(tree) for tree in trees)
-            return trees
 
     # a short prompt's step costs: each token past the first a twentieth of a plain step
     monkeypatch.setattr(StepCosts, "verify", lambda self, width: 1 + 0.05 * (width - 1))
     model = tiny_llama()
     prompt = repetitive_prompt(7)
     answer = hf_greedy(model, prompt, 40)
-    drafter = Counting()
+    drafter = counting(TrieDrafter)()
     drafter.remember(prompt + answer)  # 8-token copies of the answer
     result = LookaheadDecoder(model, drafter=drafter).generate(prompt, 40)
     assert result.token_ids == answer

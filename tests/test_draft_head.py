@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import counting, tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter, TrieDrafter
 from rag_spec.decoding.draft_head import load_head, save_head, train_head
 from rag_spec.decoding.feature_drafter import FeatureDrafter
@@ -94,6 +94,17 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
         assert kept_with_generates_tokens(decoder, target) > 0
     # steps asked for hidden states on rag-spec's copy of the model, never on the model itself
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
+
+
+def test_a_single_row_verifies_the_heads_trees_whole(target, head):
+    """The head's guesses are those its probabilities say pay; the batch's sizer is for
+    batches (its estimates of the rarer guesses learn slowly)."""
+    for seed in range(3):
+        drafter = counting(FeatureDrafter)(head)
+        prompt = repetitive_prompt(seed)
+        result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 30)
+        assert result.token_ids == hf_greedy(target, prompt, 30)
+        assert result.stats.drafted == drafter.proposed > 0
 
 
 def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target, head):

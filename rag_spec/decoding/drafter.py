@@ -78,9 +78,10 @@ class Drafter(Protocol):
     step costs sets a class attribute ``sizes_own_drafts = True`` to have its trees verified
     whole. A drafter whose hits come about independently from step to step (a trained draft)
     sets ``steady = True``: its estimates average over about twenty trees
-    (``budget.STEADY_SMOOTHING``) and carry over from one greedy generation to the next.
-    Sampled rows keep budgets of their own, since multi-step speculative sampling makes their
-    tokens depend on the drafts; a drafter whose trees never carry ``draft_probs`` says so with
+    (``budget.STEADY_SMOOTHING``), carry over from one greedy generation to the next, and a
+    single row's trees go unsized (``LookaheadDecoder._sizes_itself``). Sampled rows keep
+    budgets of their own, since multi-step speculative sampling makes their tokens depend on
+    the drafts; a drafter whose trees never carry ``draft_probs`` says so with
     ``draws_drafts = False``, and its sampled batches are sized as greedy ones.
 
     A drafter with a method ``keep_rows(cache, rows)`` lets finished rows leave a batch: the

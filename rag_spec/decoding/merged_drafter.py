@@ -96,8 +96,6 @@ class MergedDrafter:
         self.model = model
         self.trie = trie or TrieDrafter()
         self.eager = eager  # ask the model from the first step, not from the fourth
-        # its own passes over the context, or the target's states read (the draft head)
-        self._passes = not getattr(model, "reads_features", False)
 
     @property
     def reads_features(self) -> bool:
@@ -112,7 +110,8 @@ class MergedDrafter:
                 ) -> _Both:
         return _Both(self.model.session(prompt, extra_context),
                      self.trie.session(prompt, extra_context),
-                     eager=self.eager or not self._passes, spared=self._passes,
+                     # the draft head reads the target's states: no passes of its own to spare
+                     eager=self.eager or self.reads_features, spared=not self.reads_features,
                      steady=getattr(self.model, "steady", False))
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
