@@ -186,12 +186,15 @@ def _divergence(model: Any, prompt: list[int], expected: list[int], got: list[in
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    fig, axes = figure(2, (12, 4.5), sharey=True)
+    fig, axes = figure(2, (13, 5.5), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
         data = report[name]["systems"]
-        ax.boxplot([s["per_prompt_speedup"] for s in data.values()], tick_labels=list(data))
+        labels = [system.removeprefix("rag_spec_") for system in data]  # short, so they fit
+        ax.boxplot([s["per_prompt_speedup"] for s in data.values()], tick_labels=labels)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.tick_params(axis="x", rotation=25)
+        ax.tick_params(axis="x", rotation=60)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax.set_title(f"{name}: {report[name]['prompts']} prompts "
                      f"(rag_spec median {data['rag_spec']['speedup_vs_hf']:.2f}x)")
         ax.set_ylabel("speedup vs transformers greedy (per prompt)")
