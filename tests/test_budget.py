@@ -145,6 +145,8 @@ def test_a_single_rows_cheap_trees_are_verified_whole_and_dear_ones_sized():
     assert best(cut, StepCosts(target={1: 1.0, 13: 1.6})) == 5  # whole trees lose to plain
     cut[0].cost = CHEAP_PROPOSAL  # a draft model's passes: weighed against what trees keep
     assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 5
+    # a steady drafter's single row (the draft head's) is verified whole throughout
+    assert TreeSizer(12, steady=True).best(cut, [64], StepCosts(target={1: 1.0, 13: 3.0})) == 12
 
 
 def test_a_batch_drafts_for_the_row_it_waits_for():

@@ -378,11 +378,10 @@ class LookaheadDecoder:
         # nor does sampled output under drafts that are not drawn (sample-and-match). A sampled
         # row's does under multi-step speculative sampling: it keeps its own budget, so it
         # samples the same tokens in any batch. A drafter that sizes its drafts from measured
-        # costs itself (``sizes_own_drafts``) is left to do so, and so is a steady drafter's
-        # single row (``_sizes_itself``).
+        # costs itself (``sizes_own_drafts``) is left to do so.
         fixed = not rows[0].sampler.params.do_sample \
             or not getattr(self.drafter, "draws_drafts", True)
-        sized = fixed and not self._sizes_itself(len(rows))
+        sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
                           steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
@@ -509,19 +508,6 @@ class LookaheadDecoder:
             return self._learnt.resumed()
         return AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive,
                               steady=self._steady)
-
-    def _sizes_itself(self, rows: int) -> bool:
-        """Whether the drafter's trees go unsized by the batch (``TreeSizer``): it says so
-        (``sizes_own_drafts``), or it is steady and drafts for one row. A steady drafter's
-        trees hold only the guesses its probabilities say pay (``Expansion.min_prob``), its
-        row's budget stops it while they miss, and a wider step costs one row little; the
-        sizer, whose estimates of what its rarer guesses keep learn slowly, verified fewer
-        than paid (the draft head on the embedded model, one interleaved run of 8 prompts per
-        set: 1.25x no drafts on open-ended prompts unsized, 1.19x sized; 1.39x / 1.35x on RAG
-        prompts). Sized where whole trees did not pay (``budget.CHEAP_PROPOSAL``), its compiled
-        steps, where a wider step costs relatively more, ran 1.15x compiled no drafts on RAG
-        prompts, against 1.23x unsized in a second bench run the same hour."""
-        return getattr(self.drafter, "sizes_own_drafts", False) or (self._steady and rows == 1)
 
     @property
     def _steady(self) -> bool:

@@ -79,7 +79,7 @@ class Drafter(Protocol):
     whole. A drafter whose hits come about independently from step to step (a trained draft)
     sets ``steady = True``: its estimates average over about twenty trees
     (``budget.STEADY_SMOOTHING``), carry over from one greedy generation to the next, and a
-    single row's trees go unsized (``LookaheadDecoder._sizes_itself``). Sampled rows keep
+    single row's trees are verified whole (``TreeSizer.best``). Sampled rows keep
     budgets of their own, since multi-step speculative sampling makes their tokens depend on
     the drafts; a drafter whose trees never carry ``draft_probs`` says so with
     ``draws_drafts = False``, and its sampled batches are sized as greedy ones.

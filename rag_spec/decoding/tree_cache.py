@@ -245,10 +245,16 @@ class TreeKVCache:
         else:
             allowed = batch.mask.over_cache(self.length)
             masks = {"attention_mask": _additive(allowed, runner.dtype)}
+        return self._eager(runner, features, input_ids=batch.input_ids,
+                           position_ids=batch.position_ids,
+                           **cache_argument(runner, self.cache), **masks)
+
+    def _eager(self, runner: Any, features: bool, **inputs: Any) -> torch.Tensor:
+        """A pass through ``runner`` itself; with ``features``, its last hidden states kept
+        (asked for only then: a user's wrapped module need not take the keyword)."""
         if features:
-            masks["output_hidden_states"] = True
-        out = runner(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                     use_cache=True, **cache_argument(runner, self.cache), **masks)
+            inputs["output_hidden_states"] = True
+        out = runner(use_cache=True, **inputs)
         self._step_features = out.hidden_states[-1] if features else None
         return out.logits
 
@@ -280,9 +286,7 @@ class TreeKVCache:
             out = step(**inputs, features=features)
             logits, self._step_features = out if features else (out, None)
             return logits
-        out = runner(use_cache=True, output_hidden_states=features, **inputs)
-        self._step_features = out.hidden_states[-1] if features else None
-        return out.logits
+        return self._eager(runner, features, **inputs)
 
     @property
     def round_length(self) -> int:
