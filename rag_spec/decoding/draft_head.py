@@ -7,7 +7,7 @@ Why it drafts cheaply and well: the target's final hidden state already encodes 
 (the head needs no attention and no KV cache of its own), and the block costs a few percent of
 a step (one MLP the size of one of the target's, and the smaller head). Measured on the embedded
 model after minutes of CPU training on its own answers and the corpus: the target's next token
-is the head's top-1 on ~41% of held-out positions and in its top-4 on ~62%; an untrained head
+is the head's top-1 on 55% of held-out positions and in its top-4 on 74%; an untrained head
 agrees on under 1%. Deeper drafts feed the head's own predicted state back in (less accurate:
 the target's state is known only for committed tokens).
 
@@ -38,7 +38,7 @@ from rag_spec.decoding.draft_training import (
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
 
-_VERSION = 1  # bump when training changes: cached heads are trained again
+_VERSION = 2  # bump when training changes: cached heads are trained again
 
 
 class DraftHead(torch.nn.Module):
@@ -110,7 +110,7 @@ def load_head(model: Any, path: Path) -> DraftHead:
 
 
 def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 800,
-                answers: int = 240, written: int = 800, epochs: int = 6, progress: bool = True
+                answers: int = 240, written: int = 800, epochs: int = 10, progress: bool = True
                 ) -> DraftHead:
     """The draft head for ``lm``, trained the first time (about 25 minutes on a CPU, more than
     half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
@@ -137,7 +137,7 @@ def save_head(head: DraftHead, path: Path) -> None:
 
 
 def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: int = 8192,
-               epochs: int = 6, lr: float = 5e-4, progress: bool = True) -> DraftHead:
+               epochs: int = 10, lr: float = 5e-4, progress: bool = True) -> DraftHead:
     """Train a draft head to predict ``model``'s next-token distribution one token ahead of its
     hidden state, on token ``sequences`` (a tenth held out to measure agreement). The model is
     only read (its predictions come from rag-spec's private copy)."""
@@ -147,12 +147,16 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     position = subset_positions(head.subset, head.lm_head.vocab_size)
     before = _agreement(head, table, data.held_out)
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    for sample in progress_bar(data.shuffled(epochs), "training the draft head", "text",
-                               enabled=progress):
+    samples = data.shuffled(epochs)
+    # the rate decays linearly to zero: on the embedded model, 10 epochs so agreed with its
+    # next token 56% of the time held out, 6 at a constant rate 51%
+    schedule = torch.optim.lr_scheduler.LinearLR(optimiser, 1.0, 0.0, total_iters=len(samples))
+    for sample in progress_bar(samples, "training the draft head", "text", enabled=progress):
         loss = _loss(head, table, position, sample)
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
+        schedule.step()
     head.agreement = {"untrained": _agreement_of(before),
                       "trained": _agreement_of(_agreement(head, table, data.held_out))}
     return head.to(model.dtype).eval().requires_grad_(False)
