@@ -39,6 +39,9 @@ from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
 
 _VERSION = 2  # bump when training changes: cached heads are trained again
+# passes over the texts, at a rate decaying linearly to zero: on the embedded model the head so
+# agreed with its next token 55% of the time held out, after 6 at a constant rate 51%
+_EPOCHS = 10
 
 
 class DraftHead(torch.nn.Module):
@@ -110,7 +113,7 @@ def load_head(model: Any, path: Path) -> DraftHead:
 
 
 def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 800,
-                answers: int = 240, written: int = 800, epochs: int = 10, progress: bool = True
+                answers: int = 240, written: int = 800, epochs: int = _EPOCHS, progress: bool = True
                 ) -> DraftHead:
     """The draft head for ``lm``, trained the first time (about 25 minutes on a CPU, more than
     half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
@@ -137,7 +140,7 @@ def save_head(head: DraftHead, path: Path) -> None:
 
 
 def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: int = 8192,
-               epochs: int = 10, lr: float = 5e-4, progress: bool = True) -> DraftHead:
+               epochs: int = _EPOCHS, lr: float = 5e-4, progress: bool = True) -> DraftHead:
     """Train a draft head to predict ``model``'s next-token distribution one token ahead of its
     hidden state, on token ``sequences`` (a tenth held out to measure agreement). The model is
     only read (its predictions come from rag-spec's private copy)."""
@@ -148,8 +151,6 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     before = _agreement(head, table, data.held_out)
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     samples = data.shuffled(epochs)
-    # the rate decays linearly to zero: on the embedded model, 10 epochs so agreed with its
-    # next token 55% of the time held out, 6 at a constant rate 51%
     schedule = torch.optim.lr_scheduler.LinearLR(optimiser, 1.0, 0.0, total_iters=len(samples))
     for sample in progress_bar(samples, "training the draft head", "text", enabled=progress):
         loss = _loss(head, table, position, sample)
