@@ -11,6 +11,7 @@ from conftest import counting, tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter, TrieDrafter
 from rag_spec.decoding.draft_head import load_head, save_head, train_head
 from rag_spec.decoding.feature_drafter import FeatureDrafter
+from rag_spec.decoding.model_drafter import EarlyExitDrafter
 from rag_spec.decoding.runner import Runner
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
@@ -130,6 +131,13 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
     asked = [row for step in steps for row in step]
     assert asked[0][1]  # from the first step
     assert any(copying and ask for copying, ask in asked)  # and while the trie copied
+
+
+def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):
+    """The head's hits come about independently step to step, and the trie's copies beside
+    them cost nothing to draft; a draft model's merged trees keep the trie's reading."""
+    assert MergedDrafter(FeatureDrafter(head)).steady and FeatureDrafter(head).steady
+    assert not MergedDrafter(EarlyExitDrafter(1)).steady
 
 
 def test_estimates_carry_to_the_next_greedy_generation_never_to_a_sampled_one(target, head):
