@@ -2,9 +2,9 @@
 //
 // The weight is packed as 16-output blocks, [blocks][in][16]: one input position's 16 weights
 // fill one cache line, and a block is read front to back. Every row of a chunk (up to
-// CHUNK_ROWS) accumulates against one block at a time, so a block's lines are used by all rows
-// while the next lines are on their way: a software prefetch PREFETCH_LINES ahead, on a
-// group's first chunk only (the others find the block in the core's cache). Blocks are split
+// CHUNK_ROWS, read in place: its inputs are broadcast from the core's cache) accumulates
+// against one block at a time, so a block's lines are used by all rows while the next lines
+// are on their way: a software prefetch PREFETCH_LINES ahead, on a group's first chunk only (the others find the block in the core's cache). Blocks are split
 // between torch's threads; many rows go in groups of chunks, each group past every block.
 // Each output is summed over the inputs in one fixed order, whatever the number of rows: a
 // row's result does not depend on the rows beside it.
@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <utility>
-#include <vector>
 
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -24,7 +23,7 @@ constexpr int64_t PREFETCH_LINES = 256;
 constexpr int64_t GROUP_BYTES = 256 * 1024;
 
 template <int ROWS>
-void block(const float* __restrict__ xt, const float* __restrict__ w, float* __restrict__ y,
+void block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
            int64_t in, int64_t ldy, bool prefetch) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
@@ -32,8 +31,8 @@ void block(const float* __restrict__ xt, const float* __restrict__ w, float* __r
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_LINES) * 16),
                                _MM_HINT_T0);
     const __m512 line = _mm512_loadu_ps(w + k * 16);
-    const float* x = xt + k * ROWS;
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r]), line, acc[r]);
+    for (int r = 0; r < ROWS; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + k]), line, acc[r]);
   }
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
@@ -51,18 +50,15 @@ constexpr auto BLOCKS = blocks(std::make_integer_sequence<int, CHUNK_ROWS>());
 
 // x: (rows, in) float32; packed: (blocks, in, 16). Returns (rows, blocks * 16).
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && packed.dim() == 3 &&
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  packed.dim() == 3 &&
                   packed.scalar_type() == torch::kFloat && packed.size(2) == 16 &&
                   packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "streamed_linear: float32 (rows, in) input and (blocks, in, 16) packed weight");
+              "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) packed weight");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0), out = nblocks * 16;
   const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  // each chunk of rows transposed, (in, chunk rows): one position's inputs side by side
-  std::vector<torch::Tensor> xts;
-  for (int64_t c = 0; c < chunks; ++c)
-    xts.push_back(x.narrow(0, c * CHUNK_ROWS, std::min(CHUNK_ROWS, rows - c * CHUNK_ROWS))
-                      .t().contiguous());
   auto y = torch::empty({rows, out}, x.options());
+  const float* px = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* py = y.data_ptr<float>();
   // many rows (a prompt): groups of chunks whose inputs stay in a core's cache while every
@@ -73,8 +69,8 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packe
     at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b)
         for (int64_t c = first_chunk; c < end_chunk; ++c) {
-          const int64_t n = xts[c].size(1);
-          BLOCKS[n - 1](xts[c].data_ptr<float>(), w + b * in * 16,
+          const int64_t n = std::min(CHUNK_ROWS, rows - c * CHUNK_ROWS);
+          BLOCKS[n - 1](px + c * CHUNK_ROWS * in, w + b * in * 16,
                         py + c * CHUNK_ROWS * out + b * 16, in, out, c == first_chunk);
         }
     });
