@@ -478,15 +478,16 @@ class _Growth:
         if not frontier or room <= 0:
             return []
         k = self.expansion.children_per_node
-        ranked = [self.q[node].topk(k).values.tolist() for node in frontier]
+        tops = [self.q[node].topk(k) for node in frontier]  # a node gets at most k children
+        ranked = [top.values.tolist() for top in tops]
         counts = self.expansion.plan([self.cumulative[n] for n in frontier], ranked, room, depth)
         new = []
-        for node, count in zip(frontier, counts):
+        for node, count, top, probs in zip(frontier, counts, tops, ranked):
             q = self.q[node]
-            count = min(count, int((q > 0).sum()))
+            count = min(count, sum(p > 0 for p in probs))  # tokens q can draw
             if count <= 0:
                 continue
-            for token in self._children(q, count):
+            for token in self._children(q, count, top.indices):
                 index = len(self.row.tokens)
                 self.row.tokens.append(token)
                 self.row.parents.append(node)
@@ -502,12 +503,12 @@ class _Growth:
         return TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs,
                          cost=self.passes * self.cost)
 
-    def _children(self, q: torch.Tensor, count: int) -> list[int]:
-        """The likeliest tokens (greedy), or ``count`` draws without replacement from q in draw
-        order (Gumbel top-k with the row's draft generator, drawn on the CPU: a seed draws
-        alike on any device)."""
+    def _children(self, q: torch.Tensor, count: int, likeliest: torch.Tensor) -> list[int]:
+        """The ``count`` likeliest tokens (greedy: the first of ``likeliest``, q's top tokens in
+        order), or ``count`` draws without replacement from q in draw order (Gumbel top-k with
+        the row's draft generator, drawn on the CPU: a seed draws alike on any device)."""
         if self.generator is None:
-            return q.topk(count).indices.tolist()
+            return likeliest[:count].tolist()
         uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64).to(q.device)
         keys = q.double().log() - (-uniform.clamp(min=1e-300).log()).log()
         return keys.topk(count).indices.tolist()
