@@ -4,8 +4,9 @@
 // fill one cache line, and a block is read front to back. Every row of a chunk (up to
 // CHUNK_ROWS, read in place: its inputs are broadcast from the core's cache) accumulates
 // against one block at a time, so a block's lines are used by all rows while the next lines
-// are on their way: a software prefetch PREFETCH_LINES ahead, on a group's first chunk only (the others find the block in the core's cache). Blocks are split
-// between torch's threads; many rows go in groups of chunks, each group past every block.
+// are on their way: a software prefetch PREFETCH_LINES ahead, on a group's first chunk only
+// (the others find the block in the core's cache). Blocks are split between torch's threads;
+// many rows go in groups of chunks, each group past every block.
 // Each output is summed over the inputs in one fixed order, whatever the number of rows: a
 // row's result does not depend on the rows beside it.
 #include <ATen/Parallel.h>
@@ -51,10 +52,10 @@ constexpr auto BLOCKS = blocks(std::make_integer_sequence<int, CHUNK_ROWS>());
 // x: (rows, in) float32; packed: (blocks, in, 16). Returns (rows, blocks * 16).
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  packed.dim() == 3 &&
-                  packed.scalar_type() == torch::kFloat && packed.size(2) == 16 &&
-                  packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) packed weight");
+                  packed.dim() == 3 && packed.scalar_type() == torch::kFloat &&
+                  packed.size(2) == 16 && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) "
+              "packed weight");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0), out = nblocks * 16;
   const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
   auto y = torch::empty({rows, out}, x.options());
