@@ -2,6 +2,8 @@
 greedy output equals generate's, sampled output keeps plain sampling's distribution, and the
 draft's KV cache follows the target without re-reading the context."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -360,3 +362,30 @@ def test_the_merged_drafter_asks_the_model_from_the_fourth_step(target):
                                drafter=MergedDrafter(Spy(1), TrieDrafter(memory_mb=0)))
     assert decoder.generate(prompt, 12).token_ids == hf_greedy(target, prompt, 12)
     assert asked[:4] == [0, 0, 0, 1]  # spared while a copying answer would show itself
+
+
+def test_a_draft_that_missed_is_not_probed_afresh_in_every_greedy_request(target):
+    """Its budget goes on where the last greedy row left it: a probe costing two steps waits
+    until probes stay within their share of the time (``budget.PROBE_SHARE``); a sampled row
+    starts afresh."""
+    prompt = list(range(3, 40))  # no repeats: the trie has nothing to copy
+    expected = hf_greedy(target, prompt, 12)
+    miss = next(t for t in range(target.config.vocab_size) if t not in expected)
+    asked = []
+
+    class Missing(EarlyExitDrafter):  # a dear draft that is never right
+        def propose(self, requests, view):
+            asked[-1].append(sum(r.budget > 0 for r in requests))
+            return [replace(TokenTree.from_paths([[miss]]), cost=2.0) if r.budget else tree
+                    for r, tree in zip(requests, super().propose(requests, view))]
+
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
+                               drafter=MergedDrafter(Missing(1), TrieDrafter(memory_mb=0)))
+    for sample in (False, False, True):
+        asked.append([])
+        result = decoder.generate(prompt, 12, do_sample=sample, seed=0)
+        assert sample or result.token_ids == expected
+    first, second, sampled = asked
+    assert first[:4] == [0, 0, 0, 1] and sum(first) == 1  # probed once, missed, two steps dear
+    assert sum(second) == 0
+    assert sum(sampled[:4]) == 1  # probed among its first steps, as a fresh row is

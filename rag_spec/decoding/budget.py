@@ -99,6 +99,13 @@ class AdaptiveBudget:
         budget._interval, budget._idle = self.probe_every, 0
         return budget
 
+    def carried(self) -> AdaptiveBudget:
+        """A copy that goes on where this one stopped, its probes' pace included: a draft's
+        cost and hits outlast one request, and so does the share of time its probes take."""
+        budget = copy.copy(self)
+        budget.kept = list(self.kept)
+        return budget
+
     def update(self, drafted: int, accepted: int, cost: float = 0.0) -> None:
         """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them, drafted
         at ``cost`` target steps."""
