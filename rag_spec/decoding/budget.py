@@ -93,8 +93,7 @@ class AdaptiveBudget:
     def resumed(self) -> AdaptiveBudget:
         """A new row's budget with this one's settings and estimates, as if it had seen up to
         ``STEADY_TREES`` trees, its probes at their first pace."""
-        budget = copy.copy(self)
-        budget.kept = list(self.kept)
+        budget = self.carried()
         budget._proposals = min(self._proposals, STEADY_TREES)
         budget._interval, budget._idle = self.probe_every, 0
         return budget
