@@ -140,7 +140,7 @@ class MergedDrafter:
                      self.trie.session(prompt, extra_context), self,
                      # the draft head reads the target's states: no passes of its own to spare
                      eager=self.eager or self.reads_features, spared=not self.reads_features,
-                     steady=getattr(self.model, "steady", False))
+                     steady=self.steady)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
