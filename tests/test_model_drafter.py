@@ -298,12 +298,15 @@ def test_the_gpu_check_runs_on_a_tiny_model():
     speed = report["speed"]
     for name in ("hf_prompt_lookup", "hf_assisted", "rag_spec_no_drafts", "rag_spec_trie",
                  "rag_spec_no_drafts_fast", "rag_spec_trie_fast", "rag_spec_draft_model",
-                 "rag_spec_merged"):
+                 "rag_spec_merged", "rag_spec_draft_head"):
         assert speed[name]["identical_to_hf"] == speed["prompts"], name
     assert "skipped" in report["attention_kernel"]  # Triton needs a GPU here
     for name, counts in report["sampled_drafters"].items():
         assert counts["reproducible"] == counts["of"] and counts["tokens"] > 0, name
-    assert report["trained_exit"]["identical_to_hf"] == report["trained_exit"]["of"]
+    for trained in (report["trained_exit"], report["trained_head"],
+                    report["trained_head"]["merged"]):
+        assert trained["identical_to_hf"] == trained["of"] == 2
+    assert set(report["seconds"]) == set(sections)
     for kernels in ("default_kernels", "fast_kernels"):  # the same on a CPU in float32
         long_batch = report["long_context_batch"][kernels]
         assert long_batch["identical_to_no_drafts"] == long_batch["of"] == 4

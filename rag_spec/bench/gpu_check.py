@@ -4,12 +4,12 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
 (fewer layers by default, to fit a short lease) with random weights in bf16, and reports:
 
 - greedy identity with transformers ``generate`` for the trie (also with exact numerics), a
-  draft model (the target's first layers, saved as a model of its own), the early-exit draft
-  and the merged drafter, at batch 1 and 4;
+  draft model (the target's first layers, saved as a model of its own), the early-exit draft,
+  a draft head (untrained) and the merged drafter over each model, at batch 1 and 4;
 - multi-step speculative sampling against plain sampling on the first token (total variation
   distance between the two empirical distributions, with the bound that sampling noise allows);
   sampling with every drafter and knob, batched, reproducible from its seed;
-- an exit adapter trained on the device, and greedy identity through it;
+- an exit adapter and a draft head trained on the device, and greedy identity through each;
 - speed: greedy tokens per second beside ``generate``, its prompt lookup and assisted
   generation, and our no-drafts ablation; the same for compiled steps (CUDA graphs), ours
   beside transformers' compiled generation;
@@ -44,7 +44,8 @@ from rag_spec.bench.report import figure, machine, save_figure
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
-SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "speed",
+SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "trained_head",
+            "speed",
             "compiled_speed", "step_ms", "compiled_step", "attention_kernel", "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sampling": lambda: _sampling(target, args.draft_layers, 400 if args.tiny else 2000),
         "sampled_drafters": lambda: _sampled_drafters(target, args.draft_layers),
         "trained_exit": lambda: _trained_exit(target, args.draft_layers),
+        "trained_head": lambda: _trained_head(target),
         "speed": lambda: _speed(target, args.draft_layers, race, 24 if args.tiny else 128),
         "compiled_speed": lambda: _compiled_speed(target, race, 24 if args.tiny else 128),
         "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
@@ -94,15 +96,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "long_context_batch": lambda: _long_batch(target, 4 if args.tiny else 16,
                                                   64 if args.tiny else args.context)}
     failed = []
+    seconds = report["seconds"] = {}
     for name in args.only or sections:
+        started = time.perf_counter()
         try:
             report[name] = sections[name]()
         except Exception:  # the other sections still run: a lease is short
             report[name] = {"error": traceback.format_exc()}
             failed.append(name)
-        print(name, json.dumps(report[name], indent=2), flush=True)
+        seconds[name] = round(time.perf_counter() - started, 1)  # to plan the next lease
+        print(name, f"({seconds[name]} s)", json.dumps(report[name], indent=2), flush=True)
+        if args.json:  # after each section: a lease that ends mid-check keeps the rest
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         plot(report, Path(args.json).with_suffix(".png"))
     if failed:
         message = f"gpu-check: {', '.join(failed)} failed (tracebacks in the report)"
@@ -143,18 +149,24 @@ def _first_layers(model: Any, count: int) -> Any:
     return draft
 
 
-def _drafters(draft: Any, draft_layers: int) -> dict[str, Any]:
-    """Each drafter by name (the trie: None), ``draft`` being the target's first layers."""
+def _drafters(target: Any, draft: Any, draft_layers: int) -> dict[str, Any]:
+    """Each drafter by name (the trie: None), ``draft`` being the target's first layers and the
+    draft head an untrained one over the first 8,192 token ids."""
     from rag_spec.decoding import (
         DraftModelDrafter,
         EarlyExitDrafter,
+        FeatureDrafter,
         MergedDrafter,
         SelfSpecDrafter,
     )
+    from rag_spec.decoding.draft_head import DraftHead
 
+    head = DraftHead(target, torch.arange(min(8192, target.config.vocab_size)))
     return {"trie": None, "draft_model": DraftModelDrafter(draft),
             "early_exit": EarlyExitDrafter(draft_layers),
             "merged": MergedDrafter(DraftModelDrafter(draft)),
+            "draft_head": FeatureDrafter(head),
+            "merged_head": MergedDrafter(FeatureDrafter(head)),
             # a view smaller than the prompts (48 tokens): the sparse path drafts
             "self_spec": SelfSpecDrafter(budget=24, sinks=4, probe_every=1)}
 
@@ -182,7 +194,7 @@ def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
     prompts = _prompts(target.config.vocab_size, 4)
     expected = [_hf_greedy(target, p, new_tokens) for p in prompts]
     decoders = {name: LookaheadDecoder(target, drafter=drafter)
-                for name, drafter in _drafters(_first_layers(target, draft_layers),
+                for name, drafter in _drafters(target, _first_layers(target, draft_layers),
                                                draft_layers).items()}
     # exact numerics (per-token attention, row-invariant products; bf16's default), and the
     # fast kernels, whose rounding differs from a one-token step's
@@ -237,8 +249,9 @@ def _sampled_drafters(target: Any, draft_layers: int) -> dict[str, Any]:
              "repetition_penalty": 1.1, "seed": 7}
     draft = _first_layers(target, draft_layers)
     report = {}
-    for name in _drafters(draft, draft_layers):
-        first, second = (LookaheadDecoder(target, drafter=_drafters(draft, draft_layers)[name])
+    for name in _drafters(target, draft, draft_layers):
+        first, second = (LookaheadDecoder(target,
+                                          drafter=_drafters(target, draft, draft_layers)[name])
                          .generate(prompts, 24, **knobs) for _ in range(2))
         report[name] = {"reproducible": sum(a.token_ids == b.token_ids
                                             for a, b in zip(first, second)),
@@ -252,19 +265,38 @@ def _sampled_drafters(target: Any, draft_layers: int) -> dict[str, Any]:
 def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
     """Train an exit adapter briefly on the model's device, then decode through it: greedy
     tokens equal ``generate``'s whatever the adapter learnt."""
-    from rag_spec.decoding import EarlyExitDrafter, LookaheadDecoder
+    from rag_spec.decoding import EarlyExitDrafter
     from rag_spec.decoding.exit_adapter import train_exit
 
     vocab = target.config.vocab_size
-    texts = _prompts(vocab, 12, length=36)
-    adapter = train_exit(target, layers, texts, vocabulary=min(512, vocab), epochs=1,
-                         progress=False)
-    decoder = LookaheadDecoder(target, drafter=EarlyExitDrafter(layers, adapter=adapter))
-    prompts = _prompts(vocab, 2)
-    identical = 0
-    for prompt in prompts:
-        identical += decoder.generate(prompt, 32).token_ids == _hf_greedy(target, prompt, 32)
-    return {"agreement": adapter.agreement, "identical_to_hf": identical, "of": len(prompts)}
+    adapter = train_exit(target, layers, _prompts(vocab, 12, length=36),
+                         vocabulary=min(512, vocab), epochs=1, progress=False)
+    return _trained(target, EarlyExitDrafter(layers, adapter=adapter), adapter.agreement)
+
+
+def _trained_head(target: Any) -> dict[str, Any]:
+    """``_trained_exit`` for a draft head (``FeatureDrafter``), alone and merged with the
+    trie."""
+    from rag_spec.decoding import FeatureDrafter, MergedDrafter
+    from rag_spec.decoding.draft_head import train_head
+
+    vocab = target.config.vocab_size
+    head = train_head(target, _prompts(vocab, 12, length=36), vocabulary=min(512, vocab),
+                      epochs=1, progress=False)
+    report = _trained(target, FeatureDrafter(head), head.agreement)
+    report["merged"] = _trained(target, MergedDrafter(FeatureDrafter(head)), None)
+    return report
+
+
+def _trained(target: Any, drafter: Any, agreement: Any) -> dict[str, Any]:
+    """Greedy identity with ``generate`` through a trained ``drafter``, on two prompts."""
+    from rag_spec.decoding import LookaheadDecoder
+
+    decoder = LookaheadDecoder(target, drafter=drafter)
+    prompts = _prompts(target.config.vocab_size, 2)
+    identical = sum(decoder.generate(prompt, 32).token_ids == _hf_greedy(target, prompt, 32)
+                    for prompt in prompts)
+    return {"agreement": agreement, "identical_to_hf": identical, "of": len(prompts)}
 
 
 def _speed(target: Any, draft_layers: int, prompts: list[list[int]], new_tokens: int
@@ -278,7 +310,7 @@ def _speed(target: Any, draft_layers: int, prompts: list[list[int]], new_tokens:
     from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 
     draft = _first_layers(target, draft_layers)
-    drafters = _drafters(draft, draft_layers)
+    drafters = _drafters(target, draft, draft_layers)
     systems = {"hf": _hf_system(target, new_tokens),
                "hf_prompt_lookup": _hf_system(target, new_tokens, prompt_lookup_num_tokens=10),
                "hf_assisted": _hf_system(target, new_tokens, assistant_model=draft)}
@@ -287,7 +319,7 @@ def _speed(target: Any, draft_layers: int, prompts: list[list[int]], new_tokens:
             target, config=LookaheadConfig(budget=0, exact=exact)), new_tokens)
         systems[f"rag_spec_trie{suffix}"] = _our_system(LookaheadDecoder(
             target, config=LookaheadConfig(exact=exact)), new_tokens)
-    for name in ("draft_model", "merged"):
+    for name in ("draft_model", "merged", "draft_head"):
         systems[f"rag_spec_{name}"] = _our_system(
             LookaheadDecoder(target, drafter=drafters[name]), new_tokens)
     return _race(systems, prompts, new_tokens)
