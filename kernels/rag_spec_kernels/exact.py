@@ -104,9 +104,10 @@ def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
     inputs are not enough: where a half-precision kernel sums a wide layer in another order,
     rounding to 8 bits hides it in all but ~1 output in 5,000 (measured on a Zen 4 CPU's
     bfloat16 products over 1,536 inputs), so 32 random rows passed as invariant."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
     # the layer's dtype, device and strides, small integers drawn in place (no second copy)
-    weight = torch.empty_like(linear.weight).random_(-2, 3, generator=generator)
+    on_device = torch.Generator(device=linear.weight.device).manual_seed(0)
+    weight = torch.empty_like(linear.weight).random_(-2, 3, generator=on_device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     bias = None if linear.bias is None else torch.zeros_like(linear.bias)
     # float16 holds no 2**24: the same ratio, scaled down
     scale = 1.0 if torch.finfo(weight.dtype).max > 2.0**30 else 2.0**-12
