@@ -502,18 +502,30 @@ def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Speed against ``generate`` (hatched: output not identical to it) and step costs by
-    width, where the report has them; nothing without matplotlib (a GPU machine may lack it)."""
+    width, where the report has them; nothing without matplotlib (a GPU machine may lack it)
+    or without either."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("gpu-check: no matplotlib, no plot")
         return
     steps = report.get("step_ms", {})
-    fig, (left, right) = figure(2, (13, 4.5))
+    lines = {label: sorted((int(k[len(prefix):]), v) for k, v in steps.items()
+                           if k.startswith(prefix) and k[len(prefix):].isdigit())
+             for prefix, label in (("rag_spec_exact_", "ours, exact"),
+                                   ("rag_spec_", "ours, fast"), ("hf_", "transformers"))}
+    compiled = report.get("compiled_step", {})
+    for key, label in (("eager_ms", "ours, eager (compiled_step)"),
+                       ("compiled_ms", "ours, compiled (compiled_step)")):
+        lines[label] = sorted((int(k), v) for k, v in compiled.get(key, {}).items())
+    lines = {label: points for label, points in lines.items() if points}
     races = [(label.format(name), entry, report[section]["prompts"])
              for section, label in (("speed", "{}"), ("compiled_speed", "{} (compiled race)"))
              for name, entry in report.get(section, {}).items()
              if isinstance(entry, dict) and "speedup_vs_hf" in entry]
+    if not (races or lines):
+        return  # nothing this report measured is drawn
+    fig, (left, right) = figure(2, (13, 4.5))
     bars = left.barh([label for label, _, _ in races], [e["speedup_vs_hf"] for _, e, _ in races])
     for bar, (_, entry, prompts) in zip(bars, races):
         if entry["identical_to_hf"] < prompts:
@@ -522,15 +534,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.axvline(1.0, color="k", lw=0.8)
     left.invert_yaxis()
     left.set_xlabel("speed vs generate (median per prompt; hatched: not identical)")
-    for prefix, label in (("rag_spec_exact_", "ours, exact"), ("rag_spec_", "ours, fast"),
-                          ("hf_", "transformers")):
-        points = sorted((int(k[len(prefix):]), v) for k, v in steps.items()
-                        if k.startswith(prefix) and k[len(prefix):].isdigit())
-        if points:
-            right.plot(*zip(*points), marker="o", label=label)
+    for label, points in lines.items():
+        right.plot(*zip(*points), marker="o", label=label)
     right.set_xlabel("tokens in the step")
     right.set_ylabel("ms per step")
-    if steps:
+    if lines:
         right.legend()
     weights = "random weights" if report["shape"] in ("tiny", "Llama-3-8B") else "its weights"
     save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, {weights}), "
