@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter, tree_cache
 from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
@@ -97,17 +97,24 @@ def traced_layers(step):
     return [m for m in step.module.modules() if isinstance(m, TracedLinear)]
 
 
-def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates():
+def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates(monkeypatch):
     model = tiny_llama(seed=5, layers=3)  # a runner of its own: its step is changed below
     decoder = LookaheadDecoder(model, config=COMPILED)
     step = decoder.runner.compiled
-    step.graphs = True  # as on a GPU: all widths compiled, slots in steps of 256
+    step.graphs = True  # as on a GPU: all widths compiled, padded, slots in steps of 256
     step._wide = False  # not through oneDNN's products
+    assert [step.bucket(w) for w in range(1, 19)] == [1, 2, 4, 4, *[8] * 4, *[16] * 8, 24, 24]
     widths = compiled_widths(step)
+    trees = []  # each pass's own width, before padding
+    padded = tree_cache._padded
+    monkeypatch.setattr(tree_cache, "_padded", lambda inputs, width: trees.append(
+        inputs["input_ids"].shape[1]) or padded(inputs, width))
     for seed in range(2):
         prompt = repetitive_prompt(seed)
         assert decoder.generate(prompt, 30).token_ids == hf_greedy(model, prompt, 30)
     assert max(widths) > 1  # trees ran compiled too
+    assert set(widths) <= {1, 2, 4, 8, 16, 24}  # padded to a few widths: a few graphs
+    assert set(trees) - set(widths)  # some trees were padded (and their tokens kept exact)
     assert step._spare is not None and step._spare[0][1] % 256 == 0
 
 

@@ -12,9 +12,10 @@ verification round's rejected entries are overwritten by the next pass.
 
 On a GPU a step is launch-bound (hundreds of small kernels against a few milliseconds of weight
 reads), so there the step is also captured as CUDA graphs (``mode="reduce-overhead"``): one
-graph per pass width, replayed in one launch, and every width runs compiled. A graph replays
-over the cache tensors it recorded, so the step lends its static caches out and takes them back
-(``lend``, ``give_back``) instead of making one per generation.
+graph per pass width, replayed in one launch, and every width runs compiled (trees padded to a
+few widths, ``bucket``). A graph replays over the cache tensors it recorded, so the step lends
+its static caches out and takes them back (``lend``, ``give_back``) instead of making one per
+generation.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class CompiledStep:
         on a CPU where the module's products are oneDNN's (``wide``); inductor's own products
         over trees lose to the eager kernels there."""
         return self._wide or self.graphs
+
+    def bucket(self, width: int) -> int:
+        """The width a pass of ``width`` tokens runs at. CUDA graphs record one graph per
+        width, at its first pass (~0.1 s on an H100, in the middle of an answer), so there
+        trees are padded to 2, 4, 8 or a multiple of 8 tokens: a few graphs serve them all.
+        Elsewhere one compilation serves every width, and passes run as they are."""
+        if not self.graphs or width <= 2:
+            return width
+        return 1 << (width - 1).bit_length() if width <= 8 else -(-width // 8) * 8
 
     def __call__(self, **inputs: Any) -> Any:
         with self._lock, torch.inference_mode():

@@ -282,10 +282,15 @@ class TreeKVCache:
                    "drafts that read the target's hidden states (FeatureDrafter) need "
                    "LookaheadConfig(compile=False) with this model.")
             raise RagSpecError(msg)
-        if step is not None and (step.wide or batch.input_ids.shape[1] == 1):
-            out = step(**inputs, features=features)
-            logits, self._step_features = out if features else (out, None)
-            return logits
+        width = batch.input_ids.shape[1]
+        if step is not None and (step.wide or width == 1):
+            padded = step.bucket(width)
+            if end - width + padded > self.capacity:  # no slots for the padding: as it is
+                padded = width
+            out = step(**_padded(inputs, padded), features=features)
+            logits, features_out = out if features else (out, None)
+            self._step_features = None if features_out is None else features_out[:, :width]
+            return logits[:, :width]
         return self._eager(runner, features, **inputs)
 
     @property
@@ -377,6 +382,23 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, slots: int | None = Non
                       device=allowed.device)
     mask[:, 0, :, :keys].masked_fill_(allowed, 0.0)
     return mask
+
+
+def _padded(inputs: dict[str, Any], width: int) -> dict[str, Any]:
+    """A static pass's ``inputs`` padded to ``width`` tokens: each row's last token repeated,
+    at its position, seeing what it sees. No real token sees the padding's slots (they lie after
+    the round's), and the next pass or round overwrites them."""
+    extra = width - inputs["input_ids"].shape[1]
+    if extra <= 0:
+        return inputs
+
+    def repeat_last(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        last = tensor.narrow(dim, tensor.shape[dim] - 1, 1)
+        return torch.cat([tensor, *[last] * extra], dim)
+
+    return {**inputs, "input_ids": repeat_last(inputs["input_ids"], 1),
+            "position_ids": repeat_last(inputs["position_ids"], 1),
+            "attention_mask": repeat_last(inputs["attention_mask"], 2)}
 
 
 def _left_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
