@@ -45,8 +45,8 @@ from rag_spec.bench.report import figure, machine, save_figure
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "trained_head",
-            "speed",
-            "compiled_speed", "step_ms", "compiled_step", "attention_kernel", "long_context_batch")
+            "speed", "compiled_speed", "step_ms", "compiled_step", "attention_kernel",
+            "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
