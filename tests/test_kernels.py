@@ -183,6 +183,31 @@ def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared,
     assert len(calls) == (2 if shared else 4)
 
 
+@pytest.mark.parametrize("rows", [3, 4, 9])
+def test_from_blas_from_rows_a_prompts_products_are_blas_ones_bit_for_bit(rows, monkeypatch):
+    # on Intel CPUs MKL multiplies a prompt's many rows faster than the streamed kernel
+    model = block(monkeypatch, one_row_packed=False, streamed=True)
+    monkeypatch.setattr(kernel, "blas_from_rows", lambda dtype: 4)
+    x = torch.randn(rows, 24)
+    got, expected, calls = products_run(private_copy(model), model, x, None, monkeypatch)
+    if rows >= 4:
+        assert not calls
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    else:
+        assert len(calls) == 2  # q/k/v and gate/up, streamed
+
+
+@pytest.mark.parametrize("vendor", ["AMD", "Intel", ""])
+def test_many_rows_go_to_blas_only_on_intel_cpus(vendor, monkeypatch):
+    monkeypatch.setattr(kernel, "_cpu_vendor", lambda: vendor)
+    kernel.blas_from_rows.cache_clear()
+    try:
+        rows = kernel.blas_from_rows(torch.float32)
+    finally:
+        kernel.blas_from_rows.cache_clear()
+    assert rows == (128 if vendor == "Intel" and torch.backends.mkl.is_available() else None)
+
+
 @pytest.mark.parametrize("vendor", ["AMD", "Intel", ""])
 def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
     # MKL multiplies one row on one core on AMD CPUs; elsewhere BLAS keeps single rows

@@ -8,7 +8,8 @@ which is what lets a verified tree pay for itself. On AVX-512 CPUs float32 stack
 kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's matrix-vector product
 does (16.5 ms against 19.9 ms for the default model's layers), on an AVX2 EPYC oneDNN's does
 (a one-token step 0.81x BLAS's: MKL runs one-row products on one core there);
-``one_row_packed`` decides. Layers that read the same input (q/k/v, gate/up) multiply as one
+``one_row_packed`` decides; on an Intel CPU, a prompt's products of many rows take BLAS too
+(``blas_from_rows``). Layers that read the same input (q/k/v, gate/up) multiply as one
 stacked weight: one call and one weight pass, bit-identical results.
 
 The reordered weights are a copy (as large as the layers' weights), made when a stack is built
@@ -91,6 +92,16 @@ def one_row_packed(dtype: torch.dtype) -> bool:
     return onednn_packs(dtype) and torch.backends.mkl.is_available() and _cpu_vendor() == "AMD"
 
 
+@functools.cache
+def blas_from_rows(dtype: torch.dtype) -> int | None:
+    """The row count from which a stack's products take torch's BLAS instead of the streamed
+    kernel, or None: on Intel CPUs, where MKL's large-matrix kernels win for a prompt's many
+    rows (a 2-core AMX Xeon VM, the default model's layers over 30 layers: 620 rows 536 ms
+    against 633 ms streamed, 256 rows 230 against 264, 64 rows 78 against 74). Not on AMD CPUs,
+    where MKL takes slower code paths. Decided by the CPU, not timed (``one_row_packed``)."""
+    return 128 if torch.backends.mkl.is_available() and _cpu_vendor() == "Intel" else None
+
+
 def _cpu_vendor() -> str:
     """The CPU's maker: AMD, Intel, or an empty string where not known (not Linux, another)."""
     try:
@@ -133,6 +144,7 @@ class LinearStack:
         self.streamed = streamed and streamed_available(linears[0].weight.dtype)
         self.refresh()
         self.one_row_packed = one_row_packed(linears[0].weight.dtype)
+        self.blas_from_rows = blas_from_rows(linears[0].weight.dtype) if self.streamed else None
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +184,9 @@ class LinearStack:
             stack.refresh()
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and not self.one_row_packed:  # BLAS's matrix-vector product
+        rows = x.numel() // x.shape[-1]
+        if (rows == 1 and not self.one_row_packed  # BLAS's matrix-vector product
+                or self.blas_from_rows is not None and rows >= self.blas_from_rows):
             linear = self.linears[index]
             return torch.nn.functional.linear(x, linear.weight, linear.bias)
         pending = self._pending.__dict__.setdefault("outputs", {})
