@@ -184,7 +184,7 @@ def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared,
 
 
 @pytest.mark.parametrize("rows", [3, 4, 9])
-def test_from_blas_from_rows_a_prompts_products_are_blas_ones_bit_for_bit(rows, monkeypatch):
+def test_a_prompts_many_rows_multiply_as_blas_does_bit_for_bit(rows, monkeypatch):
     # on Intel CPUs MKL multiplies a prompt's many rows faster than the streamed kernel
     model = block(monkeypatch, one_row_packed=False, streamed=True)
     monkeypatch.setattr(kernel, "blas_from_rows", lambda dtype: 4)
@@ -198,28 +198,21 @@ def test_from_blas_from_rows_a_prompts_products_are_blas_ones_bit_for_bit(rows, 
 
 
 @pytest.mark.parametrize("vendor", ["AMD", "Intel", ""])
-def test_many_rows_go_to_blas_only_on_intel_cpus(vendor, monkeypatch):
+def test_the_cpu_maker_decides_where_single_rows_and_a_prompts_rows_go(vendor, monkeypatch):
+    # MKL multiplies one row on one core on AMD CPUs (oneDNN's kernel takes it there); on
+    # Intel CPUs it multiplies a prompt's many rows faster than the streamed kernel
     monkeypatch.setattr(kernel, "_cpu_vendor", lambda: vendor)
-    kernel.blas_from_rows.cache_clear()
+    choices = (kernel.one_row_packed, kernel.blas_from_rows)
+    for choice in choices:
+        choice.cache_clear()
     try:
-        rows = kernel.blas_from_rows(torch.float32)
+        packed, rows = (choice(torch.float32) for choice in choices)
     finally:
-        kernel.blas_from_rows.cache_clear()
-    assert rows == (128 if vendor == "Intel" and torch.backends.mkl.is_available() else None)
-
-
-@pytest.mark.parametrize("vendor", ["AMD", "Intel", ""])
-def test_single_rows_go_to_onednn_only_on_amd_cpus(vendor, monkeypatch):
-    # MKL multiplies one row on one core on AMD CPUs; elsewhere BLAS keeps single rows
-    monkeypatch.setattr(kernel, "_cpu_vendor", lambda: vendor)
-    kernel.one_row_packed.cache_clear()
-    try:
-        packed = kernel.one_row_packed(torch.float32)
-    finally:
-        kernel.one_row_packed.cache_clear()
-    expected = vendor == "AMD" and kernel.onednn_packs(torch.float32) \
-        and torch.backends.mkl.is_available()
-    assert packed == expected
+        for choice in choices:
+            choice.cache_clear()
+    mkl = torch.backends.mkl.is_available()
+    assert packed == (vendor == "AMD" and kernel.onednn_packs(torch.float32) and mkl)
+    assert rows == (128 if vendor == "Intel" and mkl else None)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
