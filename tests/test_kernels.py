@@ -225,6 +225,8 @@ def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared,
     traced = private_copy(model, traced=True)
     assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
     forward = torch.compile(traced, dynamic=True) if compiled else traced
+    if streamed:  # the kernel's own operator, called from the graph: never the Python one
+        monkeypatch.setattr(kernel, "_TRACED", {})
     x = torch.randn(shape)
     _, _, calls = products_run(forward, model, x, None if shared else torch.randn(shape),
                                monkeypatch)
@@ -279,6 +281,18 @@ def test_a_streamed_row_does_not_depend_on_the_rows_beside_it(rows, inputs):
                                atol=1e-3)
     alone = torch.cat([streamed_linear(row[None], packed, 48) for row in x])
     assert torch.equal(together, alone)  # bit for bit: a tree's logits are one-token steps'
+
+
+def test_a_streamed_product_compiles_into_one_graph_with_the_same_bits():
+    # an operator with its output's shape: inductor calls the C++ kernel from its own code
+    streamed_or_skip()
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(17, 72), torch.randn(40, 72), torch.randn(40)
+    packed = pack_streamed(weight)
+    compiled = torch.compile(lambda rows: streamed_linear(rows, packed, 40, bias),
+                             fullgraph=True, dynamic=True)
+    for rows in (2, 17):
+        assert torch.equal(compiled(x[:rows]), streamed_linear(x[:rows], packed, 40, bias))
 
 
 def test_probing_the_streamed_kernel_leaves_torchs_global_rng_alone():

@@ -16,11 +16,11 @@ The reordered weights are a copy (as large as the layers' weights), made when a 
 and redone by ``LinearStack.refresh`` if a layer's weight changed. ``OneDNNLinear`` modules are
 built for a private copy of a model's module tree: the caller's own layers are never modified.
 
-``torch.compile`` cannot lower a product over oneDNN's reordered weight itself (the weight is an
-opaque tensor), so a compiled module tree takes ``TracedLinear`` layers instead: the stack's
-product as one operator (``rag_spec::stack_product``) that inductor calls around its fused
-kernels, on the same reordered weights as the eager layers (no second copy), and single rows
-as reductions inductor compiles itself.
+A compiled module tree takes ``TracedLinear`` layers: the stack's product on the same packed
+weights as the eager layers (no second copy), called by inductor around its fused kernels, and
+single rows as reductions inductor compiles itself. The streamed kernel is an operator in C++
+(``rag_spec_cpu::streamed_linear``); oneDNN's reordered weight is an opaque tensor inductor
+cannot lower, so its products go through a Python operator (``rag_spec::stack_product``).
 """
 
 from __future__ import annotations
@@ -320,6 +320,8 @@ class TracedLinear(_StandIn):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
-            held = (x, stack_product(x, self.key))
+            product = (self.stack.product(x) if self.stack.streamed  # traced: an operator
+                       else stack_product(x, self.key))
+            held = (x, product)
         self.shared.last = None if self.last_sibling else held
         return held[1].narrow(-1, self.start, self.out_features)
