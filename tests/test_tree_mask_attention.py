@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rag_spec_kernels.cpu_attention as cpu_attention
 from rag_spec.decoding.kv_cache import new_cache
 from rag_spec_kernels import (
     SparseView,
@@ -21,7 +22,9 @@ from rag_spec_kernels import (
     cpu_attention_available,
     cpu_tree_attention,
     reference_attention,
+    tree_attention,
 )
+from rag_spec_kernels.tree_attention import DENSE_KERNEL_QUERIES
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -120,6 +123,62 @@ def test_a_cpu_kernel_row_does_not_depend_on_the_batch_or_the_tokens_beside_it()
     first = TreeMask(mask.committed, mask.recent[:, :1])  # the step's first token only
     assert torch.equal(cpu_tree_attention(query[:, :, :1], key, value, first),
                        together[:, :, :1])
+
+
+def dense_mask(mask: TreeMask, committed: int, additive: bool) -> torch.Tensor:
+    """``mask`` over every slot as a [B, 1, q, S + R] mask: bool, or 0 / the minimum."""
+    allowed = mask.over_cache(committed)[:, None]
+    if not additive:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
+def kernel_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    masked = cpu_attention.cpu_masked_attention
+    monkeypatch.setattr(cpu_attention, "cpu_masked_attention",
+                        lambda query, *a: calls.append(query.shape[2]) or masked(query, *a))
+    return calls
+
+
+@needs_cpu_kernel
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 3), groups=st.sampled_from([1, 3]),
+       q_len=st.integers(1, 18), committed=st.sampled_from([1, 33, 600]),
+       earlier=st.integers(0, 20), additive=st.booleans())
+def test_dense_masked_steps_take_the_cpu_kernel_and_match_attention_written_out(
+        seed, batch, groups, q_len, committed, earlier, additive):
+    # a compiled step's mask over its static cache: the committed slots every query sees (holes
+    # in them: ragged rows' padding), the round's as each query's own
+    query, key, value, mask = random_case(seed, batch, 2, groups, q_len, committed, earlier,
+                                          None, 64)
+    with pytest.MonkeyPatch.context() as patch:
+        calls = kernel_calls(patch)
+        got, _ = tree_attention(None, query, key, value, dense_mask(mask, committed, additive))
+    assert calls == [q_len]
+    torch.testing.assert_close(got.transpose(1, 2).double(), written_out(query, key, value, mask),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_cpu_kernel
+def test_the_dense_masked_kernel_compiles_into_one_graph():
+    query, key, value, mask = random_case(7, 2, 3, 3, 17, 300, 4, None, 64)
+    compiled = torch.compile(lambda *a: tree_attention(None, *a)[0], fullgraph=True,
+                             dynamic=True)
+    got = compiled(query, key, value, dense_mask(mask, 300, additive=True))
+    torch.testing.assert_close(got.transpose(1, 2).double(), written_out(query, key, value, mask),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompts_dense_masked_pass_stays_on_sdpa(monkeypatch):
+    # the kernel is for a step's few queries; a prompt's many go through SDPA's flash kernel
+    q_len = DENSE_KERNEL_QUERIES + 1
+    query, key, value, mask = random_case(8, 1, 2, 3, q_len, 10, 0, None, 64)
+    calls = kernel_calls(monkeypatch)
+    got, _ = tree_attention(None, query, key, value, dense_mask(mask, 10, additive=False))
+    assert not calls
+    torch.testing.assert_close(got.transpose(1, 2).double(), written_out(query, key, value, mask),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_probing_the_cpu_kernel_leaves_torchs_global_rng_alone():

@@ -6,6 +6,11 @@ CPU flash kernel takes two to three times as long as that read (batch 16 x 4k on
 model: 137 ms of a 159 ms step). This kernel passes each KV head's keys once, 32 at a time, for
 every query row sharing it, with an online softmax; selected slots (a sparse view) are read in
 place, so no buffer is gathered. Same contract as ``reference_attention``; tested against it.
+
+A compiled step's attention takes a dense mask over its static cache's slots, which
+``cpu_masked_attention`` hands the same kernel as bits: the slots every query sees as committed
+ones, the rest as each query's own. The kernel is an operator,
+``torch.ops.rag_spec_cpu.tree_attention``, that such steps call from inductor's code.
 """
 
 from __future__ import annotations
@@ -22,13 +27,32 @@ from rag_spec_kernels.tree_attention import TreeMask
 log = logging.getLogger(__name__)
 _NO_SELECT = torch.empty(0, dtype=torch.int64)  # the kernel's "read slots 0..K-1"
 
+torch.library.define("rag_spec_cpu::tree_attention",  # its CPU kernel: tree_attention.cpp
+                     "(Tensor query, Tensor key, Tensor value, Tensor committed, Tensor recent, "
+                     "Tensor select, float scale) -> Tensor")
+
+
+@torch.library.register_fake("rag_spec_cpu::tree_attention")
+def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     committed: torch.Tensor, recent: torch.Tensor, select: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    batch, heads, queries, dim = query.shape
+    return query.new_empty(batch, queries, heads, dim)
+
 
 def cpu_attention_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: float32 on the CPU, a head dimension that is a
     multiple of 16 up to 128, and it is available here."""
     dim = query.shape[-1]
     return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32
-            and dim % 16 == 0 and dim <= 128 and cpu_attention_available())
+            and dim % 16 == 0 and dim <= 128 and _available())
+
+
+@torch.compiler.assume_constant_result
+def _available() -> bool:
+    """``cpu_attention_available``, which a compiled step asks while it is traced: a constant
+    there, probed before (not traced into)."""
+    return cpu_attention_available()
 
 
 @functools.cache
@@ -45,6 +69,7 @@ def cpu_attention_available() -> bool:
     mask = TreeMask(torch.rand(2, 37, generator=generator) > 0.3,
                     torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3))
     try:
+        cpu_extension()  # builds the kernel: the operator's implementation
         ok = torch.allclose(cpu_tree_attention(query, key, value, mask),
                             reference_attention(query, key, value, mask), atol=1e-5)
     except Exception as error:  # noqa: BLE001 - any build failure means: use SDPA
@@ -62,8 +87,28 @@ def cpu_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     attention modules hand on). ``layer`` is not needed: selected slots are read in place."""
     committed, recent, select = mask.bits(query.device)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    out = cpu_extension().tree_attention_cpu(
-        query, key, value, committed, recent, select if select is not None else _NO_SELECT,
+    return _attend(query, key, value, committed, recent,
+                   select if select is not None else _NO_SELECT, scaling)
+
+
+def cpu_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         allowed: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """[B, heads, q, D] queries over [B, kv_heads, kv, D] keys and values where ``allowed``
+    ([B, q, kv] bool) says which keys each query sees; returns [B, heads, q, D] as
+    ``cpu_tree_attention``. The keys every query of a row sees go to the kernel as committed
+    slots (read in slices, on every core), the others as each query's round slots."""
+    shared = allowed.all(1)
+    own = allowed & ~shared[:, None]
+    return _attend(query, key, value, shared.to(torch.uint8), own.to(torch.uint8),
+                   _NO_SELECT, scaling)
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            committed: torch.Tensor, recent: torch.Tensor, select: torch.Tensor,
+            scaling: float | None) -> torch.Tensor:
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.ops.rag_spec_cpu.tree_attention.default(
+        query, key, value, committed, recent, select,
         scaling if scaling is not None else query.shape[-1] ** -0.5)
     return out.transpose(1, 2)
 

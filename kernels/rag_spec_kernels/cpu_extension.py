@@ -1,8 +1,9 @@
-"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``) as one Python module,
-built for this machine on first use by torch's extension loader: gcc and ninja, ~60 s once,
-then cached under torch's extension root (``$TORCH_EXTENSIONS_DIR`` where the user set it).
-Callers probe it (``streamed_available``, ``cpu_attention_available``) and keep torch's kernels
-where it does not build."""
+"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``): the CPU implementations
+of the ``rag_spec_cpu`` operators, built for this machine on first use by torch's extension
+loader (gcc and ninja, ~60 s once, then cached under torch's extension root,
+``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. Callers probe them
+(``streamed_available``, ``cpu_attention_available``) and keep torch's kernels where they do
+not build."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,8 +25,8 @@ def avx512() -> bool:
 
 
 @functools.cache
-def cpu_extension() -> Any:
-    """The built module (raises where it cannot be built)."""
+def cpu_extension() -> None:
+    """Build (the first time) and load the kernels; raises where they cannot be built."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
     name = "rag_spec_cpu_kernels"
@@ -40,6 +40,6 @@ def cpu_extension() -> Any:
         here = Path(__file__).parent
         # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
         # runtime (not linked here), so the kernels share torch's threads
-        return load(name=name, sources=[str(here / source) for source in _SOURCES],
-                    build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-fopenmp"])
+        load(name=name, sources=[str(here / source) for source in _SOURCES],
+             build_directory=str(build), is_python_module=False,
+             extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-fopenmp"])

@@ -27,8 +27,8 @@ from rag_spec_kernels.cpu_extension import avx512, cpu_extension
 _BLOCK = 16  # outputs per packed block: one cache line of float32 weights per input position
 log = logging.getLogger(__name__)
 
-_LIBRARY = torch.library.Library("rag_spec_cpu", "DEF")  # its CPU kernel: streamed_linear.cpp
-_LIBRARY.define("streamed_linear(Tensor x, Tensor packed) -> Tensor")
+torch.library.define("rag_spec_cpu::streamed_linear",  # its CPU kernel: streamed_linear.cpp
+                     "(Tensor x, Tensor packed) -> Tensor")
 
 
 @torch.library.register_fake("rag_spec_cpu::streamed_linear")

@@ -27,6 +27,8 @@ import torch
 
 TREE_ATTENTION = "rag_spec_tree"
 TREE_ATTENTION_SDPA = "rag_spec_tree_sdpa"  # the same without our CPU kernel (an ablation)
+# Dense-masked passes of up to this many queries (steps, not prompts) take our CPU kernel
+DENSE_KERNEL_QUERIES = 64
 
 
 class SparseView:
@@ -248,10 +250,12 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     Args:
         query: [B, heads, q, D]; key, value: [B, kv_heads, kv, D].
-        attention_mask: [B, 1, q, kv] additive float or bool mask (None: causal); ignored when
-            ``tree_mask`` is given (a speculative step's compact mask, passed as a forward
-            keyword).
-        cpu_kernel: on the CPU, run such steps on our kernel where it fits (else SDPA).
+        attention_mask: [B, 1, q, kv] bool mask, or additive float one of 0 or the dtype's
+            minimum (rag-spec's own); None: causal. Ignored when ``tree_mask`` is given (a
+            speculative step's compact mask, passed as a forward keyword).
+        cpu_kernel: on the CPU, run tree-masked steps, and dense-masked passes of up to
+            ``DENSE_KERNEL_QUERIES`` queries (compiled steps), on our kernel where it fits
+            (else SDPA).
 
     Returns:
         ([B, q, heads, D], None), as every transformers attention function returns.
@@ -266,6 +270,16 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, q_len, dim = query.shape
+    if cpu_kernel and dropout == 0.0 and q_len <= DENSE_KERNEL_QUERIES and not query.is_cuda:
+        # a step over a static cache (compiled): ours where it fits, the mask read as bits
+        from rag_spec_kernels.cpu_attention import cpu_attention_fits, cpu_masked_attention
+
+        if cpu_attention_fits(query, key):
+            mask = attention_mask[:, 0, :, :key.shape[2]]
+            allowed = mask if mask.dtype == torch.bool else mask == 0  # 0 or the minimum
+            out = cpu_masked_attention(query, key, value, allowed.expand(batch, -1, -1),
+                                       scaling)
+            return out.transpose(1, 2).contiguous(), None
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     # [B, heads, q, D] -> [B, kv_heads, groups * q, D]: heads of one group become more queries.
