@@ -87,16 +87,20 @@ def test_onednn_is_offered_only_for_the_dtypes_this_cpu_packs(dtype):
             pack_weight(model.proj.weight.detach())
 
 
-def test_onednn_linear_follows_weight_updates():
+@pytest.mark.parametrize("traced", [False, True])
+def test_onednn_linear_follows_weight_updates(traced):
     model = Tiny(True).eval()
     if not onednn_available(model):
         pytest.skip("oneDNN is not available in this torch build")
     x = torch.randn(2, 24)
     stack = LinearStack([model.proj])
-    (layer,) = stack.modules()
+    # a compiled layer holds the stack's packed tensors: refreshed in place, they stay its own
+    layer = torch.compile(stack.traced_modules()[0], dynamic=True) if traced else \
+        stack.modules()[0]
     with torch.inference_mode():
         layer(x)
         model.proj.weight.mul_(2)  # an in-place change must invalidate the reordered copy
+        model.proj.bias.add_(1)
         stack.refresh()  # what the runner does once per generation
         got = layer(x)
         torch.testing.assert_close(got, torch.nn.functional.linear(

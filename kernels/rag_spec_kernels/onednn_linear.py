@@ -176,8 +176,13 @@ class LinearStack:
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in self.linears])
-            self._packed = (pack_streamed(weight) if self.streamed else pack_weight(weight),
-                            bias)
+            packed = pack_streamed(weight) if self.streamed else pack_weight(weight)
+            if self.streamed and self._version:  # traced layers hold these very tensors
+                self._packed[0].copy_(packed)
+                if bias is not None:
+                    self._packed[1].copy_(bias)
+            else:
+                self._packed = (packed, bias)
             self._version = version
             alone = list(self._alone.values())
         for stack in alone:
@@ -203,9 +208,10 @@ class LinearStack:
             alone = self._alone[index]
         return alone.product(x)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer's output for ``x``, side by side in the stack's order."""
-        weight, bias = self._packed
+    def product(self, x: torch.Tensor, packed: tuple[Any, Any] | None = None) -> torch.Tensor:
+        """Every layer's output for ``x``, side by side in the stack's order; ``packed``: the
+        stack's packed weight and bias as a traced layer holds them (the same tensors)."""
+        weight, bias = packed or self._packed
         rows = x.reshape(-1, x.shape[-1])
         y = (streamed_linear(rows, weight, self.out_features, bias) if self.streamed
              else packed_linear(rows, weight, bias))
@@ -311,6 +317,9 @@ class TracedLinear(_StandIn):
             self.start = sum(stack.sizes[:index])
             self.first_sibling, self.last_sibling = index == 0, index == len(stack.sizes) - 1
             self.shared = shared
+            if stack.streamed:  # buffers: the compiler checks a module's tensors cheaply
+                self.register_buffer("packed", stack._packed[0], persistent=False)
+                self.register_buffer("packed_bias", stack._packed[1], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1]:
@@ -320,8 +329,8 @@ class TracedLinear(_StandIn):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
-            product = (self.stack.product(x) if self.stack.streamed  # traced: an operator
-                       else stack_product(x, self.key))
+            product = (self.stack.product(x, (self.packed, self.packed_bias))  # an operator
+                       if self.stack.streamed else stack_product(x, self.key))
             held = (x, product)
         self.shared.last = None if self.last_sibling else held
         return held[1].narrow(-1, self.start, self.out_features)
