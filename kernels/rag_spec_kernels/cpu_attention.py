@@ -86,7 +86,6 @@ def cpu_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     D] keys and values; returns [B, heads, q, D] (a view of [B, q, heads, D], the layout
     attention modules hand on). ``layer`` is not needed: selected slots are read in place."""
     committed, recent, select = mask.bits(query.device)
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _attend(query, key, value, committed, recent,
                    select if select is not None else _NO_SELECT, scaling)
 
