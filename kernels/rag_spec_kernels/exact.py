@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.tree_attention import TreeMask, VisibleKeys, gather_keys
+from rag_spec_kernels.tree_attention import TreeMask, VisibleKeys, gather_keys, seen_keys
 
 EXACT_TREE_ATTENTION = "rag_spec_tree_exact"
 _MOST_ROWS = 32  # row counts up to this are probed
@@ -57,8 +57,7 @@ def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         visible = tree_mask.visible(key.device)
     else:
         assert attention_mask is not None
-        allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool \
-            else attention_mask[:, 0] == 0
+        allowed = seen_keys(attention_mask)
         nothing = allowed.new_zeros(0)
         visible = [VisibleKeys.of(nothing, row, key.device) for row in allowed]
     rows = []

@@ -140,7 +140,7 @@ class LinearStack:
         self._pending = threading.local()  # index -> (input, output), per thread
         self._lock = threading.Lock()
         self._version: tuple = ()
-        self._key: int | None = None  # in ``_TRACED``, once traced modules exist
+        self._key: int | None = None  # oneDNN stacks: in ``_TRACED`` once traced modules exist
         self.streamed = streamed and streamed_available(linears[0].weight.dtype)
         self.refresh()
         self.one_row_packed = one_row_packed(linears[0].weight.dtype)
@@ -159,7 +159,7 @@ class LinearStack:
     def traced_modules(self) -> list[TracedLinear]:
         """One module per layer for a module tree that ``torch.compile`` traces."""
         with self._lock:
-            if self._key is None:
+            if self._key is None and not self.streamed:  # oneDNN's: the Python operator's name
                 self._key = next(_KEYS)
                 _TRACED[self._key] = self
         shared = _Shared()

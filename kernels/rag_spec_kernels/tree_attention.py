@@ -212,6 +212,13 @@ class VisibleKeys:
         return cls(offset, None if whole else index.to(device), tails)
 
 
+def seen_keys(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A [B, 1, q, kv] dense mask as [B, q, kv] bool, which keys each query sees: a bool mask as
+    it is, a float one (rag-spec's own) where it is 0 rather than the dtype's minimum."""
+    mask = attention_mask[:, 0]
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
 def gather_keys(key: torch.Tensor, value: torch.Tensor, mask: TreeMask, layer: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values a pass reads: the selected committed slots (all of them without a
@@ -275,10 +282,8 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         from rag_spec_kernels.cpu_attention import cpu_attention_fits, cpu_masked_attention
 
         if cpu_attention_fits(query, key):
-            mask = attention_mask[:, 0, :, :key.shape[2]]
-            allowed = mask if mask.dtype == torch.bool else mask == 0  # 0 or the minimum
-            out = cpu_masked_attention(query, key, value, allowed.expand(batch, -1, -1),
-                                       scaling)
+            allowed = seen_keys(attention_mask)[:, :, :key.shape[2]].expand(batch, -1, -1)
+            out = cpu_masked_attention(query, key, value, allowed, scaling)
             return out.transpose(1, 2).contiguous(), None
     kv_heads = key.shape[1]
     groups = heads // kv_heads
