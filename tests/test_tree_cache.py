@@ -10,6 +10,7 @@ import rag_spec.decoding.tree_cache as tree_cache
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
+from rag_spec.decoding.kv_cache import cache_argument
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.errors import RagSpecError
@@ -99,7 +100,7 @@ def test_a_cache_whose_layers_evict_entries_is_refused_with_the_fix():
     model = tiny_mistral(8)
     decoder = LookaheadDecoder(model)
     evicting = DynamicCache(config=model.config)  # sliding-window layers drop old entries
-    model(input_ids=torch.tensor([repetitive_prompt(0)[:-1]]), past_key_values=evicting)
+    model(input_ids=torch.tensor([repetitive_prompt(0)[:-1]]), **cache_argument(model, evicting))
     with pytest.raises(RagSpecError, match="new_cache"):
         decoder.extend(evicting, repetitive_prompt(0), 5, decoder.drafter.session([]),
                        AdaptiveBudget(4))
