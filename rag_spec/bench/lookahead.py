@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rag_spec.bench.ceiling import copy_ceiling
 from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
@@ -88,7 +89,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         print(f"{name}: {len(prompts)} prompts")
         runs = interleaved(systems, prompts)
-        summary = _summarise(lm.model, prompts, runs)
+        summary = _summarise(lm.model, prompts, runs, LookaheadConfig.branch_length)
         if name == "rag":
             report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
         report[name] = summary
@@ -144,8 +145,10 @@ def _warm_up(systems: dict[str, Any], prompt: list[int]) -> dict[str, float]:
     return seconds
 
 
-def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Run]]
-               ) -> dict[str, Any]:
+def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Run]],
+               longest: int) -> dict[str, Any]:
+    """Each system against transformers greedy; ``longest``: the trie's longest draft, for
+    the ceiling of copying (``copy_ceiling``) on the baseline's answers."""
     baseline = runs["hf"]
     systems: dict[str, Any] = {}
     for name, system_runs in runs.items():
@@ -169,8 +172,10 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
         systems[name] = entry
     drafts_gain = [a / b for a, b in zip(systems["rag_spec"]["per_prompt_speedup"],
                                          systems["rag_spec_no_drafts"]["per_prompt_speedup"])]
+    ceiling = [copy_ceiling(p, b.tokens, longest) for p, b in zip(prompts, baseline)]
     return {"prompts": len(prompts), "systems": systems,
-            "rag_spec_over_no_drafts": round(median(drafts_gain), 3)}
+            "rag_spec_over_no_drafts": round(median(drafts_gain), 3),
+            "copy_ceiling_tokens_per_step": round(sum(ceiling) / len(ceiling), 3)}
 
 
 def _divergence(model: Any, prompt: list[int], expected: list[int], got: list[int]
@@ -204,7 +209,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def _print_table(report: dict[str, Any]) -> None:
     for name in ("rag", "open_ended"):
         n = report[name]["prompts"]
-        print(f"\n{name} ({n} prompts)")
+        print(f"\n{name} ({n} prompts; copying from the prompt and the answer reaches at most "
+              f"{report[name]['copy_ceiling_tokens_per_step']:.2f} tokens per step)")
         print(f"{'system':22} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10} "
               f"{'peak RSS':>9}")
         for system, s in report[name]["systems"].items():

@@ -1,0 +1,50 @@
+"""How much copying can gain on an answer: the ceiling of drafting by lookup.
+
+A drafter that copies (our trie, transformers' prompt lookup) proposes what followed the last
+token somewhere earlier: in the prompt or in the answer so far. ``copy_ceiling`` is the most
+tokens per forward pass any such drafter reaches on a given greedy answer: one that always
+knew, among every earlier occurrence of the last token, which continuation (of at most
+``longest`` tokens) the model would accept. A trie that remembers nothing of other requests is
+bounded by it, so a measured ``tokens_per_step`` beside it says how much of what could be
+copied the trie copied, and whether a faster answer needs drafts that compute instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def copy_ceiling(prompt: Sequence[int], answer: Sequence[int], longest: int = 8) -> float:
+    """Tokens per forward pass of the best copying drafter on ``answer`` after ``prompt``; the
+    prompt's own pass counts, as it commits the answer's first token."""
+    return len(answer) / max(copy_passes(prompt, answer, longest), 1)
+
+
+def copy_passes(prompt: Sequence[int], answer: Sequence[int], longest: int = 8) -> int:
+    """The fewest forward passes that commit ``answer``: each keeps the verifier's own token
+    after any prefix of one copied continuation (fewest, not greedy: the longest copy now can
+    land where little follows)."""
+    tokens = [*prompt, *answer]
+    start, n = len(prompt), len(answer)
+    fewest = [0] * (n + 1)  # fewest[i]: passes from answer position i to the end
+    for at in range(n - 1, -1, -1):
+        reach = _longest_copy(tokens, start + at, min(longest, n - at - 1))
+        fewest[at] = 1 + min(fewest[at + 1:at + reach + 2])
+    return fewest[0]
+
+
+def _longest_copy(tokens: list[int], now: int, most: int) -> int:
+    """How many tokens from ``now`` on follow an earlier occurrence of ``tokens[now - 1]``
+    (both within ``tokens[:now]``), at most ``most``."""
+    if now == 0:
+        return 0
+    last, best = tokens[now - 1], 0
+    for after in range(1, now):
+        if tokens[after - 1] != last:
+            continue
+        length = 0
+        while (length < most and after + length < now
+               and tokens[after + length] == tokens[now + length]):
+            length += 1
+        best = max(best, length)
+    return best
