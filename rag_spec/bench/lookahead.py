@@ -209,8 +209,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def _print_table(report: dict[str, Any]) -> None:
     for name in ("rag", "open_ended"):
         n = report[name]["prompts"]
-        print(f"\n{name} ({n} prompts; copying from the prompt and the answer reaches at most "
-              f"{report[name]['copy_ceiling_tokens_per_step']:.2f} tokens per step)")
+        print(f"\n{name} ({n} prompts): copying from each prompt and its answer reaches at "
+              f"most {report[name]['copy_ceiling_tokens_per_step']:.2f} tokens per step (the "
+              "trie's memory of earlier answers can add to that)")
         print(f"{'system':22} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10} "
               f"{'peak RSS':>9}")
         for system, s in report[name]["systems"].items():
