@@ -1,14 +1,15 @@
 """``rag-spec bench lookahead``: our decoder against transformers greedy and prompt lookup.
 
 Systems run interleaved on each prompt, all greedy, same model, dtype and device: transformers
-greedy and its prompt lookup (the peers), ours, and two ablations of ours (no drafts: the same
-kernels without speculation; in float32, stock linear kernels: speculation without ours; in
-half precision, where ours runs exact numerics, the fast kernels: what exactness costs, and
-that without it tokens differ); where our streamed kernel runs (float32, AVX-512), ours on
-oneDNN's kernels instead (what that kernel buys); with ``--compiled``, ours with
-torch.compile'd steps, drafting and not; with ``--draft-head``, ours drafting with the trained
-draft head (``draft_head.cached_head``), alone and merged with the trie, eager and, with
-``--compiled``, compiled. Outputs are
+greedy and its prompt lookup (the peers), ours, and three ablations of ours (no drafts: the
+same kernels without speculation; no memory: the trie forgetting earlier answers, beside the
+ceiling of copying from each prompt and its answer; in float32, stock linear kernels:
+speculation without ours; in half precision, where ours runs exact numerics, the fast kernels:
+what exactness costs, and that without it tokens differ); where our streamed kernel runs
+(float32, AVX-512), ours on oneDNN's kernels instead (what that kernel buys); with
+``--compiled``, ours with torch.compile'd steps, drafting and not; with ``--draft-head``, ours
+drafting with the trained draft head (``draft_head.cached_head``), alone and merged with the
+trie, eager and, with ``--compiled``, compiled. Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
 """
@@ -62,7 +63,11 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
     ablation, config = ("rag_spec_fast_kernels", LookaheadConfig(exact=False)) \
         if decoder.runner.exact else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
+    # and the trie without its memory of earlier answers: what copying from each prompt and
+    # its answer alone gives, beside that ceiling (``copy_ceiling_tokens_per_step``)
     decoders = {"rag_spec": decoder, "rag_spec_no_drafts": plain,
+                "rag_spec_no_memory": LookaheadDecoder(lm.model, lm.tokenizer,
+                                                       LookaheadConfig(memory_mb=0)),
                 ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)}
     if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
         decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer,
