@@ -4,9 +4,10 @@ A drafter that copies (our trie, transformers' prompt lookup) proposes what foll
 token somewhere earlier: in the prompt or in the answer so far. ``copy_ceiling`` is the most
 tokens per forward pass any such drafter reaches on a given greedy answer: one that always
 knew, among every earlier occurrence of the last token, which continuation (of at most
-``longest`` tokens) the model would accept. A trie that remembers nothing of other requests is
-bounded by it, so a measured ``tokens_per_step`` beside it says how much of what could be
-copied the trie copied, and whether a faster answer needs drafts that compute instead.
+``longest`` tokens) the model would accept. A trie that remembers nothing of other requests
+(and is handed no documents beside the prompt) is bounded by it, so a measured
+``tokens_per_step`` beside it says how much of what could be copied the trie copied, and
+whether a faster answer needs drafts that compute instead.
 """
 
 from __future__ import annotations
