@@ -14,38 +14,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rag_spec.decoding.decoder import LookaheadConfig
 
-def copy_ceiling(prompt: Sequence[int], answer: Sequence[int], longest: int = 8) -> float:
+
+def copy_ceiling(prompt: Sequence[int], answer: Sequence[int],
+                 longest: int = LookaheadConfig.branch_length) -> float:
     """Tokens per forward pass of the best copying drafter on ``answer`` after ``prompt``; the
     prompt's own pass counts, as it commits the answer's first token."""
     return len(answer) / max(copy_passes(prompt, answer, longest), 1)
 
 
-def copy_passes(prompt: Sequence[int], answer: Sequence[int], longest: int = 8) -> int:
+def copy_passes(prompt: Sequence[int], answer: Sequence[int],
+                longest: int = LookaheadConfig.branch_length) -> int:
     """The fewest forward passes that commit ``answer``: each keeps the verifier's own token
     after any prefix of one copied continuation (fewest, not greedy: the longest copy now can
     land where little follows)."""
     tokens = [*prompt, *answer]
+    follows: dict[int, list[int]] = {}  # token -> the positions right after it, in order
+    for at in range(1, len(tokens)):
+        follows.setdefault(tokens[at - 1], []).append(at)
     start, n = len(prompt), len(answer)
     fewest = [0] * (n + 1)  # fewest[i]: passes from answer position i to the end
     for at in range(n - 1, -1, -1):
-        reach = _longest_copy(tokens, start + at, min(longest, n - at - 1))
+        now = start + at
+        sources = follows.get(tokens[now - 1], []) if now else []
+        reach = _longest_copy(tokens, now, sources, min(longest, n - at - 1))
         fewest[at] = 1 + min(fewest[at + 1:at + reach + 2])
     return fewest[0]
 
 
-def _longest_copy(tokens: list[int], now: int, most: int) -> int:
-    """How many tokens from ``now`` on follow an earlier occurrence of ``tokens[now - 1]``
-    (both within ``tokens[:now]``), at most ``most``."""
-    if now == 0:
-        return 0
-    last, best = tokens[now - 1], 0
-    for after in range(1, now):
-        if tokens[after - 1] != last:
-            continue
+def _longest_copy(tokens: list[int], now: int, sources: list[int], most: int) -> int:
+    """How many tokens from ``now`` on repeat what followed the same token at one of
+    ``sources`` (positions, ascending) before ``now``, at most ``most``."""
+    best = 0
+    for source in sources:
+        if source >= now:
+            break
         length = 0
-        while (length < most and after + length < now
-               and tokens[after + length] == tokens[now + length]):
+        while (length < most and source + length < now
+               and tokens[source + length] == tokens[now + length]):
             length += 1
         best = max(best, length)
     return best
