@@ -84,6 +84,39 @@ def test_padded_prefill_runs_in_chunks_with_bounded_masks(monkeypatch):
     assert all(s is not None and s[2] <= 10 for s in shapes), shapes
 
 
+@given(st.lists(st.integers(0, 600), min_size=1, max_size=12))
+def test_length_groups_split_rows_only_where_padding_would_cost(lengths):
+    groups = tree_cache.length_groups(lengths)
+    assert sorted(b for g in groups for b in g) == list(range(len(lengths)))
+    for group in groups:
+        tokens = sum(lengths[b] for b in group)
+        padding = max(lengths[b] for b in group) * len(group) - tokens
+        assert padding <= tokens * tree_cache._PADDING_SHARE + tree_cache._PADDING_FREE
+    for first, then in zip(groups, groups[1:]):  # the next row would have padded too much
+        together = first + then[:1]
+        tokens = sum(lengths[b] for b in together)
+        padding = max(lengths[b] for b in together) * len(together) - tokens
+        assert padding > tokens * tree_cache._PADDING_SHARE + tree_cache._PADDING_FREE
+    if len(set(lengths)) == 1:
+        assert len(groups) == 1
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=2), lambda: tiny_mistral(6)],
+                         ids=["full attention", "sliding window"])
+def test_rows_of_very_different_lengths_prefill_in_groups_with_each_rows_tokens(make,
+                                                                                 monkeypatch):
+    model = make()
+    prompts = [(repetitive_prompt(s) * 5)[:n] for s, n in enumerate((4, 160, 30, 170))]
+    passes = []
+    padded = TreeKVCache._padded.__func__
+    monkeypatch.setattr(TreeKVCache, "_padded", classmethod(
+        lambda cls, runner, prefixes, *rest: passes.append(sorted(map(len, prefixes)))
+        or padded(cls, runner, prefixes, *rest)))
+    results = LookaheadDecoder(model).generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+    assert passes == [[3, 29], [159, 169]]
+
+
 def test_models_with_mixed_attention_layers_are_refused_clearly():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

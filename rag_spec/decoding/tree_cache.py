@@ -38,6 +38,9 @@ from rag_spec_kernels import SparseView, TreeMask, whole_rows
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
 # pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
 _MASK_ELEMENTS = 2**24
+# A padded prefill's rows are grouped so that each group's padding stays within this share of
+# its tokens plus this many slots (``length_groups``).
+_PADDING_SHARE, _PADDING_FREE = 0.25, 64
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,29 @@ class TreeKVCache:
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], capacity: int | None = None
                 ) -> TreeKVCache:
-        """Run every prompt but its last token (left-padded); the last tokens become roots.
+        """Run every prompt but its last token; the last tokens become roots. Rows of very
+        different lengths run in groups of similar length (``length_groups``), joined
+        left-padded into one cache: a padded pass spends on padding what it spends on tokens
+        (32 RAG prompts of 111-547 tokens in batches of 8, padded to each batch's longest, ran
+        2.0x their tokens; grouped, 1.2x in two passes a batch).
         With ``capacity``, into a static cache of that many slots lent by the runner's compiled
         step (prompts of one length); ``give_back`` returns it."""
         prefixes = [list(p[:-1]) for p in prompts]
+        roots = [p[-1] for p in prompts]
+        groups = length_groups([len(p) for p in prefixes])
+        if capacity is not None or len(groups) == 1:
+            return cls._padded(model, prefixes, roots, capacity)
+        parts = [cls._padded(model, [prefixes[i] for i in group], [roots[i] for i in group])
+                 for group in groups]
+        where = {b: (g, r) for g, group in enumerate(groups) for r, b in enumerate(group)}
+        cache, valid = _joined([(part.cache, part.valid) for part in parts],
+                               [where[b] for b in range(len(prompts))])
+        return cls(cache, valid, roots, attention_window(model.config))
+
+    @classmethod
+    def _padded(cls, model: Any, prefixes: Sequence[list[int]], roots: Sequence[int],
+                capacity: int | None = None) -> TreeKVCache:
+        """``prefixes`` run as one pass, left-padded to the longest."""
         device = model.device
         width = max(len(p) for p in prefixes)
         valid = torch.zeros(len(prefixes), width, dtype=torch.bool, device=device)
@@ -98,10 +120,10 @@ class TreeKVCache:
                 valid[b, width - len(p):] = True
         window = attention_window(model.config)
         if capacity is None:
-            tree = cls(new_cache(), valid, [p[-1] for p in prompts], window)
+            tree = cls(new_cache(), valid, roots, window)
         elif window is None and bool(valid.all()):
-            tree = cls(model.compiled.lend(len(prompts), capacity), valid,
-                       [p[-1] for p in prompts], window, capacity)
+            tree = cls(model.compiled.lend(len(prefixes), capacity), valid, roots, window,
+                       capacity)
         else:
             msg = "A static cache holds prompts of one length for full-attention models."
             raise ValueError(msg)
@@ -130,18 +152,8 @@ class TreeKVCache:
                             use_cache=True, **cache_argument(model, cache), **fill_only(model))
             caches.append(cache)
             logits.append(out.logits[0, -1])
-        width = max(len(p) for p in prompts)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=model.device)
-        for b, prompt in enumerate(prompts):
-            valid[b, width - len(prompt):] = True
-        if len(caches) == 1:
-            cache = caches[0]
-        else:
-            cache = new_cache()
-            for index, rows in enumerate(zip(*map(layers, caches))):
-                keys, values = (_left_padded([getattr(r, name) for r in rows], width)
-                                for name in ("keys", "values"))
-                cache.update(keys, values, index)
+        whole = [torch.ones(1, len(p), dtype=torch.bool, device=model.device) for p in prompts]
+        cache, valid = _joined(list(zip(caches, whole)), [(b, 0) for b in range(len(prompts))])
         tree = cls(cache, valid, [0] * len(prompts), attention_window(model.config))
         return tree, torch.stack(logits)
 
@@ -401,11 +413,51 @@ def _padded(inputs: dict[str, Any], width: int) -> dict[str, Any]:
             "attention_mask": repeat_last(inputs["attention_mask"], 2)}
 
 
-def _left_padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """[1, heads, n_b, D] tensors as one [B, heads, width, D], each right-aligned (zeros before
-    it: padding slots, masked as holes)."""
-    first = rows[0]
-    out = first.new_zeros(len(rows), first.shape[1], width, first.shape[3])
-    for b, row in enumerate(rows):
-        out[b, :, width - row.shape[2]:] = row[0]
-    return out
+def length_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Row indices in groups to prefill as one padded pass each, shortest rows first: a group
+    takes the next row while its padding stays within ``_PADDING_SHARE`` of its tokens plus
+    ``_PADDING_FREE`` (a few padded slots cost less than a pass of their own). Rows of one
+    length are one group."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    tokens = 0  # in the last group
+    for b in order:
+        if groups:
+            padding = lengths[b] * (len(groups[-1]) + 1) - (tokens + lengths[b])
+            if padding <= (tokens + lengths[b]) * _PADDING_SHARE + _PADDING_FREE:
+                groups[-1].append(b)
+                tokens += lengths[b]
+                continue
+        groups.append([b])
+        tokens = lengths[b]
+    return groups
+
+
+def _joined(parts: Sequence[tuple[Any, torch.Tensor]], rows: Sequence[tuple[int, int]]
+            ) -> tuple[Any, torch.Tensor]:
+    """One cache and its ``valid`` [B, width] from rows of others: ``rows`` names each row as
+    (part, row in it) of ``parts``, (cache, valid) pairs; each row is right-aligned, holes
+    before it. The parts' layers are released as they are copied (they are not used after),
+    so the join needs little more memory than the cache it makes."""
+    width = max(parts[p][1].shape[1] for p, _ in rows)
+    valid = parts[0][1].new_zeros(len(rows), width)
+    for b, (p, r) in enumerate(rows):
+        valid[b, width - parts[p][1].shape[1]:] = parts[p][1][r]
+    held = [layers(cache) if mask.shape[1] else None for cache, mask in parts]  # none if empty
+    cache = new_cache()
+    shapes = next(h for h in held if h is not None)
+    for index in range(len(shapes)):
+        joined = []
+        for name in ("keys", "values"):
+            like = getattr(shapes[index], name)
+            out = like.new_zeros(len(rows), like.shape[1], width, like.shape[3])
+            for b, (p, r) in enumerate(rows):
+                if held[p] is not None:
+                    row = getattr(held[p][index], name)[r]
+                    out[b, :, width - row.shape[1]:] = row
+            joined.append(out)
+        for h in held:
+            if h is not None:
+                h[index] = None  # the part's layer list is its cache's: this frees the layer
+        cache.update(*joined, index)
+    return cache, valid
