@@ -80,6 +80,7 @@ def test_a_bad_questions_file_is_one_paragraph(capsys, tmp_path, content, match)
 def test_draft_flags_are_checked_before_anything_loads(capsys, tiny_model_dir):
     for argv, match in ((("draft", "train", "--texts", "0"), "--texts must be at least 1"),
                         (("bench", "draft", "--layers", "0"), "--layers must be at least 1"),
+                        (("bench", "batch", "--batch", "0"), "--batch must be at least 1"),
                         (("draft", "train", "--model", tiny_model_dir, "--layers", "5"),
                          "An exit needs 1 <= layers < 2")):
         code, _, err = run(capsys, *argv)

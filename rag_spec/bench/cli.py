@@ -84,6 +84,13 @@ def add_bench_commands(commands: Any) -> None:
                          help="KV entries the self-draft reads per row (default 256)")
     longctx.add_argument("--json", dest="json_out", help="write the report here")
     longctx.set_defaults(run=_longctx)
+    batch = kinds.add_parser("batch", help="RAG questions answered in batches vs transformers")
+    batch.add_argument("--batch", type=int, default=4, help="rows per batch (default 4)")
+    batch.add_argument("--limit", type=int, default=None,
+                       help="use the first N RAG prompts (default: all)")
+    batch.add_argument("--max-new-tokens", type=int, default=64)
+    batch.add_argument("--json", dest="json_out", help="write the report here")
+    batch.set_defaults(run=_batch)
     floor = kinds.add_parser("floor", help="step costs against the memory-bandwidth floor")
     floor.add_argument("--dtype", type=_dtypes, default=("float32", "bfloat16"),
                        help="comma-separated (default float32,bfloat16)")
@@ -131,6 +138,18 @@ def _longctx(args: argparse.Namespace) -> int:
         raise RagSpecError(msg)
     run(batches=args.batch, contexts=args.context, max_new_tokens=args.max_new_tokens,
         budget=args.budget, json_out=args.json_out)
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from rag_spec.bench.batch import run
+
+    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    run(batch=args.batch, limit=args.limit, max_new_tokens=args.max_new_tokens,
+        json_out=args.json_out)
     return 0
 
 

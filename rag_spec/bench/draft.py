@@ -30,6 +30,8 @@ from rag_spec.bench.report import (
     median,
     padded_generate,
     publish,
+    rows_run,
+    rows_summary,
     save_figure,
 )
 from rag_spec.bench.report import setting as describe
@@ -78,13 +80,13 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
         for name, prompts in (("rag", rag), ("open_ended", open_ended)):
             print(f"{mode}, {name}: {len(prompts)} prompts")
             runs = interleaved(systems, [[p] for p in prompts])
-            report[mode][name] = _summarise(runs, check=not options)
+            report[mode][name] = rows_summary(runs, check=not options)
     if "batch" in modes:
         systems = _systems(lm, draft.model, adapter, head, max_new_tokens, {})
         batches = [rag[i:i + batch] for i in range(0, len(rag) - batch + 1, batch)] or [rag]
         print(f"greedy, batch {batch}: {len(batches)} batches")
         runs = interleaved({name: systems[name] for name in BATCH_SYSTEMS}, batches)
-        report[f"greedy_batch{batch}"] = {"rag": _summarise(runs, check=True)}
+        report[f"greedy_batch{batch}"] = {"rag": rows_summary(runs, check=True)}
     publish(report, json_out, "draft", _plot, _print_table)
     return report
 
@@ -131,13 +133,13 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
         rows = padded_generate(model, prompts, lm.tokenizer.pad_token_id,
                                max_new_tokens=max_new_tokens, **options, **kwargs)
         torch.random.set_rng_state(seed)
-        return _run(rows)
+        return rows_run(rows)
 
     def ours(decoder: Any) -> Callable[[list[list[int]]], Run]:
         def generate(prompts: list[list[int]]) -> Run:
             results = decoder.generate(prompts, max_new_tokens=max_new_tokens, seed=0, **options)
             results = results if isinstance(results, list) else [results]
-            return _run([r.token_ids for r in results], {
+            return rows_run([r.token_ids for r in results], {
                 "tokens_per_step": median([r.stats.tokens_per_step for r in results]),
                 "seconds_per_step": median([(r.stats.draft_seconds + r.stats.forward_seconds
                                              + r.stats.bookkeeping_seconds) / r.stats.steps
@@ -170,38 +172,6 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
             EarlyExitDrafter(layers, adapter=adapter))),
         "rag_spec_merged_draft_head": decoder(MergedDrafter(FeatureDrafter(head))),
     }
-
-
-def _run(rows: list[list[int]], extra: dict[str, Any] | None = None) -> Run:
-    """A run's tokens, all rows end to end (what tok/s counts), and each row's own."""
-    return Run(0.0, [t for row in rows for t in row], {"rows": rows, **(extra or {})})
-
-
-def _summarise(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
-    baseline = runs["hf"]
-    systems: dict[str, Any] = {}
-    for name, system_runs in runs.items():
-        tokens = [len(r.tokens) for r in system_runs]
-        speedups = [b.seconds / r.seconds * n / max(len(b.tokens), 1)
-                    for b, r, n in zip(baseline, system_runs, tokens)]
-        entry: dict[str, Any] = {
-            "tok_per_s": round(median([n / r.seconds for n, r in zip(tokens, system_runs)]), 2),
-            "speedup_vs_hf": round(median(speedups), 3),
-            "per_prompt_speedup": [round(s, 3) for s in speedups]}
-        if check:
-            entry["identical_to_hf"] = sum(r.extra["rows"] == b.extra["rows"]
-                                           for b, r in zip(baseline, system_runs))
-        for key in ("tokens_per_step", "seconds_per_step", "accepted_share"):
-            values = [r.extra[key] for r in system_runs if key in r.extra]
-            if values:
-                entry[key] = round(median(values), 4)
-        systems[name] = entry
-    for name, entry in systems.items():  # against each peer a user would pick instead
-        if name.startswith("rag_spec") and "hf_assisted" in systems:
-            entry["speedup_vs_hf_assisted"] = round(median([
-                a.seconds / r.seconds * len(r.tokens) / max(len(a.tokens), 1)
-                for a, r in zip(runs["hf_assisted"], runs[name])]), 3)
-    return {"prompts": len(baseline), "systems": systems}
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

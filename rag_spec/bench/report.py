@@ -190,3 +190,37 @@ def padded_generate(model: Any, prompts: Sequence[list[int]], pad_token_id: int,
         rows.append(row)
     return rows
 
+
+def rows_run(rows: list[list[int]], extra: dict[str, Any] | None = None) -> Run:
+    """A run's tokens, all rows end to end (what tok/s counts), and each row's own."""
+    return Run(0.0, [t for row in rows for t in row], {"rows": rows, **(extra or {})})
+
+
+def rows_summary(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
+    """Each system's ``rows_run`` runs against transformers' (``hf``), and against assisted
+    generation's (``hf_assisted``) where it ran: medians of per-item ratios, and with
+    ``check`` how many items gave every row generate's tokens."""
+    baseline = runs["hf"]
+    systems: dict[str, Any] = {}
+    for name, system_runs in runs.items():
+        tokens = [len(r.tokens) for r in system_runs]
+        speedups = [b.seconds / r.seconds * n / max(len(b.tokens), 1)
+                    for b, r, n in zip(baseline, system_runs, tokens)]
+        entry: dict[str, Any] = {
+            "tok_per_s": round(median([n / r.seconds for n, r in zip(tokens, system_runs)]), 2),
+            "speedup_vs_hf": round(median(speedups), 3),
+            "per_prompt_speedup": [round(s, 3) for s in speedups]}
+        if check:
+            entry["identical_to_hf"] = sum(r.extra["rows"] == b.extra["rows"]
+                                           for b, r in zip(baseline, system_runs))
+        for key in ("tokens_per_step", "seconds_per_step", "accepted_share", "prefill_seconds"):
+            values = [r.extra[key] for r in system_runs if key in r.extra]
+            if values:
+                entry[key] = round(median(values), 4)
+        systems[name] = entry
+    for name, entry in systems.items():  # against each peer a user would pick instead
+        if name.startswith("rag_spec") and "hf_assisted" in systems:
+            entry["speedup_vs_hf_assisted"] = round(median([
+                a.seconds / r.seconds * len(r.tokens) / max(len(a.tokens), 1)
+                for a, r in zip(runs["hf_assisted"], runs[name])]), 3)
+    return {"prompts": len(baseline), "systems": systems}
