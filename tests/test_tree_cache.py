@@ -117,6 +117,14 @@ def test_rows_of_very_different_lengths_prefill_in_groups_with_each_rows_tokens(
     assert passes == [[3, 29], [159, 169]]
 
 
+def test_a_group_of_one_token_prompts_has_no_prefix_and_joins_the_others():
+    model = tiny_llama(seed=2)
+    prompts = [[5], (repetitive_prompt(1) * 5)[:170], [7]]
+    assert tree_cache.length_groups([len(p) - 1 for p in prompts]) == [[0, 2], [1]]
+    results = LookaheadDecoder(model).generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+
+
 def test_models_with_mixed_attention_layers_are_refused_clearly():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
