@@ -1,5 +1,7 @@
-"""The tree KV cache: sliding-window models, bounded prefill masks, and refusals that name the
-fix for caches and attention kinds it cannot handle."""
+"""The tree KV cache: sliding-window models (every layer, or mixed with full layers), bounded
+prefill masks, and refusals that name the fix for caches and attention kinds it cannot handle."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import rag_spec.decoding.tree_cache as tree_cache
 from conftest import tiny_llama
 from rag_spec.decoding import LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
-from rag_spec.decoding.kv_cache import cache_argument
+from rag_spec.decoding.kv_cache import SlidingWindow, attention_window, cache_argument
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.decoding.tree_cache import TreeKVCache
 from rag_spec.errors import RagSpecError
@@ -125,14 +127,68 @@ def test_a_group_of_one_token_prompts_has_no_prefix_and_joins_the_others():
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
 
 
-def test_models_with_mixed_attention_layers_are_refused_clearly():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_mixed(kind: str, window: int = 6):
+    """Sliding-window layers (a window shorter than most prompts below) mixed with full ones:
+    Gemma 3's pattern, or Qwen2's first layers full (``max_window_layers``); the same weights
+    whatever the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(RagSpecError, match="full attention .* or all use one sliding window"):
-        LookaheadDecoder(Qwen2ForCausalLM(config).eval())
+    torch.manual_seed(11)
+    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.3,
+             "max_position_embeddings": 256, "pad_token_id": 0}
+    if kind == "gemma3":
+        kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        config = Gemma3TextConfig(**shape, head_dim=16, num_hidden_layers=4, sliding_window=window,
+                                  layer_types=kinds)
+        model = Gemma3ForCausalLM(config)
+    else:
+        config = Qwen2Config(**shape, num_hidden_layers=3, use_sliding_window=True,
+                             sliding_window=window, max_window_layers=1)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2"])
+def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch):
+    model = tiny_mixed(kind)
+    assert attention_window(model.config) == SlidingWindow(6, mixed=True)
+    per_kind = []
+    dense = TreeKVCache._dense
+    monkeypatch.setattr(TreeKVCache, "_dense", lambda cache, *args: per_kind.append(
+        out := dense(cache, *args)) or out)
+    prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 5, 70))]
+    expected = [hf_greedy(model, p, 30) for p in prompts]
+    decoder = LookaheadDecoder(model)
+    assert [decoder.generate(p, 30).token_ids for p in prompts] == expected
+    results = decoder.generate(prompts, 30)  # ragged: padded prefills, then one batch
+    assert [r.token_ids for r in results] == expected
+    # every pass with a dense mask gave one per layer kind, and the kinds' masks differed
+    assert per_kind and all(set(masks) == {"full_attention", "sliding_attention"}
+                            for masks in per_kind)
+    assert any(not torch.equal(masks["full_attention"], masks["sliding_attention"])
+               for masks in per_kind)
+    # and the window matters: the same weights attending in full decode something else
+    full = tiny_mixed(kind, window=256)
+    assert [hf_greedy(full, p, 30) for p in prompts] != expected
+
+
+def test_attention_kinds_the_masks_cannot_express_are_refused_with_the_reason():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(RagSpecError, match="soft-caps its attention logits"):
+        LookaheadDecoder(Gemma2ForCausalLM(config).eval())
+    chunked = SimpleNamespace(layer_types=["chunked_attention", "full_attention"],
+                              sliding_window=None)
+    with pytest.raises(RagSpecError, match="cannot mask yet .chunked_attention."):
+        attention_window(chunked)
+    assert attention_window(SimpleNamespace(sliding_window=8)) == SlidingWindow(8)  # Mistral
+    assert attention_window(SimpleNamespace(layer_types=["full_attention"] * 2,
+                                            sliding_window=8)) is None
 
 
 def test_a_cache_whose_layers_evict_entries_is_refused_with_the_fix():

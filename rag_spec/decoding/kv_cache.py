@@ -6,14 +6,17 @@ cache every step (at batch 16 x 4k context: 3 GB per step, 70% of its time).
 
 Speculation writes draft entries and then keeps only accepted ones, so every layer must hold
 every position: a sliding-window layer that drops old entries by itself would lose the slots
-being compacted. Sliding-window attention (Mistral-style) is therefore applied by the masks
-(``attention_window``), over full layers; other layer kinds are refused with a clear error.
+being compacted. Sliding-window attention is therefore applied by the masks
+(``attention_window``), over full layers: on every layer (Mistral) or on the sliding layers of
+models that mix them with full ones (Gemma 2 and 3, Qwen2's ``max_window_layers``); other layer
+kinds are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,26 +99,43 @@ def keep_batch_rows(cache: Any, index: torch.Tensor) -> None:
                                         for tensor in (layer.keys, layer.values))
 
 
-def attention_window(config: Any) -> int | None:
-    """The sliding window every layer of the model attends within, or None for full attention.
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A sliding attention window: a query sees the keys of the ``size`` latest positions up to
+    its own (transformers' rule), on every layer, or with ``mixed`` only on the layers of kind
+    ``"sliding_attention"``, the others attending in full (a mask per kind)."""
 
-    Raises RagSpecError for models whose layers differ (some sliding, some full) or use
-    attention kinds the decoder's masks do not express.
+    size: int
+    mixed: bool = False
+
+
+def attention_window(config: Any) -> SlidingWindow | None:
+    """The sliding window the model's layers attend within, or None for full attention.
+
+    Raises RagSpecError for attention the decoder's masks do not express: layer kinds other
+    than full and sliding, or soft-capped attention logits (Gemma 2).
     """
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
         else config
+    if getattr(config, "attn_logit_softcapping", None):
+        msg = (f"{type(config).__name__} soft-caps its attention logits, which rag-spec's "
+               "attention does not; use model.generate for this model (Gemma 3, Llama, Qwen "
+               "and Mistral models do not soft-cap).")
+        raise RagSpecError(msg)
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds:  # no per-layer types: a set window applies to every layer (Mistral)
-        return int(window) if window else None
+        return SlidingWindow(int(window)) if window else None
     unknown = kinds - set(_SUPPORTED_LAYERS)
-    if unknown or len(kinds) > 1:
-        msg = (f"{type(config).__name__} mixes or uses attention layer kinds rag-spec cannot "
-               f"mask yet ({', '.join(sorted(kinds))}); rag-spec supports models whose layers "
-               "all use full attention (Llama, Qwen2, SmolLM2, ...) or all use one sliding "
-               "window (Mistral). Use model.generate for this model.")
+    if unknown:
+        msg = (f"{type(config).__name__} has attention layers rag-spec cannot mask yet "
+               f"({', '.join(sorted(unknown))}); rag-spec supports full and sliding-window "
+               "attention layers (Llama, Qwen, Mistral, Gemma 3, ...). Use model.generate for "
+               "this model.")
         raise RagSpecError(msg)
-    return int(window) if kinds == {"sliding_attention"} and window else None
+    if "sliding_attention" not in kinds or not window:
+        return None
+    return SlidingWindow(int(window), mixed=len(kinds) > 1)
 
 
 def layers(cache: Any) -> list:

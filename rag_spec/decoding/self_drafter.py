@@ -72,8 +72,9 @@ class SelfSpecDrafter(ModelDrafter):
 
     def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
         if target.cache.window is not None:
-            msg = ("SelfSpecDrafter drafts through a sparse view of full attention; this model "
-                   "already attends within a sliding window. Use the default drafter.")
+            msg = ("SelfSpecDrafter drafts through a sparse view of full attention; this model's "
+                   "layers (all or some) attend within a sliding window. Use the default "
+                   "drafter.")
             raise RagSpecError(msg)
         batch = _SelfBatch(self, target, len(requests))
         self.last = batch.stats

@@ -23,6 +23,7 @@ import torch
 
 from rag_spec.decoding.compiled_step import rewind
 from rag_spec.decoding.kv_cache import (
+    SlidingWindow,
     attention_window,
     cache_argument,
     crop,
@@ -51,8 +52,9 @@ class TreeBatch:
     position_ids: torch.Tensor  # [B, N] committed length + depth
     # full attention: the compact mask (committed bits, the round's bits per token)
     mask: TreeMask | None
-    # sliding-window models: [B, 1, N, cache_len + N] additive float mask
-    attention_mask: torch.Tensor | None = None
+    # sliding-window models: [B, 1, N, cache_len + N] additive float mask, or one per layer
+    # kind where only some layers slide (``dense``)
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None
 
 
 class TreeKVCache:
@@ -67,7 +69,7 @@ class TreeKVCache:
     """
 
     def __init__(self, cache: Any, valid: torch.Tensor, roots: Sequence[int],
-                 window: int | None, capacity: int | None = None) -> None:
+                 window: SlidingWindow | None, capacity: int | None = None) -> None:
         layers(cache)  # refuses caches whose layers evict entries
         self.cache = cache
         self.capacity = capacity
@@ -158,7 +160,7 @@ class TreeKVCache:
         return tree, torch.stack(logits)
 
     @classmethod
-    def of_row(cls, cache: Any, root: int, window: int | None) -> TreeKVCache:
+    def of_row(cls, cache: Any, root: int, window: SlidingWindow | None) -> TreeKVCache:
         """A view of a one-row cache a caller manages, every slot committed."""
         length = cache.get_seq_length()
         return cls(cache, torch.ones(1, length, dtype=torch.bool), [root], window)
@@ -181,11 +183,12 @@ class TreeKVCache:
             keys = torch.arange(end, device=ids.device)[None, :]
             queries = torch.arange(start, end, device=ids.device)[:, None]
             allowed = (keys <= queries)[None] & self.valid[:, None, :end]
-            allowed &= self._in_window(slot_positions[:, start:end], slot_positions[:, :end])
             allowed |= (keys == queries)[None]  # padding sees itself: no NaN rows
+            mask = self._dense(allowed, slot_positions[:, start:end], slot_positions[:, :end],
+                               model.dtype)
             model(input_ids=ids[:, start:end], position_ids=positions[:, start:end],
-                  attention_mask=_additive(allowed, model.dtype), use_cache=True,
-                  **cache_argument(model, self.cache), **fill_only(model))
+                  attention_mask=mask, use_cache=True, **cache_argument(model, self.cache),
+                  **fill_only(model))
 
     def step(self, trees: Sequence[TokenTree], dtype: torch.dtype) -> TreeBatch:
         """Inputs for verifying ``trees`` (one per row, empty for none) below each root. Built
@@ -239,8 +242,8 @@ class TreeKVCache:
         prefix = self.valid[:, None, :].expand(batch, width, self.length)
         allowed = torch.cat([prefix, sees], dim=-1)
         kv_positions = torch.cat([self._slot_positions(), self._round_positions], dim=1)
-        allowed &= self._in_window(position_ids, kv_positions)
-        return TreeBatch(input_ids.to(device), position_ids, None, _additive(allowed, dtype))
+        return TreeBatch(input_ids.to(device), position_ids, None,
+                         self._dense(allowed, position_ids, kv_positions, dtype))
 
     def forward(self, runner: Any, batch: TreeBatch, features: bool = False) -> torch.Tensor:
         """Logits [B, W, vocab] of one pass over ``batch``, its KV entries written to the round.
@@ -375,14 +378,21 @@ class TreeKVCache:
         positions = self.valid.long().cumsum(-1) - 1
         return positions.masked_fill(~self.valid, -1)
 
-    def _in_window(self, query_positions: torch.Tensor, key_positions: torch.Tensor
-                   ) -> torch.Tensor:
-        """[B, q, kv] whether each key lies within the sliding window of each query (all True
-        for full attention): the key's position is greater than the query's minus the window,
-        transformers' rule."""
+    def _dense(self, allowed: torch.Tensor, query_positions: torch.Tensor,
+               key_positions: torch.Tensor, dtype: torch.dtype
+               ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive ``attention_mask`` of a pass whose queries see the keys ``allowed``
+        ([B, q, kv]), within the sliding window where layers slide (a key's position greater
+        than the query's minus the window, transformers' rule): one mask where every layer
+        attends alike, else one per layer kind, which transformers' models take as such."""
         if self.window is None:
-            return torch.ones((), dtype=torch.bool, device=key_positions.device)
-        return key_positions[:, None, :] > query_positions[:, :, None] - self.window
+            return _additive(allowed, dtype)
+        windowed = allowed & (key_positions[:, None, :]
+                              > query_positions[:, :, None] - self.window.size)
+        if not self.window.mixed:
+            return _additive(windowed, dtype)
+        return {"full_attention": _additive(allowed, dtype),
+                "sliding_attention": _additive(windowed, dtype)}
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, slots: int | None = None
