@@ -176,12 +176,14 @@ def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch)
 
 
 def test_attention_kinds_the_masks_cannot_express_are_refused_with_the_reason():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
 
-    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(RagSpecError, match="soft-caps its attention logits"):
-        LookaheadDecoder(Gemma2ForCausalLM(config).eval())
+    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for model in (Gemma2ForCausalLM(Gemma2Config(**shape)),  # soft-capped attention logits
+                  GptOssForCausalLM(GptOssConfig(**shape, num_local_experts=2))):  # sinks
+        with pytest.raises(RagSpecError, match="computes more than SDPA"):
+            LookaheadDecoder(model.eval())
     chunked = SimpleNamespace(layer_types=["chunked_attention", "full_attention"],
                               sliding_window=None)
     with pytest.raises(RagSpecError, match="cannot mask yet .chunked_attention."):

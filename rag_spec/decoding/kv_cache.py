@@ -112,16 +112,11 @@ class SlidingWindow:
 def attention_window(config: Any) -> SlidingWindow | None:
     """The sliding window the model's layers attend within, or None for full attention.
 
-    Raises RagSpecError for attention the decoder's masks do not express: layer kinds other
-    than full and sliding, or soft-capped attention logits (Gemma 2).
+    Raises RagSpecError for layer kinds the decoder's masks do not express (other than full
+    and sliding).
     """
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
         else config
-    if getattr(config, "attn_logit_softcapping", None):
-        msg = (f"{type(config).__name__} soft-caps its attention logits, which rag-spec's "
-               "attention does not; use model.generate for this model (Gemma 3, Llama, Qwen "
-               "and Mistral models do not soft-cap).")
-        raise RagSpecError(msg)
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds:  # no per-layer types: a set window applies to every layer (Mistral)

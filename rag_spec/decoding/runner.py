@@ -183,7 +183,16 @@ def _structure(model: Any) -> tuple[int, ...]:
 def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, set[int]]:
     """A copy of ``model``'s module tree sharing its parameters, with private attention configs
     (tree attention: exact, on our CPU kernel or on SDPA); also the ids of the copied modules
-    (the ones the runner may change)."""
+    (the ones the runner may change).
+
+    Tree attention computes what SDPA computes; a transformers model that declares SDPA cannot
+    compute its attention (attention sinks, soft-capped logits: GPT-OSS, Gemma 2) is refused
+    rather than decoded wrongly."""
+    if getattr(model, "_supports_sdpa", True) is False:
+        msg = (f"{type(model).__name__}'s attention computes more than SDPA does (attention "
+               "sinks or soft-capped logits, e.g. GPT-OSS and Gemma 2), which rag-spec's tree "
+               "attention does not; use model.generate for this model.")
+        raise RagSpecError(msg)
     implementation = register_tree_attention(exact, cpu_attention)
     memo: dict[int, Any] = {}
     configs: dict[int, Any] = {}
