@@ -175,15 +175,40 @@ def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch)
     assert [hf_greedy(full, p, 30) for p in prompts] != expected
 
 
-def test_attention_kinds_the_masks_cannot_express_are_refused_with_the_reason():
-    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+def test_a_model_whose_layers_drop_attention_keywords_still_gets_its_tree_masks():
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(11)  # StableLM's layers call attention without the forward's keywords
+    model = StableLmForCausalLM(StableLmConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+        pad_token_id=0)).eval()
+    model.generation_config.eos_token_id = None
+    prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 70))]
+    results = LookaheadDecoder(model).generate(prompts, 25)  # padding: holes tree masks skip
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
+
+
+def test_attention_the_masks_cannot_reach_or_express_is_refused_with_the_reason():
+    from transformers import (
+        FalconConfig,
+        FalconForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
+    )
 
     shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     for model in (Gemma2ForCausalLM(Gemma2Config(**shape)),  # soft-capped attention logits
                   GptOssForCausalLM(GptOssConfig(**shape, num_local_experts=2))):  # sinks
-        with pytest.raises(RagSpecError, match="computes more than SDPA"):
+        with pytest.raises(RagSpecError, match="not what SDPA computes"):
             LookaheadDecoder(model.eval())
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4)).eval()  # its own attention
+    with pytest.raises(RagSpecError, match="without transformers' attention functions"):
+        LookaheadDecoder(falcon).generate(repetitive_prompt(0), 5)
     chunked = SimpleNamespace(layer_types=["chunked_attention", "full_attention"],
                               sliding_window=None)
     with pytest.raises(RagSpecError, match="cannot mask yet .chunked_attention."):

@@ -38,6 +38,7 @@ from rag_spec_kernels.tree_attention import (
     reference_attention,
     register_tree_attention,
     tree_attention,
+    tree_pass,
 )
 
 __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "LinearStack",
@@ -46,4 +47,4 @@ __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "Lin
            "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
            "onednn_available", "onednn_ops_available", "onednn_packs", "pack_streamed",
            "pack_weight", "packed_linear", "reference_attention", "register_tree_attention",
-           "streamed_available", "streamed_linear", "tree_attention", "whole_rows"]
+           "streamed_available", "streamed_linear", "tree_attention", "tree_pass", "whole_rows"]

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.tree_attention import TreeMask, VisibleKeys, gather_keys, seen_keys
+from rag_spec_kernels.tree_attention import (
+    VisibleKeys,
+    gather_keys,
+    pass_mask,
+    seen_keys,
+)
 
 EXACT_TREE_ATTENTION = "rag_spec_tree_exact"
 _MOST_ROWS = 32  # row counts up to this are probed
@@ -36,8 +41,7 @@ _WHOLE = ContextVar("rag_spec_whole_rows", default=False)
 
 def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask: torch.Tensor | None,
-                         dropout: float = 0.0, scaling: float | None = None,
-                         tree_mask: TreeMask | None = None, **kwargs: Any
+                         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any
                          ) -> tuple[torch.Tensor, None]:
     """transformers attention interface, as ``tree_attention`` takes it; [B, q, heads, D].
 
@@ -50,6 +54,7 @@ def exact_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         return sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling,
                                       **kwargs)[0]
 
+    tree_mask = pass_mask()
     if tree_mask is None and attention_mask is None:
         return stock(query, key, value), None
     if tree_mask is not None:

@@ -20,6 +20,9 @@ One contract, three implementations: ``reference_attention`` (torch, on SDPA's f
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,18 +251,57 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.reshape(batch, heads, q_len, dim)
 
 
+@dataclass
+class TreePass:
+    """A forward pass in progress under a compact mask (``tree_pass``): the mask, and how many
+    attention calls applied it."""
+
+    mask: TreeMask
+    applied: int = 0
+
+
+_PASS: ContextVar[TreePass | None] = ContextVar("rag_spec_tree_pass", default=None)
+
+
+@contextmanager
+def tree_pass(mask: TreeMask) -> Iterator[TreePass]:
+    """Forward passes inside apply ``mask`` in every tree attention call.
+
+    The mask travels by context, not as a forward keyword: some models' layers do not hand
+    keywords on to their attention (StableLM's). ``applied`` counts the calls that took it;
+    none means the model computes attention without transformers' attention functions
+    (Falcon), so the mask was not applied."""
+    state = TreePass(mask)
+    token = _PASS.set(state)
+    try:
+        yield state
+    finally:
+        _PASS.reset(token)
+
+
+def pass_mask() -> TreeMask | None:
+    """The compact mask of the pass in progress (counted as applied once more), or None; None
+    while compiling (compiled steps take dense masks)."""
+    if torch.compiler.is_compiling():
+        return None
+    state = _PASS.get()
+    if state is None:
+        return None
+    state.applied += 1
+    return state.mask
+
+
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None,
                    dropout: float = 0.0, scaling: float | None = None,
-                   tree_mask: TreeMask | None = None, cpu_kernel: bool = True, **kwargs: Any
-                   ) -> tuple[torch.Tensor, None]:
+                   cpu_kernel: bool = True, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface.
 
     Args:
         query: [B, heads, q, D]; key, value: [B, kv_heads, kv, D].
         attention_mask: [B, 1, q, kv] bool mask, or additive float one of 0 or the dtype's
-            minimum (rag-spec's own); None: causal. Ignored when ``tree_mask`` is given (a
-            speculative step's compact mask, passed as a forward keyword).
+            minimum (rag-spec's own); None: causal. Ignored inside ``tree_pass`` (a
+            speculative step's compact mask).
         cpu_kernel: on the CPU, run tree-masked steps, and dense-masked passes of up to
             ``DENSE_KERNEL_QUERIES`` queries (compiled steps), on our kernel where it fits
             (else SDPA).
@@ -267,6 +309,7 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     Returns:
         ([B, q, heads, D], None), as every transformers attention function returns.
     """
+    tree_mask = pass_mask()
     if tree_mask is not None:
         out = _kernel(query, key, cpu_kernel)(query, key, value, tree_mask, scaling,
                                                    layer=module)

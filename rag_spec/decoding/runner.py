@@ -186,12 +186,12 @@ def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, se
     (the ones the runner may change).
 
     Tree attention computes what SDPA computes; a transformers model that declares SDPA cannot
-    compute its attention (attention sinks, soft-capped logits: GPT-OSS, Gemma 2) is refused
-    rather than decoded wrongly."""
+    compute its attention (ALiBi biases, attention sinks, soft-capped logits: Bloom, GPT-OSS,
+    Gemma 2) is refused rather than decoded wrongly."""
     if getattr(model, "_supports_sdpa", True) is False:
-        msg = (f"{type(model).__name__}'s attention computes more than SDPA does (attention "
-               "sinks or soft-capped logits, e.g. GPT-OSS and Gemma 2), which rag-spec's tree "
-               "attention does not; use model.generate for this model.")
+        msg = (f"{type(model).__name__}'s attention is not what SDPA computes (ALiBi biases, "
+               "attention sinks or soft-capped logits: Bloom, GPT-OSS, Gemma 2), and rag-spec's "
+               "tree attention computes SDPA's; use model.generate for this model.")
         raise RagSpecError(msg)
     implementation = register_tree_attention(exact, cpu_attention)
     memo: dict[int, Any] = {}

@@ -34,7 +34,7 @@ from rag_spec.decoding.kv_cache import (
 )
 from rag_spec.decoding.tree import TokenTree
 from rag_spec.errors import RagSpecError
-from rag_spec_kernels import SparseView, TreeMask, whole_rows
+from rag_spec_kernels import SparseView, TreeMask, tree_pass, whole_rows
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single
 # pass over a 16 x 4096 batch would need a [16, 1, 4096, 4096] float mask: 1 GB).
@@ -247,22 +247,29 @@ class TreeKVCache:
 
     def forward(self, runner: Any, batch: TreeBatch, features: bool = False) -> torch.Tensor:
         """Logits [B, W, vocab] of one pass over ``batch``, its KV entries written to the round.
-        The compact mask goes to runners whose attention is ``tree_attention``; others (a
-        user's wrapped module) get it spelled out as a dense mask. With ``features`` the pass
-        also keeps the model's last hidden states, and ``keep`` the ones before the new roots.
+        The compact mask goes to runners whose attention is ``tree_attention`` (``tree_pass``);
+        others (a user's wrapped module) get it spelled out as a dense mask. With ``features``
+        the pass also keeps the model's last hidden states, and ``keep`` the ones before the
+        new roots.
         """
         if self.capacity is not None:
             return self._forward_static(runner, batch, features)
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+                  **cache_argument(runner, self.cache)}
         if batch.mask is None:
-            masks: dict[str, Any] = {"attention_mask": batch.attention_mask}
-        elif runner.tree_attention:
-            masks = {"tree_mask": batch.mask}
-        else:
+            return self._eager(runner, features, attention_mask=batch.attention_mask, **inputs)
+        if not runner.tree_attention:
             allowed = batch.mask.over_cache(self.length)
-            masks = {"attention_mask": _additive(allowed, runner.dtype)}
-        return self._eager(runner, features, input_ids=batch.input_ids,
-                           position_ids=batch.position_ids,
-                           **cache_argument(runner, self.cache), **masks)
+            return self._eager(runner, features, attention_mask=_additive(allowed, runner.dtype),
+                               **inputs)
+        with tree_pass(batch.mask) as applied:
+            logits = self._eager(runner, features, **inputs)
+        if not applied.applied:
+            msg = (f"{type(runner.module).__name__} computes attention without transformers' "
+                   "attention functions, so rag-spec's tree masks cannot reach it; use "
+                   "model.generate for this model.")
+            raise RagSpecError(msg)
+        return logits
 
     def _eager(self, runner: Any, features: bool, **inputs: Any) -> torch.Tensor:
         """A pass through ``runner`` itself; with ``features``, its last hidden states kept
