@@ -1,0 +1,50 @@
+"""Architectures beyond Llama decode as ``generate`` does, in ragged batches (padding leaves
+holes the masks must skip). Each family exercises something the decoder must not break: QK
+norms, learned absolute positions, parallel residuals, partial rotary embeddings, layers
+without rotary embeddings, scaled embeddings and logits, mixtures of experts, and sliding
+windows on every layer or mixed with full layers. (Llama, Mistral, Gemma 3, Qwen2's mixed
+layers and StableLM are in ``test_tree_cache``.)"""
+
+import pytest
+import torch
+import transformers
+
+from rag_spec.decoding import LookaheadDecoder
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "initializer_range": 0.3, "pad_token_id": 0}
+MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
+FAMILIES = {  # name: (config class, model class, settings beyond SHAPE)
+    "qwen3 (QK norms)": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "phi3 (sliding window)": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 7}),
+    "smollm3 (layers without rotary)": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "cohere2 (mixed sliding layers)": ("Cohere2Config", "Cohere2ForCausalLM",
+                                       {"sliding_window": 6, "layer_types": MIXED}),
+    "granite (scaled embeddings, logits)": ("GraniteConfig", "GraniteForCausalLM",
+                                            {"embedding_multiplier": 2.0,
+                                             "attention_multiplier": 0.3,
+                                             "residual_multiplier": 0.5,
+                                             "logits_scaling": 2.0}),
+    "mixtral (experts, sliding window)": ("MixtralConfig", "MixtralForCausalLM",
+                                          {"num_local_experts": 2, "sliding_window": 6}),
+    "phi (partial rotary)": ("PhiConfig", "PhiForCausalLM", {}),
+    "gpt-neox (parallel residual)": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gpt2 (learned positions)": ("GPT2Config", "GPT2LMHeadModel", {"n_positions": 256}),
+    "opt (learned positions, offset)": ("OPTConfig", "OPTForCausalLM",
+                                        {"ffn_dim": 64, "word_embed_proj_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_ragged_batch_decodes_as_generate(family):
+    config_class, model_class, settings = FAMILIES[family]
+    torch.manual_seed(11)
+    config = getattr(transformers, config_class)(**SHAPE, **settings)
+    model = getattr(transformers, model_class)(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 70))]
+    results = LookaheadDecoder(model).generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
