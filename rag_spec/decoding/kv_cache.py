@@ -8,8 +8,8 @@ Speculation writes draft entries and then keeps only accepted ones, so every lay
 every position: a sliding-window layer that drops old entries by itself would lose the slots
 being compacted. Sliding-window attention is therefore applied by the masks
 (``attention_window``), over full layers: on every layer (Mistral) or on the sliding layers of
-models that mix them with full ones (Gemma 2 and 3, Qwen2's ``max_window_layers``); other layer
-kinds are refused with a clear error.
+models that mix them with full ones (Gemma 3, Cohere2, Qwen2's ``max_window_layers``); other
+layer kinds are refused with a clear error.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class TreeBatch:
     # full attention: the compact mask (committed bits, the round's bits per token)
     mask: TreeMask | None
     # sliding-window models: [B, 1, N, cache_len + N] additive float mask, or one per layer
-    # kind where only some layers slide (``dense``)
+    # kind where only some layers slide (``_dense``)
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None
 
 
@@ -262,9 +262,9 @@ class TreeKVCache:
             allowed = batch.mask.over_cache(self.length)
             return self._eager(runner, features, attention_mask=_additive(allowed, runner.dtype),
                                **inputs)
-        with tree_pass(batch.mask) as applied:
+        with tree_pass(batch.mask) as current:
             logits = self._eager(runner, features, **inputs)
-        if not applied.applied:
+        if not current.applied:
             msg = (f"{type(runner.module).__name__} computes attention without transformers' "
                    "attention functions, so rag-spec's tree masks cannot reach it; use "
                    "model.generate for this model.")
