@@ -87,6 +87,17 @@ def test_draft_flags_are_checked_before_anything_loads(capsys, tiny_model_dir):
         assert code == 2 and match in err and "Traceback" not in err
 
 
+def test_the_lookahead_bench_runs_the_model_it_is_given(capsys, monkeypatch):
+    import rag_spec.bench.lookahead as lookahead
+
+    given = {}
+    monkeypatch.setattr(lookahead, "run", lambda **options: given.update(options))
+    code, _, _ = run(capsys, "bench", "lookahead", "--model", "my/model", "--limit", "2")
+    assert code == 0 and given["model_name"] == "my/model" and given["limit"] == 2
+    run(capsys, "bench", "lookahead")
+    assert given["model_name"] == "smollm2-135m-instruct"
+
+
 def test_milvus_index_build_and_its_flags(capsys, tmp_path):
     pytest.importorskip("milvus_lite")
     from rag_spec.retrieval.milvus_lite import LiteServer

@@ -12,10 +12,15 @@ DRAFT_MODES = ("greedy", "sampling", "batch")  # the runs of ``bench draft``
 
 
 def add_bench_commands(commands: Any) -> None:
+    from rag_spec.models.registry import DEFAULT_MODEL
+
     bench = commands.add_parser("bench", help="benchmarks against the peers")
     kinds = bench.add_subparsers(required=True, metavar="BENCHMARK")
     lookahead = kinds.add_parser("lookahead", help="speculative decoding vs transformers")
     lookahead.add_argument("--prompts", help="JSON list of prompts (default: built-in RAG QA)")
+    lookahead.add_argument("--model", default=DEFAULT_MODEL,
+                           help="embedded name or model folder: your model's tokens against "
+                                "generate's, and its speed")
     lookahead.add_argument("--json", dest="json_out", help="write the report here")
     lookahead.add_argument("--max-new-tokens", type=int, default=128)
     lookahead.add_argument("--limit", type=int, default=None, help="use the first N prompts")
@@ -157,7 +162,8 @@ def _lookahead(args: argparse.Namespace) -> int:
     from rag_spec.bench.lookahead import run
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, dtype=args.dtype, compiled=args.compiled, draft_head=args.draft_head)
+        limit=args.limit, model_name=args.model, dtype=args.dtype, compiled=args.compiled,
+        draft_head=args.draft_head)
     return 0
 
 
