@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import rag_spec.decoding.tree_cache as tree_cache
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadDecoder
+from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.kv_cache import SlidingWindow, attention_window, cache_argument
 from rag_spec.decoding.tree import TokenTree
@@ -173,6 +173,18 @@ def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch)
     # and the window matters: the same weights attending in full decode something else
     full = tiny_mixed(kind, window=256)
     assert [hf_greedy(full, p, 30) for p in prompts] != expected
+
+
+def test_a_model_mixing_sliding_and_full_layers_samples_as_plain_sampling():
+    from test_sampling import KNOBS, PROMPT, N, assert_plain_sampling
+
+    model = tiny_mixed("gemma3")  # its window (6) is shorter than the prompt (9 tokens)
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False))
+    decoder.drafter.remember(PROMPT + decoder.generate(PROMPT, max_new_tokens=3).token_ids)
+    results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=99,
+                               **KNOBS["temperature"])
+    assert sum(sum(r.stats.accepted_per_step) for r in results) > N // 10  # drafts were kept
+    assert_plain_sampling(model, results, KNOBS["temperature"])
 
 
 def test_a_model_whose_layers_drop_attention_keywords_still_gets_its_tree_masks():
