@@ -17,6 +17,12 @@ CHARS = string.ascii_lowercase + " .,!?\n"
 USER_CACHE = os.environ.get("RAG_SPEC_CACHE")  # before the fixtures below redirect it
 
 
+# A tiny random model's shape, for any transformers family (its config's own names)
+TINY_SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "initializer_range": 0.3, "pad_token_id": 0}
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 64, init: float = 0.3, layers: int = 2,
                eos: int | None = None, window: int = 256, hidden: int = 32):
     """A 2-layer Llama with grouped-query attention and peaked logits (few near ties)."""

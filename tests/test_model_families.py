@@ -2,19 +2,17 @@
 holes the masks must skip). Each family exercises something the decoder must not break: QK
 norms, learned absolute positions, parallel residuals, partial rotary embeddings, layers
 without rotary embeddings, scaled embeddings and logits, mixtures of experts, and sliding
-windows on every layer or mixed with full layers. (Llama, Mistral, Gemma 3, Qwen2's mixed
-layers and StableLM are in ``test_tree_cache``.)"""
+windows on every layer or mixed with full layers, and layers that do not hand keywords on to
+their attention. (Llama, Mistral, Gemma 3 and Qwen2's mixed layers are in ``test_tree_cache``.)"""
 
 import pytest
 import torch
 import transformers
 
+from conftest import TINY_SHAPE
 from rag_spec.decoding import LookaheadDecoder
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
-SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-         "initializer_range": 0.3, "pad_token_id": 0}
 MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
 FAMILIES = {  # name: (config class, model class, settings beyond SHAPE)
     "qwen3 (QK norms)": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
@@ -34,6 +32,8 @@ FAMILIES = {  # name: (config class, model class, settings beyond SHAPE)
     "gpt2 (learned positions)": ("GPT2Config", "GPT2LMHeadModel", {"n_positions": 256}),
     "opt (learned positions, offset)": ("OPTConfig", "OPTForCausalLM",
                                         {"ffn_dim": 64, "word_embed_proj_dim": 32}),
+    # its layers call attention without the forward's keywords: tree masks go by context
+    "stablelm (layers drop keywords)": ("StableLmConfig", "StableLmForCausalLM", {}),
 }
 
 
@@ -41,7 +41,7 @@ FAMILIES = {  # name: (config class, model class, settings beyond SHAPE)
 def test_a_ragged_batch_decodes_as_generate(family):
     config_class, model_class, settings = FAMILIES[family]
     torch.manual_seed(11)
-    config = getattr(transformers, config_class)(**SHAPE, **settings)
+    config = getattr(transformers, config_class)(**TINY_SHAPE, **settings)
     model = getattr(transformers, model_class)(config).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None

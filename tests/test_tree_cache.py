@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rag_spec.decoding.tree_cache as tree_cache
-from conftest import tiny_llama
+from conftest import TINY_SHAPE, tiny_llama
 from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
 from rag_spec.decoding.budget import AdaptiveBudget
 from rag_spec.decoding.kv_cache import SlidingWindow, attention_window, cache_argument
@@ -134,17 +134,14 @@ def tiny_mixed(kind: str, window: int = 6):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(11)
-    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.3,
-             "max_position_embeddings": 256, "pad_token_id": 0}
     if kind == "gemma3":
         kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-        config = Gemma3TextConfig(**shape, head_dim=16, num_hidden_layers=4, sliding_window=window,
-                                  layer_types=kinds)
+        config = Gemma3TextConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, head_dim=16,
+                                  sliding_window=window, layer_types=kinds)
         model = Gemma3ForCausalLM(config)
     else:
-        config = Qwen2Config(**shape, num_hidden_layers=3, use_sliding_window=True,
-                             sliding_window=window, max_window_layers=1)
+        config = Qwen2Config(**TINY_SHAPE, use_sliding_window=True, sliding_window=window,
+                             max_window_layers=1)
         model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
@@ -187,20 +184,6 @@ def test_a_model_mixing_sliding_and_full_layers_samples_as_plain_sampling():
     assert_plain_sampling(model, results, KNOBS["temperature"])
 
 
-def test_a_model_whose_layers_drop_attention_keywords_still_gets_its_tree_masks():
-    from transformers import StableLmConfig, StableLmForCausalLM
-
-    torch.manual_seed(11)  # StableLM's layers call attention without the forward's keywords
-    model = StableLmForCausalLM(StableLmConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-        pad_token_id=0)).eval()
-    model.generation_config.eos_token_id = None
-    prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 70))]
-    results = LookaheadDecoder(model).generate(prompts, 25)  # padding: holes tree masks skip
-    assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
-
-
 def test_attention_the_masks_cannot_reach_or_express_is_refused_with_the_reason():
     from transformers import (
         FalconConfig,
@@ -211,14 +194,12 @@ def test_attention_the_masks_cannot_reach_or_express_is_refused_with_the_reason(
         GptOssForCausalLM,
     )
 
-    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-    for model in (Gemma2ForCausalLM(Gemma2Config(**shape)),  # soft-capped attention logits
-                  GptOssForCausalLM(GptOssConfig(**shape, num_local_experts=2))):  # sinks
+    for model in (Gemma2ForCausalLM(Gemma2Config(**TINY_SHAPE, head_dim=8)),  # soft-capping
+                  GptOssForCausalLM(GptOssConfig(**TINY_SHAPE, head_dim=8,
+                                                 num_local_experts=2))):  # attention sinks
         with pytest.raises(RagSpecError, match="not what SDPA computes"):
             LookaheadDecoder(model.eval())
-    falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                            num_attention_heads=4)).eval()  # its own attention
+    falcon = FalconForCausalLM(FalconConfig(**TINY_SHAPE)).eval()  # its own attention
     with pytest.raises(RagSpecError, match="without transformers' attention functions"):
         LookaheadDecoder(falcon).generate(repetitive_prompt(0), 5)
     chunked = SimpleNamespace(layer_types=["chunked_attention", "full_attention"],
