@@ -40,7 +40,7 @@ bench-draft: pull  ## draft models and early exits vs transformers' assisted gen
 # the Triton kernel's and CUDA graphs' tests on the GPU, then greedy identity, speculative
 # sampling, speed and step costs on a random Llama-3-8B-shaped model (report: gpu-check.json).
 gpu-check:
-	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m pytest -q -p no:cacheprovider -k gpu tests/test_tree_mask_attention.py tests/test_compiled_step.py
+	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m pytest -q -p no:cacheprovider -k gpu tests/test_tree_mask_attention.py tests/test_model_families.py tests/test_compiled_step.py
 	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m rag_spec.bench.gpu_check --json gpu-check.json
 
 clean:

@@ -37,14 +37,37 @@ FAMILIES = {  # name: (config class, model class, settings beyond SHAPE)
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_ragged_batch_decodes_as_generate(family):
+PROMPTS = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 70))]
+
+
+def tiny_family(family: str):
     config_class, model_class, settings = FAMILIES[family]
     torch.manual_seed(11)
     config = getattr(transformers, config_class)(**TINY_SHAPE, **settings)
     model = getattr(transformers, model_class)(config).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
-    prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 70))]
-    results = LookaheadDecoder(model).generate(prompts, 20)
-    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+    return model
+
+
+def decodes_as_generate(model) -> bool:
+    results = LookaheadDecoder(model).generate(PROMPTS, 20)
+    return [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_ragged_batch_decodes_as_generate(family):
+    assert decodes_as_generate(tiny_family(family))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (make gpu-check runs it)")
+def test_on_a_gpu_every_family_decodes_as_generate():
+    """The GPU's kernels (Triton tree attention, SDPA's CUDA backends) reached through each
+    family's attention, float32, with Gemma 3's per-kind dense masks among them."""
+    from test_tree_cache import tiny_mixed
+
+    models = {family: lambda f=family: tiny_family(f) for family in FAMILIES}
+    models["gemma3 (mixed sliding layers)"] = lambda: tiny_mixed("gemma3")
+    differing = [name for name, build in models.items()
+                 if not decodes_as_generate(build().cuda())]
+    assert differing == []
