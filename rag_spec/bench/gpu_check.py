@@ -32,6 +32,7 @@ the check exits non-zero.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import traceback
@@ -417,7 +418,8 @@ def _sync(model: Any) -> None:
 
 @torch.inference_mode()
 def _attention_kernel(target: Any, batch: int, context: int) -> dict[str, Any]:
-    """Triton vs the torch reference (max error) and the three side by side (ms per call)."""
+    """Triton vs the torch reference (max error), and it, the reference, transformers' SDPA
+    path and torch's flex attention side by side (ms per call)."""
     from rag_spec_kernels.triton_tree_attention import triton_available
 
     if target.device.type != "cuda" or not triton_available():
@@ -464,7 +466,51 @@ def _kernel_case(target: Any, batch: int, context: int, q_len: int, sparse: bool
             "triton_ms": _timed(target, lambda: triton_tree_attention(query, key, value, mask)),
             "reference_ms": _timed(target, lambda: reference_attention(query, key, value, mask,
                                                                        layer=0)),
-            "stock_sdpa_ms": _timed(target, stock)}
+            "stock_sdpa_ms": _timed(target, stock),
+            **_flex_case(target, query, key, value, mask, expected)}
+
+
+def _flex_case(target: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: Any, expected: torch.Tensor) -> dict[str, Any]:
+    """Flex attention's error and time on a kernel case, and its block mask's time (a step
+    builds one); its failure is reported, not raised (the other kernels' figures stand)."""
+    context, q_len = key.shape[2] - query.shape[2], query.shape[2]
+    try:
+        flex, block_mask = _flex_attention(), _block_mask(mask, context, q_len)
+        got = flex(query, key, value, block_mask=block_mask, enable_gqa=True)
+        return {"flex_max_error": round(float((got.float() - expected).abs().max()), 5),
+                "flex_ms": _timed(target, lambda: flex(query, key, value, block_mask=block_mask,
+                                                       enable_gqa=True)),
+                "flex_block_mask_ms": _timed(target, lambda: _block_mask(mask, context, q_len))}
+    except Exception as error:  # noqa: BLE001 - a torch version without it, a shape it refuses
+        return {"flex_error": f"{type(error).__name__}: {str(error)[:300]}"}
+
+
+@functools.cache
+def _flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _block_mask(mask: Any, context: int, q_len: int) -> Any:
+    """Flex attention's block mask saying what ``mask`` says over the whole cache: a sparse
+    view's slots are the only committed ones it lets through, so flex skips the blocks between
+    the sinks and the window, as the kernels skip those slots."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    allowed = mask.committed
+    if mask.select is not None:
+        allowed = torch.zeros(mask.committed.shape[0], context, dtype=torch.bool,
+                              device=allowed.device).scatter(1, mask.select, mask.committed)
+    recent = mask.recent
+
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        past = allowed[b, kv.clamp(max=context - 1)] & (kv < context)
+        return past | (recent[b, q, (kv - context).clamp(min=0)] & (kv >= context))
+
+    return create_block_mask(mask_mod, allowed.shape[0], None, q_len, context + q_len,
+                             device=allowed.device)
 
 
 def _timed(target: Any, call: Any, repeats: int = 10) -> float:
