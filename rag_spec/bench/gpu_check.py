@@ -547,14 +547,48 @@ def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Speed against ``generate`` (hatched: output not identical to it) and step costs by
-    width, where the report has them; nothing without matplotlib (a GPU machine may lack it)
-    or without either."""
+    """One panel per thing the report measured: speed against ``generate`` (hatched: output
+    not identical to it), step costs by width, attention kernels' times; nothing without
+    matplotlib (a GPU machine may lack it) or without any of them."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("gpu-check: no matplotlib, no plot")
         return
+    panels = [draw for draw in (_race_panel(report), _steps_panel(report),
+                                _kernel_panel(report)) if draw is not None]
+    if not panels:
+        return  # nothing this report measured is drawn
+    fig, axes = figure(len(panels), (6.5 * len(panels), 4.5), squeeze=False)
+    for draw, axis in zip(panels, axes[0]):
+        draw(axis)
+    weights = "random weights" if report["shape"] in ("tiny", "Llama-3-8B") else "its weights"
+    save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, {weights}), "
+                           f"{report['dtype']}, {report['device']}")
+
+
+def _race_panel(report: dict[str, Any]) -> Any:
+    races = [(label.format(name), entry, report[section]["prompts"])
+             for section, label in (("speed", "{}"), ("compiled_speed", "{} (compiled race)"))
+             for name, entry in report.get(section, {}).items()
+             if isinstance(entry, dict) and "speedup_vs_hf" in entry]
+    if not races:
+        return None
+
+    def draw(axis: Any) -> None:
+        bars = axis.barh([label for label, _, _ in races],
+                         [e["speedup_vs_hf"] for _, e, _ in races])
+        for bar, (_, entry, prompts) in zip(bars, races):
+            if entry["identical_to_hf"] < prompts:
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+        axis.axvline(1.0, color="k", lw=0.8)
+        axis.invert_yaxis()
+        axis.set_xlabel("speed vs generate (median per prompt; hatched: not identical)")
+    return draw
+
+
+def _steps_panel(report: dict[str, Any]) -> Any:
     steps = report.get("step_ms", {})
     lines = {label: sorted((int(k[len(prefix):]), v) for k, v in steps.items()
                            if k.startswith(prefix) and k[len(prefix):].isdigit())
@@ -565,30 +599,41 @@ def plot(report: dict[str, Any], path: Path) -> None:
                        ("compiled_ms", "ours, compiled (compiled_step)")):
         lines[label] = sorted((int(k), v) for k, v in compiled.get(key, {}).items())
     lines = {label: points for label, points in lines.items() if points}
-    races = [(label.format(name), entry, report[section]["prompts"])
-             for section, label in (("speed", "{}"), ("compiled_speed", "{} (compiled race)"))
-             for name, entry in report.get(section, {}).items()
-             if isinstance(entry, dict) and "speedup_vs_hf" in entry]
-    if not (races or lines):
-        return  # nothing this report measured is drawn
-    fig, (left, right) = figure(2, (13, 4.5))
-    bars = left.barh([label for label, _, _ in races], [e["speedup_vs_hf"] for _, e, _ in races])
-    for bar, (_, entry, prompts) in zip(bars, races):
-        if entry["identical_to_hf"] < prompts:
-            bar.set_hatch("//")
-            bar.set_alpha(0.5)
-    left.axvline(1.0, color="k", lw=0.8)
-    left.invert_yaxis()
-    left.set_xlabel("speed vs generate (median per prompt; hatched: not identical)")
-    for label, points in lines.items():
-        right.plot(*zip(*points), marker="o", label=label)
-    right.set_xlabel("tokens in the step")
-    right.set_ylabel("ms per step")
-    if lines:
-        right.legend()
-    weights = "random weights" if report["shape"] in ("tiny", "Llama-3-8B") else "its weights"
-    save_figure(fig, path, f"{report['shape']} ({report['layers']} layers, {weights}), "
-                           f"{report['dtype']}, {report['device']}")
+    if not lines:
+        return None
+
+    def draw(axis: Any) -> None:
+        for label, points in lines.items():
+            axis.plot(*zip(*points), marker="o", label=label)
+        axis.set_xlabel("tokens in the step")
+        axis.set_ylabel("ms per step")
+        axis.legend()
+    return draw
+
+
+def _kernel_panel(report: dict[str, Any]) -> Any:
+    kernels = report.get("attention_kernel", {})
+    cases = [name for name, entry in kernels.items()
+             if isinstance(entry, dict) and "triton_ms" in entry]
+    if not cases:
+        return None
+    systems = {key: label for key, label in (
+        ("triton_ms", "ours, Triton"), ("reference_ms", "ours, torch reference"),
+        ("flex_ms", "flex attention"), ("stock_sdpa_ms", "transformers' SDPA path"))
+        if any(key in kernels[case] for case in cases)}
+
+    def draw(axis: Any) -> None:
+        width = 0.8 / len(systems)
+        for i, (key, label) in enumerate(systems.items()):
+            axis.bar([c + i * width for c in range(len(cases))],
+                     [kernels[case].get(key, 0.0) for case in cases], width, label=label)
+        axis.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                        [case.replace("_tokens", " tok").replace("_sparse_view", ", sparse")
+                         for case in cases])
+        axis.set_ylabel(f"ms per attention call (batch {kernels['batch']}, "
+                        f"{kernels['context']} keys)")
+        axis.legend()
+    return draw
 
 
 if __name__ == "__main__":
