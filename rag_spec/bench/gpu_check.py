@@ -17,10 +17,11 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   exact numerics) at a long context;
 - a compiled step (``torch.compile`` over a static cache) against our eager one, 1 to 17 tokens
   wide, at that context, with its logits' error against the model's own;
-- the tree-attention kernel (Triton) against its torch reference and against transformers'
-  attention (KV heads repeated, a dense mask) at batch 16 and a long context, chains of 1 to 8
-  tokens and a StreamingLLM selection; and self-speculation's steps at that batch: a one-token
-  step, a 4-token verification, a draft pass through the sparse view.
+- the tree-attention kernel (Triton) against its torch reference, transformers' attention (KV
+  heads repeated, a dense mask) and torch's flex attention (with its block mask) at batch 16
+  and a long context, chains of 1 to 8 tokens and a StreamingLLM selection; and
+  self-speculation's steps at that batch: a one-token step, a 4-token verification, a draft
+  pass through the sparse view.
 
 Random weights make near ties rarer than a trained model's; peaked logits (a large
 initializer) keep greedy decoding stable under bf16. Run ``python -m rag_spec.bench.gpu_check
