@@ -317,22 +317,11 @@ def test_the_gpu_check_runs_on_a_tiny_model():
 def test_the_gpu_checks_flex_block_mask_says_what_the_tree_mask_says(q_len, sparse):
     from torch.nn.attention.flex_attention import flex_attention
 
-    from rag_spec.bench.gpu_check import _block_mask
-    from rag_spec_kernels import SparseView, TreeMask, reference_attention
+    from rag_spec.bench.gpu_check import _block_mask, kernel_inputs
+    from rag_spec_kernels import reference_attention
 
-    batch, context = 2, 300
-    g = torch.Generator().manual_seed(q_len)
-    query = torch.randn(batch, 4, q_len, 16, generator=g)
-    key, value = (torch.randn(batch, 2, context + q_len, 16, generator=g) for _ in range(2))
-    committed = torch.ones(batch, context, dtype=torch.bool)
-    committed[:, :17] = False  # left padding
-    view = None
-    if sparse:  # sinks after the padding and a recent window: flex skips the blocks between
-        view = SparseView(torch.cat([torch.arange(17, 21),
-                                     torch.arange(context - 40, context)]).repeat(batch, 1))
-        committed = committed.gather(1, view.select)
-    mask = TreeMask(committed, torch.ones(q_len, q_len, dtype=torch.bool).tril().expand(
-        batch, -1, -1), view)
+    context = 300  # a sparse view of 4 sinks and 252 recent slots: blocks between skipped
+    query, key, value, mask = kernel_inputs(2, 4, 2, 16, context, q_len, sparse)
     got = flex_attention(query, key, value, block_mask=_block_mask(mask, context, q_len),
                          enable_gqa=True)
     torch.testing.assert_close(got, reference_attention(query, key, value, mask))

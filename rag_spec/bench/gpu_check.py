@@ -432,27 +432,39 @@ def _attention_kernel(target: Any, batch: int, context: int) -> dict[str, Any]:
     return report
 
 
-def _kernel_case(target: Any, batch: int, context: int, q_len: int, sparse: bool
-                 ) -> dict[str, Any]:
-    from rag_spec_kernels import SparseView, TreeMask, reference_attention
-    from rag_spec_kernels.triton_tree_attention import triton_tree_attention
+def kernel_inputs(batch: int, heads: int, kv_heads: int, dim: int, context: int, q_len: int,
+                  sparse: bool, device: Any = "cpu", dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """A kernel case: random queries, keys and values over ``context`` committed slots (17 of
+    left padding) and a causal chain of ``q_len`` tokens, and its tree mask; with ``sparse`` a
+    StreamingLLM view (4 sinks after the padding, the last 252 slots or fewer)."""
+    from rag_spec_kernels import SparseView, TreeMask
 
-    config, device = target.config, target.device
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = config.hidden_size // heads
     g = torch.Generator(device=device).manual_seed(q_len)
-    query = torch.randn(batch, heads, q_len, dim, generator=g, device=device, dtype=target.dtype)
+    query = torch.randn(batch, heads, q_len, dim, generator=g, device=device, dtype=dtype)
     key, value = (torch.randn(batch, kv_heads, context + q_len, dim, generator=g, device=device,
-                              dtype=target.dtype) for _ in range(2))
+                              dtype=dtype) for _ in range(2))
     committed = torch.ones(batch, context, dtype=torch.bool, device=device)
     committed[:, :17] = False  # left padding
     view = None
-    if sparse:  # StreamingLLM: 4 sinks after the padding, the last 252 slots
-        select = torch.cat([torch.arange(17, 21), torch.arange(context - 252, context)])
+    if sparse:
+        window = min(252, context - 21)
+        select = torch.cat([torch.arange(17, 21), torch.arange(context - window, context)])
         view = SparseView(select.to(device).repeat(batch, 1))
         committed = committed.gather(1, view.select)
     recent = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-    mask = TreeMask(committed, recent.expand(batch, -1, -1), view)
+    return query, key, value, TreeMask(committed, recent.expand(batch, -1, -1), view)
+
+
+def _kernel_case(target: Any, batch: int, context: int, q_len: int, sparse: bool
+                 ) -> dict[str, Any]:
+    from rag_spec_kernels import reference_attention
+    from rag_spec_kernels.triton_tree_attention import triton_tree_attention
+
+    config = target.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    query, key, value, mask = kernel_inputs(batch, heads, kv_heads, config.hidden_size // heads,
+                                            context, q_len, sparse, target.device, target.dtype)
     got = triton_tree_attention(query, key, value, mask)
     expected = reference_attention(query.float(), key.float(), value.float(), mask)
     dense = mask.over_cache(context)[:, None]
@@ -468,14 +480,14 @@ def _kernel_case(target: Any, batch: int, context: int, q_len: int, sparse: bool
             "reference_ms": _timed(target, lambda: reference_attention(query, key, value, mask,
                                                                        layer=0)),
             "stock_sdpa_ms": _timed(target, stock),
-            **_flex_case(target, query, key, value, mask, expected)}
+            **_flex_case(target, query, key, value, mask, expected, context)}
 
 
 def _flex_case(target: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: Any, expected: torch.Tensor) -> dict[str, Any]:
+               mask: Any, expected: torch.Tensor, context: int) -> dict[str, Any]:
     """Flex attention's error and time on a kernel case, and its block mask's time (a step
     builds one); its failure is reported, not raised (the other kernels' figures stand)."""
-    context, q_len = key.shape[2] - query.shape[2], query.shape[2]
+    q_len = query.shape[2]
     try:
         flex, block_mask = _flex_attention(), _block_mask(mask, context, q_len)
         got = flex(query, key, value, block_mask=block_mask, enable_gqa=True)
