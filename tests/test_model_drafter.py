@@ -320,11 +320,13 @@ def test_the_gpu_checks_flex_block_mask_says_what_the_tree_mask_says(q_len, spar
     from rag_spec.bench.gpu_check import _block_mask, kernel_inputs
     from rag_spec_kernels import reference_attention
 
-    context = 300  # a sparse view of 4 sinks and 252 recent slots: blocks between skipped
+    context = 512  # a sparse view of 4 sinks and the last 252 slots: keys 128-255 unread
     query, key, value, mask = kernel_inputs(2, 4, 2, 16, context, q_len, sparse)
-    got = flex_attention(query, key, value, block_mask=_block_mask(mask, context, q_len),
-                         enable_gqa=True)
+    block_mask = _block_mask(mask, context, q_len)
+    got = flex_attention(query, key, value, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(got, reference_attention(query, key, value, mask))
+    read = block_mask.kv_num_blocks + block_mask.full_kv_num_blocks  # key blocks of 128 read
+    assert read.max() == (4 if sparse else 5)  # of 5: flex skips the block between
 
 
 def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
