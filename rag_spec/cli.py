@@ -30,6 +30,7 @@ def _ask(args: argparse.Namespace) -> int:
     from rag_spec.models import load_model
     from rag_spec.models.loader import resolve_device
     from rag_spec.serving.ask import ask
+    from rag_spec.serving.drafts import check_draft, drafter_for
 
     if not args.question.strip():
         msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
@@ -38,14 +39,17 @@ def _ask(args: argparse.Namespace) -> int:
         if value < 1:
             msg = f"{flag} must be at least 1 (got {value})."
             raise RagSpecError(msg)
-    resolve_device(args.device)  # a bad --device fails before anything loads
+    resolve_device(args.device)  # bad flags fail before anything loads
+    check_draft(args.draft)
+    _check_backend_flags(args)
     started = time.perf_counter()
     lm = load_model(args.model, device=args.device)
+    drafter = drafter_for(args.draft, lm)  # loads a trained draft, never trains one
     kb = _knowledge_base(args, args.kind)
     print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
     print(f"Q: {args.question}\nA: ", end="", flush=True)
     answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                 on_text=lambda piece: print(piece, end="", flush=True), draft=args.draft)
+                 on_text=lambda piece: print(piece, end="", flush=True), draft=drafter)
     print("\n\nSources:")
     for i, hit in enumerate(answer.hits, 1):
         preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
@@ -61,6 +65,7 @@ def _index_build(args: argparse.Namespace) -> int:
     # Milvus keeps one collection per corpus: "all" builds its default index.
     every = ["flat", "hnsw", "ivf", "bm25"] if args.backend == "local" else [None]
     kinds = every if args.kind == "all" else [args.kind]
+    _check_backend_flags(args)
     for kind in kinds:
         started = time.perf_counter()
         kb = _knowledge_base(args, kind, rebuild=args.rebuild)
@@ -78,9 +83,6 @@ def _knowledge_base(args: argparse.Namespace, kind: str | None, rebuild: bool = 
 
     sources = args.source or ["stdlib"]
     if args.backend == "local":
-        if args.uri or args.token:
-            msg = "--uri and --token name a Milvus store; add --backend milvus."
-            raise RagSpecError(msg)
         return KnowledgeBase.open(sources, kind or "flat", rebuild=rebuild)
     from rag_spec.retrieval.milvus import MilvusKnowledgeBase
 
@@ -89,6 +91,19 @@ def _knowledge_base(args: argparse.Namespace, kind: str | None, rebuild: bool = 
         raise RagSpecError(msg)
     return MilvusKnowledgeBase.open(sources, uri=args.uri, token=args.token, index=kind,
                                     rebuild=rebuild)
+
+
+def _check_backend_flags(args: argparse.Namespace) -> None:
+    """Flags that would be ignored are refused, before anything loads."""
+    from rag_spec.retrieval.milvus import is_server
+
+    if args.backend == "local" and (args.uri or args.token):
+        msg = "--uri and --token name a Milvus store; add --backend milvus."
+        raise RagSpecError(msg)
+    if args.token and not (args.uri and is_server(args.uri)):
+        msg = ("--token is a Milvus server's; give the server with --uri http(s)://host:port "
+               "(a local milvus-lite folder takes no token).")
+        raise RagSpecError(msg)
 
 
 def _add_backend_flags(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from rag_spec.cli import main
 from rag_spec.corpus import load_passages
 from rag_spec.corpus.passages import PASSAGE_CHARS, chunk
 from rag_spec.errors import RagSpecError
-from rag_spec.paths import atomic_dir
+from rag_spec.paths import atomic_dir, cache_dir
 from rag_spec.retrieval import KnowledgeBase
 from rag_spec.retrieval.knowledge_base import corpus_dir
 
@@ -247,28 +247,186 @@ def test_scratch_of_a_killed_writer_is_removed_by_the_next_write(tmp_path):
     assert (target / "meta.json").exists()
 
 
-def test_a_damaged_draft_is_trained_again_and_a_sound_one_loaded(tmp_path):
+def test_a_damaged_draft_is_set_aside_and_trained_again_only_when_asked(tmp_path, capsys):
     from types import SimpleNamespace
 
     from test_draft_head import sequences
 
     from rag_spec.decoding.draft_head import load_head, save_head, train_head
-    from rag_spec.decoding.draft_training import cached_draft
-    from rag_spec.paths import cache_dir
+    from rag_spec.decoding.draft_training import DraftRecipe, cached_draft
 
     target = tiny_llama(seed=0, layers=2)
     lm, trained = SimpleNamespace(name=f"{tmp_path.name}-tiny"), []
+    recipe = DraftRecipe("draft head", "rag-spec draft train --head", "about 25 minutes")
 
     def train():
         trained.append(1)
         return train_head(target, sequences(12), vocabulary=48, epochs=1, progress=False)
 
-    def cached():
-        return cached_draft(lm, "head", "key", lambda path: load_head(target, path), train,
-                            save_head)
+    def cached(serving=False):
+        return cached_draft(lm, "head", "key", lambda path: load_head(target, path),
+                            None if serving else train, save_head, recipe)
 
     first = cached()
     assert torch.equal(cached().subset, first.subset) and trained == [1]  # loaded, not trained
+    assert torch.equal(cached(serving=True).subset, first.subset)
     path = next((cache_dir() / "drafts").glob(f"{lm.name}-head-*.safetensors"))
-    path.write_bytes(b"not safetensors")  # damaged: trained again, not a traceback
-    assert torch.equal(cached().subset, first.subset) and trained == [1, 1]
+    path.write_bytes(b"not safetensors")  # damaged: set aside, said, never trained by serving
+    with pytest.raises(RagSpecError, match=r"could not be read.*set aside.*\.damaged.*"
+                                           r"`rag-spec draft train --head` \(about 25 minutes"):
+        cached(serving=True)
+    assert trained == [1] and path.with_name(path.name + ".damaged").is_file()
+    path.write_bytes(b"not safetensors")
+    assert torch.equal(cached().subset, first.subset) and trained == [1, 1]  # asked: trained
+    assert "set aside" in capsys.readouterr().err
+
+
+# -- the newer surfaces: trained drafts, draft flags, Milvus Lite, kNN datastores, decoders --------
+
+@pytest.mark.parametrize("draft, command", [("trained-exit:1", "rag-spec draft train --layers 1"),
+                                            ("head", "rag-spec draft train --head")])
+def test_serving_never_trains_a_missing_draft(capsys, monkeypatch, tiny_model_dir, draft,
+                                              command):
+    import rag_spec.decoding.draft_training as training
+    import rag_spec.retrieval.knowledge_base as knowledge_base
+
+    monkeypatch.setattr(training, "teacher_samples", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(knowledge_base.KnowledgeBase, "open",
+                        classmethod(lambda *a, **k: pytest.fail("loaded the index")))
+    code = main(["ask", "hi", "--model", tiny_model_dir, "--draft", draft])
+    captured = capsys.readouterr()
+    assert code == 2 and "A:" not in captured.out and "Traceback" not in captured.err
+    assert f"No {'draft head' if draft == 'head' else 'exit adapter after 1 layers'} is " \
+           f"trained" in captured.err
+    assert f"`{command} --model {tiny_model_dir}`" in captured.err and "minutes" in captured.err
+
+
+@pytest.mark.parametrize("draft, match", [
+    ("early-exit:abc", "early-exit:N takes N >= 1 layers"),
+    ("trained-exit", "trained-exit:N takes N >= 1 layers"),
+    ("self-spec:-1", "self-spec:N takes N >= 1 KV entries"),
+    ("early_exit:0", "early-exit:N takes N >= 1 layers"),
+    ("my-missing-draft", "names no draft: pass a draft model"),
+])
+def test_draft_flags_are_checked_before_anything_loads(capsys, monkeypatch, draft, match):
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    code, err = run(capsys, "ask", "hi", "--draft", draft)
+    assert code == 2 and match in err
+
+
+def test_an_exit_deeper_than_the_model_stops_before_the_index_and_the_answer(
+        capsys, monkeypatch, tiny_model_dir):
+    import rag_spec.retrieval.knowledge_base as knowledge_base
+
+    monkeypatch.setattr(knowledge_base.KnowledgeBase, "open",
+                        classmethod(lambda *a, **k: pytest.fail("loaded the index")))
+    code = main(["ask", "hi", "--model", tiny_model_dir, "--draft", "early-exit:999"])
+    captured = capsys.readouterr()
+    assert code == 2 and "A:" not in captured.out
+    assert "an exit needs 1 <= L < 2" in captured.err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--backend", "milvus", "--token", "secret"], "--token is a Milvus server's"),
+    (["--backend", "milvus", "--uri", "{tmp}/folder", "--token", "t"], "takes no token"),
+])
+def test_milvus_flags_that_would_be_ignored_are_refused(capsys, monkeypatch, tmp_path, flags,
+                                                        match):
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    code, err = run(capsys, "ask", "hi", *flags)
+    assert code == 2 and match in err
+    code, err = run(capsys, "index", "build", *flags)
+    assert code == 2 and match in err
+
+
+def test_a_uri_that_is_a_file_is_refused(capsys, corpus, tmp_path):
+    pytest.importorskip("milvus_lite")
+    (tmp_path / "f.db").write_text("x\n")
+    code, err = run(capsys, "index", "build", "--backend", "milvus", "--uri",
+                    str(tmp_path / "f.db"), "--source", corpus)
+    assert code == 2 and "is a file, not a milvus-lite folder" in err
+    assert (tmp_path / "f.db").read_text() == "x\n"  # left as it was
+
+
+def test_a_damaged_milvus_lite_collection_is_refused_then_rebuilt(capsys, monkeypatch, corpus,
+                                                                   tmp_path):
+    pytest.importorskip("milvus_lite")
+    from rag_spec.retrieval.milvus import MilvusKnowledgeBase
+    from rag_spec.retrieval.milvus_lite import LiteServer
+
+    uri = str(tmp_path / "kb.db")
+    build = ["index", "build", "--backend", "milvus", "--uri", uri, "--source", corpus]
+    try:
+        code, err = run(capsys, *build)
+        assert code == 0, err
+        sound = MilvusKnowledgeBase.open([corpus], uri=uri, progress=False)
+        expected = [h.doc_id for h in sound.search(["json parse"], 3)[0]]
+        LiteServer.serving(uri).stop()
+        manifests = list((tmp_path / "kb.db").rglob("manifest.json"))
+        assert manifests
+        for manifest in manifests:
+            manifest.write_text('{"garbage": tru')
+        monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("answered"))
+        with pytest.raises(RagSpecError, match=r"damaged or was cut short.*--rebuild"):
+            MilvusKnowledgeBase.open([corpus], uri=uri, progress=False)
+        code, err = run(capsys, *build, "--rebuild")
+        assert code == 0, err
+        rebuilt = MilvusKnowledgeBase.open([corpus], uri=uri, progress=False)
+        assert [h.doc_id for h in rebuilt.search(["json parse"], 3)[0]] == expected
+    finally:
+        LiteServer.serving(uri).stop()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_a_damaged_knn_datastore_is_rebuilt_to_the_same_entries(capsys, tmp_path, damage):
+    from conftest import char_lm
+    from rag_spec.knnlm import KNNDatastore
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    lm = char_lm()
+    sound = KNNDatastore.open(lm, [str(folder)], progress=False)
+    expected = sound.search(sound.vectors(np.arange(5)), 3)
+    (keys,) = cache_dir().glob(f"knn/{corpus_dir([str(folder)]).name}/*/keys.npy")
+    raw = keys.read_bytes()
+    header = len(raw) - sound.dim * len(sound) * 4
+    keys.write_bytes(raw[: len(raw) // 2] if damage == "truncated"
+                     else raw[:header] + bytes(len(raw) - header))
+    again = KNNDatastore.open(lm, [str(folder)], progress=False)
+    assert "is damaged" in capsys.readouterr().out
+    for got, want in zip(again.search(sound.vectors(np.arange(5)), 3), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_knn_datastore_survives_moving_the_model(tmp_path):
+    from rag_spec.knnlm.datastore import model_fingerprint
+
+    tiny_llama(vocab_size=35).save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    from transformers import AutoModelForCausalLM
+
+    first, moved = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in "ab")
+    assert model_fingerprint(first) == model_fingerprint(moved)
+    assert model_fingerprint(first) != model_fingerprint(tiny_llama(seed=1, vocab_size=35))
+
+
+def test_a_tokenizer_of_another_vocabulary_or_ids_outside_it_are_refused():
+    from rag_spec.decoding import LookaheadDecoder
+
+    big = tiny_llama(vocab_size=2000)
+    with pytest.raises(RagSpecError, match="tokenizer has 35 tokens but the model 2000 "
+                                           "embeddings: it belongs to another model"):
+        LookaheadDecoder(big, char_tokenizer())
+    with pytest.raises(RagSpecError, match="another model"):
+        LookaheadDecoder(tiny_llama(vocab_size=20), char_tokenizer())
+    decoder = LookaheadDecoder(tiny_llama(vocab_size=35), char_tokenizer())
+    with pytest.raises(RagSpecError, match="Token id 35 is outside the model's vocabulary"):
+        decoder.generate([1, 2, 35], 4)
+    with pytest.raises(RagSpecError, match="Token id -1"):
+        decoder.generate([[1, 2], [3, -1]], 4)
+    with pytest.raises(RagSpecError, match="non-empty strings"):
+        decoder.generate([1, 2, 3], 4, stop=[""])
+    decoder.add_context([])  # nothing retrieved: nothing to copy, no crash
+    assert len(decoder.generate([1, 2, 3], 4).token_ids) <= 4

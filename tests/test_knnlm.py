@@ -3,6 +3,8 @@ equal to the naive loop's (greedy and sampled), on a tiny character-level Llama.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -169,7 +171,7 @@ def test_another_models_datastore_is_refused(store):
         KNNLM(other, store)
 
 
-def test_open_saves_once_per_key_and_refuses_a_changed_one(lm, tmp_path):
+def test_open_saves_once_per_key_and_rebuilds_a_changed_one(lm, tmp_path, capsys):
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_text("\n\n".join(TEXTS[:5]))
@@ -182,8 +184,10 @@ def test_open_saves_once_per_key_and_refuses_a_changed_one(lm, tmp_path):
     assert other.key == "final" and len(other) == len(first)
     meta = next(cache_dir().glob("knn/*/*-final/meta.json"))
     meta.write_text(meta.read_text().replace('"final"', '"ffn_input"'))
-    with pytest.raises(RagSpecError, match="rebuild=True"):
-        KNNDatastore.open(lm, [str(folder)], key="final", progress=False)
+    rebuilt = KNNDatastore.open(lm, [str(folder)], key="final", progress=False)
+    assert "built from other passages; building it again" in capsys.readouterr().out
+    np.testing.assert_array_equal(rebuilt.values, other.values)
+    assert json.loads(meta.read_text())["key"] == "final"
 
 
 def test_distractors_are_labelled_and_keep_the_real_entries(store):

@@ -279,7 +279,7 @@ def test_what_users_pass_as_a_draft_becomes_a_drafter(tiny_model_dir):
     assert drafter_for(mine, lm) is mine
     assert drafter_for("self-spec:128", lm).budget == 128  # the target itself, sparse
     assert drafter_for("self-spec", lm).budget == 256
-    with pytest.raises(RagSpecError, match="neither an embedded model nor"):
+    with pytest.raises(RagSpecError, match="names no draft: pass a draft model"):
         drafter_for("no-such-draft", lm)
     with pytest.raises(RagSpecError, match="Cannot draft with"):
         drafter_for(3.5, lm)

@@ -17,6 +17,7 @@ from rag_spec_kernels.exact import (
     invariant_rows,
     whole_rows,
 )
+from rag_spec_kernels.mask import SparseView, TreeMask, reference_attention, tree_pass
 from rag_spec_kernels.onednn_linear import (
     LinearStack,
     OneDNNLinear,
@@ -33,12 +34,8 @@ from rag_spec_kernels.streamed import pack_streamed, streamed_available, streame
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
     TREE_ATTENTION_SDPA,
-    SparseView,
-    TreeMask,
-    reference_attention,
     register_tree_attention,
     tree_attention,
-    tree_pass,
 )
 
 __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "LinearStack",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rag_spec_kernels.cpu_extension import avx512, cpu_extension
-from rag_spec_kernels.tree_attention import TreeMask
+from rag_spec_kernels.mask import TreeMask
 
 log = logging.getLogger(__name__)
 _NO_SELECT = torch.empty(0, dtype=torch.int64)  # the kernel's "read slots 0..K-1"
@@ -60,7 +60,7 @@ def cpu_attention_available() -> bool:
     """An AVX-512 CPU, a build that succeeds, and agreement with the reference on a probe."""
     if not avx512():
         return False
-    from rag_spec_kernels.tree_attention import reference_attention
+    from rag_spec_kernels.mask import reference_attention
 
     generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
     query, key, value = (torch.randn(2, 4, 3, 32, generator=generator),

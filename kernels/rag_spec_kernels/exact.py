@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.tree_attention import (
+from rag_spec_kernels.mask import (
     VisibleKeys,
     gather_keys,
     pass_mask,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.tree_attention import TreeMask
+from rag_spec_kernels.mask import TreeMask
 
 try:
     import triton

@@ -6,9 +6,8 @@ import argparse
 from importlib.metadata import entry_points
 from typing import Any
 
+from rag_spec.bench.report import DRAFT_MODES
 from rag_spec.errors import RagSpecError
-
-DRAFT_MODES = ("greedy", "sampling", "batch")  # the runs of ``bench draft``
 
 
 def add_bench_commands(commands: Any) -> None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from rag_spec.bench.cli import DRAFT_MODES
 from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.report import (
+    DRAFT_MODES,
     Run,
     figure,
     interleaved,
@@ -60,8 +60,8 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
 
     lm = load_model(model_name)
     draft = load_model(str(first_layers_folder(lm, layers)))
-    adapter = cached_exit(lm, layers)  # trained on the default corpus once, then cached
-    head = cached_head(lm)  # likewise
+    adapter = cached_exit(lm, layers, train=False)  # `rag-spec draft train` trains them
+    head = cached_head(lm, train=False)
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     report: dict[str, Any] = {"benchmark": "draft", "model": model_name, "dtype": str(lm.dtype),
                               "draft": f"the model's first {layers} layers", "layers": layers,

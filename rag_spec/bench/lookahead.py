@@ -77,7 +77,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
             lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))
             for suffix, budget in (("", LookaheadConfig.budget), ("_no_drafts", 0))})
     if draft_head:  # alone, and merged with the trie
-        head = cached_head(lm)
+        head = cached_head(lm, train=False)  # trained by `rag-spec draft train --head`
         configs = {"rag_spec": LookaheadConfig()}
         if compiled:
             configs["rag_spec_compiled"] = LookaheadConfig(exact=False, compile=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+DRAFT_MODES = ("greedy", "sampling", "batch")  # the runs of ``bench draft``
+
 REPORT_DIR = Path("docs/benchmarks")
 
 

@@ -184,6 +184,7 @@ class LookaheadDecoder:
     def __init__(self, model: Any, tokenizer: Any = None, config: LookaheadConfig | None = None,
                  drafter: Drafter | None = None) -> None:
         _check_model(model)
+        _check_vocabulary(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or LookaheadConfig()
@@ -205,6 +206,8 @@ class LookaheadDecoder:
         """Documents the next ``generate`` call on this thread may copy from (e.g. retrieved
         passages)."""
         self._require_tokenizer("add_context")
+        if not texts:  # nothing retrieved: nothing to copy from
+            return
         documents = self._tokens(list(texts), add_special_tokens=False)["input_ids"]
         self._pending.__dict__.setdefault("documents", []).extend(documents)
 
@@ -278,14 +281,20 @@ class LookaheadDecoder:
         if max_new_tokens <= 0:
             msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
             raise RagSpecError(msg)
+        stop = [stop] if isinstance(stop, str) else list(stop)
         if stop:
             self._require_tokenizer("stop strings")
+            if not all(isinstance(s, str) and s for s in stop):
+                msg = (f"stop takes a list of non-empty strings (got {stop!r}); an empty string "
+                       f"would end every answer before it starts.")
+                raise RagSpecError(msg)
         if context:
             self._require_tokenizer("context documents")
         documents = self._tokens(list(context), add_special_tokens=False)["input_ids"] \
             if context else []
         documents = self._pending.__dict__.pop("documents", []) + documents
         self._check_length(prompts)
+        _check_ids(prompts, self.model.get_input_embeddings().num_embeddings)
         if params.do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         with self._lock:
@@ -578,6 +587,33 @@ def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool
         msg = "The prompt is empty: give at least one token (e.g. the chat template's output)."
         raise RagSpecError(msg)
     return prompts, single
+
+
+def _check_ids(prompts: list[list[int]], vocab: int) -> None:
+    """Token ids the model has an embedding for: others would fail deep inside torch."""
+    bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
+    if bad is not None:
+        msg = (f"Token id {bad} is outside the model's vocabulary (0 to {vocab - 1}): encode "
+               f"the prompt with the model's own tokenizer.")
+        raise RagSpecError(msg)
+
+
+# Models pad their embedding tables past the tokenizer (to a multiple of 64 to 1024 rows);
+# a larger gap means the tokenizer is another model's.
+_PADDING = 1024
+
+
+def _check_vocabulary(model: Any, tokenizer: Any) -> None:
+    """Refuse a tokenizer of another vocabulary: its ids would mean other tokens to the model,
+    and the model's ids would decode to nothing."""
+    if tokenizer is None:
+        return
+    rows, words = model.get_input_embeddings().num_embeddings, len(tokenizer)
+    if not words <= rows <= words + _PADDING:
+        msg = (f"The tokenizer has {words} tokens but the model {rows} embeddings: it belongs "
+               f"to another model. Load the tokenizer from the model's own folder "
+               f"(AutoTokenizer.from_pretrained(<the model's folder>)).")
+        raise RagSpecError(msg)
 
 
 def _check_model(model: Any) -> None:

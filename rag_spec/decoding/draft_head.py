@@ -27,11 +27,13 @@ import torch
 from torch.nn.utils import skip_init
 
 from rag_spec.decoding.draft_training import (
+    DraftRecipe,
     SubsetHead,
     TrainingSample,
     cached_draft,
     subset_cross_entropy,
     subset_positions,
+    train_command,
     training_sequences,
     training_set,
 )
@@ -113,12 +115,13 @@ def load_head(model: Any, path: Path) -> DraftHead:
 
 
 def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 800,
-                answers: int = 240, written: int = 800, epochs: int = _EPOCHS, progress: bool = True
-                ) -> DraftHead:
+                answers: int = 240, written: int = 800, epochs: int = _EPOCHS, progress: bool = True,
+                train: bool = True) -> DraftHead:
     """The draft head for ``lm``, trained the first time (about 25 minutes on a CPU, more than
     half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
     model's own answers and ``written`` more to questions it wrote itself, loaded from
-    rag-spec's cache after.
+    rag-spec's cache after; with ``train`` False a missing head is a RagSpecError naming
+    ``rag-spec draft train --head``.
 
     A head is cheap to run but knows only what it read: trained without the ``written``
     answers, it guessed the embedded model's next token in open-ended answers first 23% of the
@@ -126,9 +129,12 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
     sequences, fingerprint = training_sequences(lm, sources, texts, answers, written=written,
                                                 progress=progress)
     key = f"{lm.name}|head|{fingerprint}|{texts}|{answers}|{written}|{epochs}|{_VERSION}"
+    recipe = DraftRecipe("draft head", train_command(lm, sources, "--head"),
+                         "about 25 minutes")
     return cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
-                        lambda: train_head(lm.model, sequences(), epochs=epochs,
-                                           progress=progress), save_head)
+                        (lambda: train_head(lm.model, sequences(), epochs=epochs,
+                                            progress=progress)) if train else None,
+                        save_head, recipe)
 
 
 def save_head(head: DraftHead, path: Path) -> None:

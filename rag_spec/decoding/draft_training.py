@@ -6,7 +6,9 @@ cross-entropy to the model's distribution inside it, and the cache of trained dr
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,19 +74,55 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
     return make, fingerprint(passages)
 
 
+@dataclass(frozen=True)
+class DraftRecipe:
+    """What a trained draft is and how a user trains it: named in every message about it."""
+
+    what: str  # "draft head", "exit adapter after 8 layers"
+    command: str  # the command that trains it, e.g. "rag-spec draft train --head"
+    duration: str  # how long that takes on two CPU cores, e.g. "about 25 minutes"
+
+
+def train_command(lm: Any, sources: Sequence[str], flags: str) -> str:
+    """The ``rag-spec draft train`` command that trains a draft for ``lm`` on ``sources``."""
+    from rag_spec.models.registry import DEFAULT_MODEL
+
+    words = ["rag-spec draft train", flags]
+    words += [] if lm.name == DEFAULT_MODEL else [f"--model {lm.name}"]
+    words += [] if list(sources) == ["stdlib"] else [f"--source {s}" for s in sources]
+    return " ".join(words)
+
+
 def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
-                 train: Callable[[], Trained], save: Callable[[Trained, Path], None]) -> Trained:
+                 train: Callable[[], Trained] | None, save: Callable[[Trained, Path], None],
+                 recipe: DraftRecipe) -> Trained:
     """A trained draft (``kind``: what it is) for ``lm`` from rag-spec's cache, under a hash of
-    ``key`` (what it was trained from); trained and saved the first time, or if damaged."""
+    ``key`` (what it was trained from).
+
+    ``train`` None is serving, which never trains: a missing draft is a RagSpecError naming
+    ``recipe.command`` and its duration. A damaged one is set aside (``*.damaged``, kept for a
+    look) and said so; then trained again, or refused the same way."""
     from rag_spec.paths import atomic_file, cache_dir
 
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     path = cache_dir() / "drafts" / f"{Path(lm.name).name}-{kind}-{digest}.safetensors"
+    damaged = ""
     if path.is_file():
         try:
             return load(path)
-        except Exception:  # damaged: train it again
-            path.unlink(missing_ok=True)
+        except Exception as err:  # any unreadable file: what loading raises depends on how
+            aside = path.with_name(path.name + ".damaged")
+            os.replace(path, aside)
+            damaged = (f"The cached {recipe.what} for {lm.name} could not be read "
+                       f"({type(err).__name__}) and was set aside as {aside}. ")
+    if train is None:
+        msg = (f"{damaged or f'No {recipe.what} is trained for {lm.name}. '}Answers never wait "
+               f"for training: train it once with `{recipe.command}` ({recipe.duration} on two "
+               f"CPU cores, cached after), then ask again; or leave out the draft to use the "
+               f"trie alone.")
+        raise RagSpecError(msg)
+    if damaged:
+        print(f"rag-spec: {damaged}Training it again.", file=sys.stderr)
     trained = train()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as scratch:

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 
 from rag_spec.decoding.draft_training import (
+    DraftRecipe,
     SubsetHead,
     TrainingSample,
     cached_draft,
     subset_cross_entropy,
     subset_positions,
+    train_command,
     training_sequences,
     training_set,
 )
@@ -94,15 +96,19 @@ class ExitAdapter:
 
 
 def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
-                texts: int = 800, answers: int = 240, progress: bool = True) -> ExitAdapter:
-    """The adapter for ``lm`` exiting after ``layers`` layers, trained the first time (minutes
-    on a CPU) on ``texts`` passages of ``sources`` and ``answers`` of the model's own answers
-    (``own_answers``), and loaded from rag-spec's cache after."""
+                texts: int = 800, answers: int = 240, progress: bool = True,
+                train: bool = True) -> ExitAdapter:
+    """The adapter for ``lm`` exiting after ``layers`` layers, loaded from rag-spec's cache;
+    trained the first time (minutes on a CPU) on ``texts`` passages of ``sources`` and
+    ``answers`` of the model's own answers (``own_answers``) where ``train`` says so, else a
+    RagSpecError naming ``rag-spec draft train``."""
     sequences, passages = training_sequences(lm, sources, texts, answers, progress=progress)
     key = f"{lm.name}|{layers}|{passages}|{texts}|{answers}|{_VERSION}"
+    recipe = DraftRecipe(f"exit adapter after {layers} layers",
+                         train_command(lm, sources, f"--layers {layers}"), "about 9 minutes")
     return cached_draft(lm, f"exit{layers}", key, ExitAdapter.load,
-                        lambda: train_exit(lm.model, layers, sequences(), progress=progress),
-                        ExitAdapter.save)
+                        (lambda: train_exit(lm.model, layers, sequences(), progress=progress))
+                        if train else None, ExitAdapter.save, recipe)
 
 
 def train_exit(model: Any, layers: int, sequences: Sequence[Sequence[int]], *,

@@ -164,7 +164,10 @@ class KNNDatastore:
         folder = cache_dir() / "knn" / corpus_dir(sources).name / f"{model}-{key}"
         corpus = fingerprint(passages)
         meta = _read_meta(folder)
-        if rebuild or meta is None:
+        problem = "" if rebuild or meta is None else _problem(folder, meta, corpus, model, key)
+        if problem:  # built afresh: the same passages and model give the same datastore
+            print(f"rag-spec: the kNN-LM datastore in {folder} {problem}; building it again.")
+        if rebuild or meta is None or problem:
             if progress:
                 print(f"rag-spec: building the kNN-LM datastore over {len(texts)} passages of "
                       f"{', '.join(sources)} (once; saved under {folder}).")
@@ -173,23 +176,14 @@ class KNNDatastore:
             with atomic_dir(folder) as scratch:
                 np.save(scratch / "keys.npy", keys)
                 np.save(scratch / "values.npy", values.astype(np.int32))
+                # written last: its digests vouch for the arrays written before it
                 (scratch / "meta.json").write_text(json.dumps({
                     "corpus": corpus, "model": model, "key": key, "entries": len(values),
-                    "dim": int(keys.shape[1]),
+                    "dim": int(keys.shape[1]), "digests": _digests(scratch),
                     "build_seconds": round(time.perf_counter() - started, 1)}, indent=2))
         else:
-            if meta.get("corpus") != corpus or meta.get("model") != model or \
-                    meta.get("key") != key:
-                msg = (f"The kNN-LM datastore in {folder} was built from other passages, "
-                       f"another model or another key ({meta}); open it with rebuild=True "
-                       "(`rag-spec knnlm build --rebuild`).")
-                raise RagSpecError(msg)
             keys = np.load(folder / "keys.npy")
             values = np.load(folder / "values.npy")
-            if keys.shape != (meta["entries"], meta["dim"]) or len(values) != meta["entries"]:
-                msg = (f"The kNN-LM datastore in {folder} is damaged (keys {keys.shape}, values "
-                       f"{values.shape}, meta {meta['entries']}); open it with rebuild=True.")
-                raise RagSpecError(msg)
         index = None
         if kind == "ivfpq":
             index = _saved_ivfpq(folder / "ivfpq.faiss", keys)
@@ -240,7 +234,9 @@ def compute_entries(lm: Any, texts: Sequence[str], *, key: KeyKind = "ffn_input"
 def model_fingerprint(model: Any) -> str:
     """A short hash of the model's config and some of its weights: keys from another model
     (or other weights) mean nothing to this one."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)  # where the model lies says nothing of its weights
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for parameter in list(model.parameters())[:4]:
         digest.update(parameter.detach().reshape(-1)[:65_536].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:12]
@@ -277,6 +273,33 @@ def _saved_ivfpq(path: Path, keys: np.ndarray) -> Any:
     with atomic_file(path) as scratch:
         faiss.write_index(index, str(scratch))
     return index
+
+
+_ARRAYS = ("keys.npy", "values.npy")
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """A BLAKE2b digest of each array file: a zeroed or truncated file no longer matches."""
+    digests = {}
+    for name in _ARRAYS:
+        with (folder / name).open("rb") as file:
+            digests[name] = hashlib.file_digest(file, "blake2b").hexdigest()
+    return digests
+
+
+def _problem(folder: Path, meta: dict[str, Any], corpus: str, model: str, key: str) -> str:
+    """Why the saved datastore cannot serve (empty: it can): built from other passages, or
+    its files differ from what was written."""
+    if (meta.get("corpus"), meta.get("model"), meta.get("key")) != (corpus, model, key):
+        return "was built from other passages"
+    if "digests" not in meta:
+        return "was written by an older rag-spec, without digests"
+    try:
+        if meta.get("digests") != _digests(folder):
+            return "is damaged (its files differ from what was written)"
+    except OSError as err:
+        return f"is damaged ({err.strerror or err})"
+    return ""
 
 
 def _read_meta(folder: Path) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,14 @@ class MilvusKnowledgeBase:
                 _check(client, alias, fingerprint(passages), embedder, index, timeout)
                 client.load_collection(alias, timeout=timeout)
             count = int(client.get_collection_stats(alias, timeout=timeout)["row_count"])
+        expected = len({_key(p) for p in passages})  # equal passages share a row
+        if count != expected:
+            msg = (f"The Milvus collection {alias} at {uri} holds {count} passages, but the "
+                   f"corpus has {expected}: it is damaged or was cut short, and would retrieve "
+                   f"wrong or no passages. Rebuild it with `rag-spec index build --backend "
+                   f"milvus --rebuild` and the same --source and --uri "
+                   f"(MilvusKnowledgeBase.open(..., rebuild=True)).")
+            raise RagSpecError(msg)
         return cls(client, uri, alias, embedder, passages=count, timeout=timeout, token=token)
 
 
@@ -172,6 +181,11 @@ def connect(uri: str, token: str | None, timeout: float) -> Any:
     address = uri
     if not is_server(uri):
         from rag_spec.retrieval.milvus_lite import LiteServer
+
+        if Path(uri).expanduser().exists() and not Path(uri).expanduser().is_dir():
+            msg = (f"{uri} is a file, not a milvus-lite folder: give --uri a folder (created if "
+                   f"missing; default {default_uri()}) or a server's http(s)://host:port.")
+            raise RagSpecError(msg)
 
         address = LiteServer.serving(uri).uri
     with _translated(uri, "connect to", timeout):
