@@ -141,8 +141,8 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _draft_train(args: argparse.Namespace) -> int:
-    from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
+    from rag_spec.training.train_exit import cached_exit
 
     for flag, value, least in (("--layers", args.layers, 1), ("--texts", args.texts, 1),
                                ("--answers", args.answers, 0), ("--written", args.written, 0)):
@@ -152,7 +152,7 @@ def _draft_train(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     lm = load_model(args.model)
     if args.head:
-        from rag_spec.decoding.draft_head import cached_head
+        from rag_spec.training.train_head import cached_head
 
         head = cached_head(lm, args.source or ["stdlib"], texts=args.texts, answers=args.answers,
                            written=args.written)

@@ -153,6 +153,6 @@ class HashRetriever:
 def flat_step_costs(monkeypatch):
     """Every step width costs the same, so the decoder drafts whatever its drafts keep (a tiny
     model's step times are noise, and tests about what drafts do need them drafted)."""
-    from rag_spec.decoding.step_costs import StepCosts
+    from rag_spec.policy.step_costs import StepCosts
 
     monkeypatch.setattr(StepCosts, "verify", lambda self, width: 1.0)

@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from rag_spec.decoding.budget import (
+from rag_spec.policy.budget import (
     CHEAP_PROPOSAL,
     PROBE_SHARE,
     STEADY_TREES,
     AdaptiveBudget,
     TreeSizer,
 )
-from rag_spec.decoding.step_costs import StepCosts
+from rag_spec.policy.step_costs import StepCosts
 
 
 def drafting_steps(budget: AdaptiveBudget, steps: int, hits=lambda step: 0, cost: float = 0.0
@@ -227,9 +227,11 @@ def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
 
 
 def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch):
-    import rag_spec.decoding.decoder as decoder_module
+    import rag_spec.engine.decoder as decoder_module
     from conftest import tiny_llama
-    from rag_spec.decoding import EarlyExitDrafter, LookaheadDecoder, SelfSpecDrafter
+    from rag_spec.drafters.model_drafter import EarlyExitDrafter
+    from rag_spec.drafters.self_drafter import SelfSpecDrafter
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     built = []
 
@@ -255,7 +257,8 @@ def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
     """The trie's proposals cost nothing: while whole trees commit faster than plain steps, one
     row verifies every node they offer, even where a cut is expected to keep as much."""
     from conftest import counting, tiny_llama
-    from rag_spec.decoding import LookaheadDecoder, TrieDrafter
+    from rag_spec.drafters.trie_drafter import TrieDrafter
+    from rag_spec.engine.decoder import LookaheadDecoder
     from test_decoder_greedy import hf_greedy, repetitive_prompt
 
     # a short prompt's step costs: each token past the first a twentieth of a plain step
@@ -278,8 +281,8 @@ def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
 ])
 def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_path(
         committed, learnt):
-    from rag_spec.decoding.decoder import _learn, _Row
-    from rag_spec.decoding.tree import TokenTree
+    from rag_spec.engine.decoder import _learn, _Row
+    from rag_spec.engine.verify.tree import TokenTree
 
     class Recording(AdaptiveBudget):
         paths: list[list[int]] = []

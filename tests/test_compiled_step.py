@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter, tree_cache
-from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from rag_spec.drafters.self_drafter import SelfSpecDrafter
+from rag_spec.engine.cache import tree_cache
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM

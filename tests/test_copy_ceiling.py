@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_llama
 from rag_spec.bench.ceiling import copy_ceiling, copy_passes
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from test_decoder_greedy import repetitive_prompt
 
 

@@ -252,8 +252,9 @@ def test_a_damaged_draft_is_set_aside_and_trained_again_only_when_asked(tmp_path
 
     from test_draft_head import sequences
 
-    from rag_spec.decoding.draft_head import load_head, save_head, train_head
-    from rag_spec.decoding.draft_training import DraftRecipe, cached_draft
+    from rag_spec.drafters.draft_head import load_head, save_head
+    from rag_spec.training.data import DraftRecipe, cached_draft
+    from rag_spec.training.train_head import train_head
 
     target = tiny_llama(seed=0, layers=2)
     lm, trained = SimpleNamespace(name=f"{tmp_path.name}-tiny"), []
@@ -287,8 +288,8 @@ def test_a_damaged_draft_is_set_aside_and_trained_again_only_when_asked(tmp_path
                                             ("head", "rag-spec draft train --head")])
 def test_serving_never_trains_a_missing_draft(capsys, monkeypatch, tiny_model_dir, draft,
                                               command):
-    import rag_spec.decoding.draft_training as training
     import rag_spec.retrieval.knowledge_base as knowledge_base
+    import rag_spec.training.data as training
 
     monkeypatch.setattr(training, "teacher_samples", lambda *a, **k: pytest.fail("trained"))
     monkeypatch.setattr(knowledge_base.KnowledgeBase, "open",
@@ -413,7 +414,7 @@ def test_the_knn_datastore_survives_moving_the_model(tmp_path):
 
 
 def test_a_tokenizer_of_another_vocabulary_or_ids_outside_it_are_refused():
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     big = tiny_llama(vocab_size=2000)
     with pytest.raises(RagSpecError, match="tokenizer has 35 tokens but the model 2000 "

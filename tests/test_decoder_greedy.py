@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
-from rag_spec.decoding.step_costs import StepCosts
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.policy.step_costs import StepCosts
 
 
 def repetitive_prompt(seed: int, vocab: int = 64, length: int = 40) -> list[int]:

@@ -8,14 +8,17 @@ import pytest
 import torch
 
 from conftest import counting, tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, MergedDrafter, TrieDrafter
-from rag_spec.decoding.draft_head import load_head, save_head, train_head
-from rag_spec.decoding.feature_drafter import FeatureDrafter
-from rag_spec.decoding.model_drafter import EarlyExitDrafter
-from rag_spec.decoding.runner import Runner
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.drafters.draft_head import load_head, save_head
+from rag_spec.drafters.feature_drafter import FeatureDrafter
+from rag_spec.drafters.merged_drafter import MergedDrafter
+from rag_spec.drafters.model_drafter import EarlyExitDrafter
+from rag_spec.drafters.trie_drafter import TrieDrafter
+from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.forward.runner import Runner
+from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.training.train_head import train_head
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 
@@ -136,8 +139,9 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
 def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):
     """The head's hits come about independently step to step, and the trie's copies beside
     them cost nothing to draft; a draft model's merged trees keep the trie's reading."""
-    assert MergedDrafter(FeatureDrafter(head)).steady and FeatureDrafter(head).steady
-    assert not MergedDrafter(EarlyExitDrafter(1)).steady
+    assert MergedDrafter(FeatureDrafter(head)).capabilities.steady
+    assert FeatureDrafter(head).capabilities.steady
+    assert not MergedDrafter(EarlyExitDrafter(1)).capabilities.steady
 
 
 def test_estimates_carry_to_the_next_greedy_generation_never_to_a_sampled_one(target, head):

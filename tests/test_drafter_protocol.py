@@ -5,10 +5,18 @@ the trees it returns; the verify seam picks the rule and names what it kept."""
 import pytest
 import torch
 
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, TokenTree
-from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
-from rag_spec.decoding.sampling import RowSampler, SamplingParams
-from rag_spec.decoding.verify import verify
+from rag_spec.drafters.drafter import (
+    Capabilities,
+    Drafter,
+    DraftRequest,
+    TargetView,
+    propose_each,
+)
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
+from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.engine.verify.verify import verify
+from rag_spec.errors import RagSpecError
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
@@ -33,10 +41,16 @@ class OracleSession:
         pass
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     def __init__(self, answers, wrong=False):
         self.answers, self.wrong, self.calls = answers, wrong, []
-        self.prompts = []
+        self.prompts, self.events = [], []
+
+    def begin(self, target):
+        self.events.append(("begin", id(target)))
+
+    def end(self, target):
+        self.events.append(("end", id(target)))
 
     def session(self, prompt, extra_context=()):
         self.prompts.append(list(prompt))
@@ -67,6 +81,8 @@ def test_decoder_runs_on_a_fake_drafter_one_call_per_step_for_the_batch(model, w
     results = decoder.generate(prompts, 24)
     assert [r.token_ids for r in results] == [answers[tuple(p)] for p in prompts]
     assert set(drafter.calls) == {3}  # every step asked once, for all rows
+    (begin, batch), (end, same) = drafter.events  # one batch, begun and ended once
+    assert (begin, end) == ("begin", "end") and batch == same
     steps = max(r.stats.steps for r in results)
     assert len(drafter.calls) == steps
     if wrong:
@@ -75,29 +91,40 @@ def test_decoder_runs_on_a_fake_drafter_one_call_per_step_for_the_batch(model, w
         assert all(r.stats.steps <= 24 // 5 + 1 for r in results)  # 4 drafts + 1 per step
 
 
-def test_a_drafter_written_for_sessions_only_still_works_with_a_warning(model):
+def test_a_drafter_that_drafts_row_by_row_declares_the_protocol_or_is_refused(model):
     prompt = repetitive_prompt(2)
     expected = hf_greedy(model, prompt, 15)
 
-    class SessionsOnly:
+    class Session:
+        def propose(self, context, budget):
+            return TokenTree.from_paths([expected[len(context) - len(prompt):][:3]])
+
+        def observe(self, context, new_from):
+            pass
+
+        def finish(self, output):
+            pass
+
+        def add_documents(self, documents):
+            pass
+
+    class SessionsOnly:  # duck-typed, declaring nothing
         def session(self, prompt, extra_context=()):
-            class Session:
-                def propose(self, context, budget):
-                    return TokenTree.from_paths([expected[len(context) - len(prompt):][:3]])
-
-                def observe(self, context, new_from):
-                    pass
-
-                def finish(self, output):
-                    pass
-
-                def add_documents(self, documents):
-                    pass
-
             return Session()
 
-    with pytest.warns(DeprecationWarning, match="propose"):
-        result = LookaheadDecoder(model, drafter=SessionsOnly()).generate(prompt, 15)
+    with pytest.raises(RagSpecError, match="is not a Drafter: subclass rag_spec.Drafter"):
+        LookaheadDecoder(model, drafter=SessionsOnly())
+
+    class RowByRow(Drafter):
+        capabilities = Capabilities(draws_drafts=False)
+
+        def session(self, prompt, extra_context=()):
+            return Session()
+
+        def propose(self, requests, target):
+            return propose_each(requests)
+
+    result = LookaheadDecoder(model, drafter=RowByRow()).generate(prompt, 15)
     assert result.token_ids == expected
     assert max(result.stats.accepted_per_step) == 3
 

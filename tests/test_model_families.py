@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from conftest import TINY_SHAPE
-from rag_spec.decoding import LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadDecoder
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 MIXED = ["sliding_attention", "sliding_attention", "full_attention"]

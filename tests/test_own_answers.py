@@ -3,8 +3,8 @@ the model writes itself, each answered with exactly the model's greedy tokens.""
 
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.corpus import Passage
-from rag_spec.decoding import LookaheadDecoder
-from rag_spec.decoding.own_answers import own_answers, user_turn_opening, written_questions
+from rag_spec.engine.decoder import LookaheadDecoder
+from rag_spec.training.own_answers import own_answers, user_turn_opening, written_questions
 from test_decoder_greedy import hf_greedy
 
 PASSAGES = [Passage(f"t{c}", f"words on {c}") for c in "abcdef"]

@@ -1,13 +1,13 @@
 """Iterative RaLM: speculative retrieval gives the naive loop's tokens, with fewer KB calls."""
 
 import threading
-import time
 
 import pytest
 
 from conftest import HashRetriever, char_lm, tiny_llama
+from rag_spec.bench.simulated import DelayedRetriever
 from rag_spec.errors import RagSpecError
-from rag_spec.retrieval.spec_retriever import DelayedRetriever, SpecRetriever
+from rag_spec.retrieval.spec_retriever import SpecRetriever
 from rag_spec.serving.ralm import IterativeRaLM
 
 
@@ -121,23 +121,44 @@ def test_cheap_knowledge_base_is_asked_directly(lm):
     assert result.stats.speculation_hits + result.stats.rollbacks < expected.stats.kb_calls // 3
 
 
-class WaitsForGeneration:
-    """A service whose calls return once the model has run another forward pass (or after
-    ``patience`` seconds): a call made while generation goes on sees it move."""
+class VirtualClock(threading.local):
+    """Each thread's own time, moved on only by what it waits for (``wait``)."""
 
-    def __init__(self, retriever, model, patience=0.5):
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def wait(self, seconds):
+        self.now += seconds
+
+
+class WaitsForGeneration:
+    """A service whose calls made off the generating thread return once the model has run
+    another forward pass (a call the loop makes itself returns at once: nothing can move while
+    it waits). ``moved`` says, per call, whether generation went on during it: event order,
+    not timing. Each call takes ``latency`` on ``clock`` (a remote wait, not computation, so
+    the loop chooses to overlap); ``patience`` only bounds a call nothing would ever answer."""
+
+    def __init__(self, retriever, model, clock, latency=0.2, patience=10.0):
         self.retriever, self.patience, self.moved = retriever, patience, []
-        self.forwards = 0
+        self.clock, self.latency = clock, latency
+        self.forwards, self.changed = 0, threading.Condition()
+        self.generating = threading.current_thread()
         model.register_forward_hook(self._count)
 
     def _count(self, *_):
-        self.forwards += 1
+        with self.changed:
+            self.forwards += 1
+            self.changed.notify_all()
 
     def search(self, queries, k=1):
-        start, deadline = self.forwards, time.monotonic() + self.patience
-        while self.forwards == start and time.monotonic() < deadline:
-            time.sleep(0.002)
-        self.moved.append(self.forwards > start)
+        with self.changed:
+            start = self.forwards
+            if threading.current_thread() is not self.generating:
+                self.changed.wait_for(lambda: self.forwards > start, self.patience)
+            self.moved.append(self.forwards > start)
+        self.clock.wait(self.latency)
         return self.retriever.search(queries, k)
 
     def __getattr__(self, name):  # score: guesses rank like the store
@@ -147,9 +168,11 @@ class WaitsForGeneration:
 def test_asynchronous_verification_overlaps_generation():
     own = char_lm()
     expected = naive(own, HashRetriever(stable=True), stride=2, query_tokens=12)
-    service = WaitsForGeneration(HashRetriever(stable=True), own.model)
+    clock = VirtualClock()
+    service = WaitsForGeneration(HashRetriever(stable=True), own.model, clock)
     spec = IterativeRaLM(own, SpecRetriever(service), stride=2, query_tokens=12, os3=False,
                          speculation_stride=1, asynchronous=True)
+    spec.clock = clock
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     assert not service.moved[0]  # the first retrieval comes before any generation
@@ -158,6 +181,8 @@ def test_asynchronous_verification_overlaps_generation():
 
 def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
     from rag_spec.retrieval.os3 import StrideScheduler
+
+    clock = VirtualClock()
 
     class Alternating:
         """Slow and fast calls in turn, each call's duration recorded in call order."""
@@ -168,7 +193,7 @@ def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
         def search(self, queries, k=1):
             delay = 0.25 if len(self.durations) % 2 else 0.01
             self.durations.append(delay)
-            time.sleep(delay)
+            clock.wait(delay)
             return self.retriever.search(queries, k)
 
         def score(self, queries, doc_ids):
@@ -185,17 +210,17 @@ def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
     service = Alternating()
     spec = IterativeRaLM(lm, SpecRetriever(service), stride=1, query_tokens=12, os3=False,
                          speculation_stride=1, asynchronous=True, max_in_flight=2)
+    spec.clock = clock
     spec.generate(QUESTION, max_new_tokens=30)
     # Every guess is right (one stable passage), so rounds settle in call order, after the
     # first (unguessed) call; each round's latency must be its own call's.
     calls = service.durations[1:1 + len(recorded)]
     assert len(recorded) >= 4
-    for seconds, delay in zip(recorded, calls):
-        assert delay <= seconds < delay + 0.2
+    assert recorded == pytest.approx(calls)
 
 
 def test_lookahead_must_decode_the_loops_own_model(lm):
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     other = LookaheadDecoder(tiny_llama(seed=9, vocab_size=len(lm.tokenizer)), lm.tokenizer)
     with pytest.raises(RagSpecError, match="same model|own model"):
@@ -268,7 +293,7 @@ def test_empty_question(lm):
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("stride", [1, 3, 4])
 def test_lookahead_decoding_inside_ralm_keeps_the_tokens(lm, speculative, stride):
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(onednn_linear=False))
     source = HashRetriever()

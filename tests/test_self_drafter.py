@@ -8,12 +8,13 @@ import torch
 from test_tree_cache import tiny_mistral
 
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadDecoder, SelfSpecDrafter
-from rag_spec.decoding.kv_cache import new_cache
-from rag_spec.decoding.sink_window import SinkWindow
-from rag_spec.decoding.step_costs import Acceptance, StepCosts, expected_tokens
-from rag_spec.decoding.tree_cache import TreeKVCache
+from rag_spec.drafters.self_drafter import SelfSpecDrafter
+from rag_spec.engine.cache.kv_cache import new_cache
+from rag_spec.engine.cache.sink_window import SinkWindow
+from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.decoder import LookaheadDecoder
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.step_costs import Acceptance, StepCosts, expected_tokens
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 
@@ -46,7 +47,7 @@ def test_the_window_holds_each_rows_first_sinks_and_last_committed_slots():
 
 
 def test_a_view_of_every_slot_gives_the_targets_logits_pass_after_pass(target):
-    from rag_spec.decoding import Runner
+    from rag_spec.engine.forward.runner import Runner
 
     runner = Runner.of(target)
     prompts = [repetitive_prompt(s, length=12 + 5 * s) for s in range(3)]
@@ -78,13 +79,14 @@ def test_greedy_matches_generate_for_a_ragged_batch(target, budget):
 def test_a_full_view_drafts_what_the_target_says_and_leaves_no_entries(target):
     # A view as large as the context is the target itself: its drafts are all accepted.
     prompt = repetitive_prompt(1, length=30)
-    decoder = LookaheadDecoder(target, drafter=SelfSpecDrafter(budget=1000, max_gamma=3,
-                                                               probe_every=1))
-    result = decoder.generate(prompt, 40)
+    drafter = SelfSpecDrafter(budget=1000, max_gamma=3, probe_every=1)
+    ended, end = [], drafter.end
+    drafter.end = lambda target: ended.extend(drafter._batches.values()) or end(target)
+    result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 40)
     assert result.token_ids == hf_greedy(target, prompt, 40)
     assert result.stats.tokens_per_step > 1.9
-    drafter = decoder.drafter
-    (batch,) = drafter._batches.values()
+    assert not drafter._batches  # the batch's state went with its end
+    (batch,) = ended
     assert batch.cache.round_length == 0  # the draft's entries were dropped after every round
     assert batch.cache.length == batch.cache.valid.shape[1] == len(
         batch.cache.cache.layers[0].keys[0, 0])
@@ -133,7 +135,7 @@ def test_a_batch_drafts_one_token_until_its_passes_are_timed_then_times_a_plain_
     # chain of 3 lost ~3% of a batch's decoding; one draft pass times both passes as well
     from types import SimpleNamespace
 
-    from rag_spec.decoding.self_drafter import _SelfBatch
+    from rag_spec.drafters.self_drafter import _SelfBatch
 
     def gamma(costs: StepCosts) -> int:
         batch = SimpleNamespace(costs=costs, drafter=SelfSpecDrafter(), plain_rounds=0)

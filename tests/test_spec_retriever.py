@@ -1,6 +1,6 @@
 """SpecRetriever's cache ranking and the OS3 stride scheduler."""
 
-import time
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rag_spec.bench.simulated import SearchOnly
 from rag_spec.corpus import Passage
 from rag_spec.retrieval import KnowledgeBase
 from rag_spec.retrieval.embedder import Embedder
@@ -18,7 +19,7 @@ from rag_spec.retrieval.os3 import (
     fit_verification,
 )
 from rag_spec.retrieval.scoring import IndexScorer, VectorScorer
-from rag_spec.retrieval.spec_retriever import DelayedRetriever, SearchOnly, SpecRetriever
+from rag_spec.retrieval.spec_retriever import SpecRetriever
 
 VOCAB = ["path", "join", "json", "parse", "sort", "list", "file", "read", "time", "date",
          "thread", "lock", "zip", "hash", "random", "string", "split", "format"]
@@ -116,16 +117,39 @@ def test_vector_scorer_embeds_each_passage_once_and_uses_vectors_it_is_given(emb
     assert counting.texts == ["path join"]  # the vectors came with the hits
 
 
-class SlowEmbedder(CountingEmbedder):
-    """Each encode call takes ``delay`` seconds more; queries are embedded by the real one."""
+class Gate:
+    """A store whose answer is held back while ``closed``: the test opens it once the verifying
+    thread has embedded ``after`` chunks, so what happens during a round trip is event order,
+    not timing. Every event lands in ``events``."""
 
-    def __init__(self, embedder, delay):
+    def __init__(self, retriever, events, after=3):
+        self.retriever, self.events, self.after = retriever, events, after
+        self.open, self.answered = threading.Event(), threading.Event()
+        self.open.set()
+
+    def search(self, queries, k=1):
+        assert self.open.wait(30), "the round trip was never overlapped with embedding"
+        hits = self.retriever.search(queries, k)
+        self.events.append("answer")
+        self.answered.set()
+        return hits
+
+
+class GatedEmbedder(CountingEmbedder):
+    """Counts chunks; the ``gate.after``-th opens the gate and waits for the store's answer
+    (queries are embedded by the real embedder, uncounted)."""
+
+    def __init__(self, embedder, gate):
         super().__init__(embedder)
-        self.delay = delay
+        self.gate = gate
 
     def encode(self, texts, **kw):
-        time.sleep(self.delay)
-        return super().encode(texts, **kw)
+        self.gate.events.append("chunk")
+        vectors = super().encode(texts, **kw)
+        if self.gate.events.count("chunk") == self.gate.after:
+            self.gate.open.set()
+            self.gate.answered.wait(30)
+        return vectors
 
     def encode_queries(self, queries):
         return self.embedder.encode_queries(queries)
@@ -133,21 +157,21 @@ class SlowEmbedder(CountingEmbedder):
 
 def test_texts_are_embedded_while_a_later_round_trip_is_in_flight(embedder):
     kb = KnowledgeBase.build(random_passages(2), "flat", embedder=embedder)
-    slow = SlowEmbedder(embedder, delay=0.05)
+    events = []
+    gate = Gate(SearchOnly(kb), events)
+    slow = GatedEmbedder(embedder, gate)
     scorer = VectorScorer(slow, chunk=1)  # type: ignore[arg-type]
-    session = SpecRetriever(DelayedRetriever(SearchOnly(kb), 300), prefetch=10,
-                            scorer=scorer).session()
-    started = time.perf_counter()
+    session = SpecRetriever(gate, prefetch=10, scorer=scorer).session()
     truths = session.verify(["path join", "json parse"], k=1)
-    assert time.perf_counter() - started < 0.34  # the round trip only: nothing was queued
-    assert not slow.texts
+    assert events == ["answer"] and not slow.texts  # the round trip only: nothing was queued
     cached = list(session.cache.values())
     assert np.isneginf(scorer.score("path join", cached)).all()  # nothing guessable yet
-    started = time.perf_counter()
+    gate.open.clear()  # the next answer waits until three chunks are embedded
     session.verify(["sort list"], k=1)
-    # the answer waited <= one chunk (0.05 s), with 0.1 s of slack for a loaded machine;
-    # embedding all 19 cached texts first would take 0.95 s
-    assert time.perf_counter() - started < 0.3 + 0.05 + 0.1
+    # chunks were embedded during the round trip; once the answer was back, at most the one
+    # chunk already started ran (embedding all cached texts first would be 19 chunks)
+    after = events[events.index("answer", 1):]
+    assert events[1:4] == ["chunk"] * 3 and after.count("chunk") <= 1
     assert 3 <= len(slow.texts) < len(cached)  # the wait paid for some, best ranks first
     assert truths[0][0].text in slow.texts and truths[1][0].text in slow.texts
     scorer.embed_pending()

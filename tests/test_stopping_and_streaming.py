@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from rag_spec.decoding import LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadDecoder
 from rag_spec.errors import RagSpecError
 
 

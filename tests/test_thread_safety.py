@@ -6,7 +6,8 @@ import time
 import torch
 
 from conftest import char_tokenizer, tiny_llama
-from rag_spec.decoding import LookaheadDecoder, TrieDrafter
+from rag_spec.drafters.trie_drafter import TrieDrafter
+from rag_spec.engine.decoder import LookaheadDecoder
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM
 from test_decoder_greedy import repetitive_prompt

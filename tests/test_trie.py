@@ -6,8 +6,8 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rag_spec.decoding.trie import BYTES_PER_NODE, NGramTrie, best_nodes
-from rag_spec.decoding.trie_drafter import TrieDrafter
+from rag_spec.drafters.trie import BYTES_PER_NODE, NGramTrie, best_nodes
+from rag_spec.drafters.trie_drafter import TrieDrafter
 
 
 def count_nodes(trie: NGramTrie) -> int:

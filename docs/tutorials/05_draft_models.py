@@ -24,7 +24,7 @@ from rag_spec import (
     MergedDrafter,
 )
 from rag_spec.bench.draft import first_layers_folder
-from rag_spec.serving.prompts import chat_input_ids
+from rag_spec.prompts import chat_input_ids
 
 lm = rag_spec.load_model()
 draft = rag_spec.load_model(str(first_layers_folder(lm, 8)))

@@ -60,7 +60,7 @@ for row in hits:
 # %%
 import time
 
-from rag_spec.retrieval.spec_retriever import DelayedRetriever
+from rag_spec.bench.simulated import DelayedRetriever
 
 lm = rag_spec.load_model()
 remote = DelayedRetriever(kb, latency_ms=50)

@@ -9,7 +9,7 @@ from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, Field
 
-from rag_spec.decoding.decoder import LookaheadConfig
+from rag_spec.engine.decoder import LookaheadConfig
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.serving.local_lm import Completion, GenerateOptions, LocalLM
 

@@ -27,7 +27,7 @@ from rag_spec.bench.report import (
     save_figure,
     setting,
 )
-from rag_spec.serving.prompts import SYSTEM
+from rag_spec.prompts import SYSTEM
 
 PAIRS = {"langchain": ("langchain_stock", "langchain_rag_spec"),
          "llamaindex": ("llamaindex_stock", "llamaindex_rag_spec")}

@@ -1,13 +1,12 @@
 """Linear layers through oneDNN on the CPU, for the few-token matrix products of verification.
 
-The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-32 (on the
-machine DESIGN.md describes, a 16-token step costs 2.1x a 1-token step); oneDNN's kernels on a
-blocked weight layout make the same step cost 1.6x its own 1-token step and 1.35x the stock one,
-which is what lets a verified tree pay for itself. On AVX-512 CPUs float32 stacks take
-``streamed_linear`` instead, which also hides the weight's read behind the arithmetic. Which
-kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's matrix-vector product
-does (16.5 ms against 19.9 ms for the default model's layers), on an AVX2 EPYC oneDNN's does
-(a one-token step 0.81x BLAS's: MKL runs one-row products on one core there);
+The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-32; oneDNN's
+kernels on a blocked weight layout make a few-token step cost much less, which is what lets a
+verified tree pay for itself (measured: docs/concepts.md, "Why the defaults"). On AVX-512 CPUs
+float32 stacks take ``streamed_linear`` instead, which also hides the weight's read behind the
+arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's
+matrix-vector product does, on an AVX2 EPYC oneDNN's does (MKL runs one-row products on one
+core there);
 ``one_row_packed`` decides; on an Intel CPU, a prompt's products of many rows take BLAS too
 (``blas_from_rows``). Layers that read the same input (q/k/v, gate/up) multiply as one
 stacked weight: one call and one weight pass, bit-identical results.

@@ -38,10 +38,10 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
         ) -> dict[str, Any]:
     """Run the benchmark on the first ``limit`` RAG prompts in batches of ``batch``, print a
     table, write JSON and a PNG plot; return the report."""
-    import rag_spec.decoding.tree_cache as tree_cache
+    import rag_spec.engine.cache.tree_cache as tree_cache
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import RAG_QUESTIONS
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
 
     lm = load_model(model_name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rag_spec.decoding.decoder import LookaheadConfig
+from rag_spec.engine.decoder import LookaheadConfig
 
 
 def copy_ceiling(prompt: Sequence[int], answer: Sequence[int],

@@ -54,9 +54,9 @@ def run(json_out: str | None = None, max_new_tokens: int = 64, limit: int = 6,
     """Run the benchmark (the runs ``modes`` names), print a table, write JSON and a PNG plot;
     return the report."""
     from rag_spec.bench.prompts import RAG_QUESTIONS
-    from rag_spec.decoding.draft_head import cached_head
-    from rag_spec.decoding.exit_adapter import cached_exit
     from rag_spec.models import load_model
+    from rag_spec.training.train_exit import cached_exit
+    from rag_spec.training.train_head import cached_head
 
     lm = load_model(model_name)
     draft = load_model(str(first_layers_folder(lm, layers)))
@@ -115,15 +115,11 @@ def first_layers_folder(lm: Any, layers: int) -> Path:
 
 def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
              options: dict[str, Any]) -> dict[str, Callable[[list[list[int]]], Run]]:
-    from rag_spec.decoding import (
-        DraftModelDrafter,
-        EarlyExitDrafter,
-        Expansion,
-        FeatureDrafter,
-        LookaheadConfig,
-        LookaheadDecoder,
-        MergedDrafter,
-    )
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+    from rag_spec.drafters.tree_expansion import Expansion
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     model, layers = lm.model, adapter.layers
 

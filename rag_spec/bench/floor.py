@@ -138,8 +138,8 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
     prefill."""
     from transformers import DynamicCache
 
-    from rag_spec.decoding import RunnerSettings
-    from rag_spec.decoding.kv_cache import cache_argument
+    from rag_spec.engine.cache.kv_cache import cache_argument
+    from rag_spec.engine.forward.runner import RunnerSettings
 
     ids = torch.tensor([list(prompt)], device=model.device)
     past = cache_argument(model, DynamicCache(config=model.config))  # transformers' own
@@ -166,7 +166,9 @@ def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int]
     """Median seconds of our runner's forward pass (``settings``: default kernels) over a root
     plus a chain of ``width - 1`` draft tokens after ``prompt``'s prefill, per width (the first
     pass of a width, which prepares its kernels, is not timed)."""
-    from rag_spec.decoding import Runner, TokenTree, TreeKVCache
+    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.engine.verify.tree import TokenTree
 
     runner = Runner.of(model, settings)
     costs = {}
@@ -203,9 +205,9 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
     cache of ``prompt + answer_tokens + width`` slots and a dense additive mask over them;
     shapes are dynamic, so one compilation serves every width above one (a single token
     compiles its own)."""
-    from rag_spec.decoding import Runner, RunnerSettings
-    from rag_spec.decoding.compiled_step import rewind, static_cache
-    from rag_spec.decoding.kv_cache import cache_argument
+    from rag_spec.engine.cache.kv_cache import cache_argument
+    from rag_spec.engine.forward.compiled_step import rewind, static_cache
+    from rag_spec.engine.forward.runner import Runner, RunnerSettings
 
     step = Runner.of(model, RunnerSettings(compile=True)).compiled
     assert step is not None
@@ -328,7 +330,7 @@ def _bound(plain: float, one_row_products: float, tree_products: float, floor: f
 
 
 def _seconds(call: Callable[[], Any], device: torch.device | None = None) -> float:
-    from rag_spec.decoding.step_costs import settle
+    from rag_spec.policy.step_costs import settle
 
     if device is not None:
         settle(device)  # earlier queued work is not this call's

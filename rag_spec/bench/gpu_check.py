@@ -154,14 +154,11 @@ def _first_layers(model: Any, count: int) -> Any:
 def _drafters(target: Any, draft: Any, draft_layers: int) -> dict[str, Any]:
     """Each drafter by name (the trie: None), ``draft`` being the target's first layers and the
     draft head an untrained one over the first 8,192 token ids."""
-    from rag_spec.decoding import (
-        DraftModelDrafter,
-        EarlyExitDrafter,
-        FeatureDrafter,
-        MergedDrafter,
-        SelfSpecDrafter,
-    )
-    from rag_spec.decoding.draft_head import DraftHead
+    from rag_spec.drafters.draft_head import DraftHead
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+    from rag_spec.drafters.self_drafter import SelfSpecDrafter
 
     head = DraftHead(target, torch.arange(min(8192, target.config.vocab_size)))
     return {"trie": None, "draft_model": DraftModelDrafter(draft),
@@ -191,7 +188,7 @@ def _hf_greedy(target: Any, prompt: list[int], new_tokens: int, **kwargs: Any) -
 
 
 def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     prompts = _prompts(target.config.vocab_size, 4)
     expected = [_hf_greedy(target, p, new_tokens) for p in prompts]
@@ -216,7 +213,8 @@ def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
 
 def _sampling(target: Any, draft_layers: int, samples: int) -> dict[str, Any]:
     """First-token distribution of speculative sampling vs the exact one, as total variation."""
-    from rag_spec.decoding import DraftModelDrafter, LookaheadDecoder
+    from rag_spec.drafters.model_drafter import DraftModelDrafter
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     prompt = _prompts(target.config.vocab_size, 1)[0]
     with torch.inference_mode():
@@ -244,7 +242,7 @@ def _sampled_drafters(target: Any, draft_layers: int) -> dict[str, Any]:
     """Sampling with every drafter and every knob (temperature, top-p, top-k, repetition
     penalty), batched: each row's tokens, drawn twice with the same seed by drafters in the same
     state (fresh ones: a trie learns from earlier outputs), must be the same."""
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     prompts = _prompts(target.config.vocab_size, 3)
     knobs = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 50,
@@ -267,8 +265,8 @@ def _sampled_drafters(target: Any, draft_layers: int) -> dict[str, Any]:
 def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
     """Train an exit adapter briefly on the model's device, then decode through it: greedy
     tokens equal ``generate``'s whatever the adapter learnt."""
-    from rag_spec.decoding import EarlyExitDrafter
-    from rag_spec.decoding.exit_adapter import train_exit
+    from rag_spec.drafters.model_drafter import EarlyExitDrafter
+    from rag_spec.training.train_exit import train_exit
 
     vocab = target.config.vocab_size
     adapter = train_exit(target, layers, _prompts(vocab, 12, length=36),
@@ -279,8 +277,9 @@ def _trained_exit(target: Any, layers: int) -> dict[str, Any]:
 def _trained_head(target: Any) -> dict[str, Any]:
     """``_trained_exit`` for a draft head (``FeatureDrafter``), alone and merged with the
     trie."""
-    from rag_spec.decoding import FeatureDrafter, MergedDrafter
-    from rag_spec.decoding.draft_head import train_head
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.training.train_head import train_head
 
     vocab = target.config.vocab_size
     head = train_head(target, _prompts(vocab, 12, length=36), vocabulary=min(512, vocab),
@@ -292,7 +291,7 @@ def _trained_head(target: Any) -> dict[str, Any]:
 
 def _trained(target: Any, drafter: Any, agreement: Any) -> dict[str, Any]:
     """Greedy identity with ``generate`` through a trained ``drafter``, on two prompts."""
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     decoder = LookaheadDecoder(target, drafter=drafter)
     prompts = _prompts(target.config.vocab_size, 2)
@@ -309,7 +308,7 @@ def _speed(target: Any, draft_layers: int, prompts: list[list[int]], new_tokens:
     generation with the same draft); ours on the default kernels (exact numerics in half
     precision) and on the fast ones.
     Random weights make acceptance meaningless: read the ratios with tokens per step."""
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     draft = _first_layers(target, draft_layers)
     drafters = _drafters(target, draft, draft_layers)
@@ -333,7 +332,7 @@ def _compiled_speed(target: Any, prompts: list[list[int]], new_tokens: int
     generation (a static cache) beside ``generate``, ours compiled beside ours on the fast
     kernels, each with drafts (the trie) and without. A compiled step fuses operations and
     rounds differently, so in half precision its tokens may part from eager ones."""
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     systems = {"hf": _hf_system(target, new_tokens),
                "hf_compiled": _hf_system(target, new_tokens, cache_implementation="static")}
@@ -540,7 +539,8 @@ def _long_batch(target: Any, batch: int, context: int) -> dict[str, Any]:
     """Self-speculation on a batch of long random prompts (ragged), on the default kernels
     (exact numerics in half precision) and on the fast ones: identity with our decoding
     without drafts on the same kernels, row by row, and the costs its cost model measured."""
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
+    from rag_spec.drafters.self_drafter import SelfSpecDrafter
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     g = torch.Generator().manual_seed(2)
     lengths = [context - b * max(1, context // (4 * batch)) for b in range(batch)]  # ragged

@@ -39,7 +39,8 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
         max_new_tokens: int = 64, budget: int = 256, json_out: str | None = None,
         model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
-    from rag_spec.decoding import LookaheadConfig, LookaheadDecoder, SelfSpecDrafter
+    from rag_spec.drafters.self_drafter import SelfSpecDrafter
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
@@ -91,7 +92,10 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
     what a wider verification costs against a one-token step (the first round is not timed)."""
     import torch
 
-    from rag_spec.decoding import LookaheadConfig, Runner, TokenTree, TreeKVCache
+    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.decoder import LookaheadConfig
+    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.engine.verify.tree import TokenTree
 
     runners = {"ours": Runner.of(model, LookaheadConfig().runner),
                "sdpa": Runner.of(model, LookaheadConfig(cpu_attention=False).runner)}
@@ -118,8 +122,8 @@ def long_prompts(tokenizer: Any, count: int, contexts: Sequence[int]
     """``count`` RAG prompts per context length: a question and the most top-ranked passages
     that keep it within the length."""
     from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.prompts import chat_input_ids, rag_messages
     from rag_spec.retrieval import KnowledgeBase
-    from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
     questions = [RAG_QUESTIONS[i % len(RAG_QUESTIONS)] for i in range(count)]
     hits = KnowledgeBase.load_default("flat").search(questions, k=200)

@@ -49,9 +49,11 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     compiles, is reported as ``warm_up_s``); ``draft_head`` our decoder drafting with the
     draft head (trained the first time: about 25 minutes), alone and merged with the trie,
     with compiled steps too."""
-    from rag_spec.decoding import FeatureDrafter, LookaheadConfig, LookaheadDecoder, MergedDrafter
-    from rag_spec.decoding.draft_head import cached_head
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
+    from rag_spec.training.train_head import cached_head
 
     questions = (load_questions(prompts_file) if prompts_file else RAG_QUESTIONS)[:limit]
     lm = load_model(model_name, dtype=dtype)
@@ -106,8 +108,8 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
 
 def prompt_sets(tokenizer: Any, questions: list[str],
                  limit: int | None) -> tuple[list[list[int]], list[list[int]]]:
+    from rag_spec.prompts import chat_input_ids, rag_messages
     from rag_spec.retrieval import KnowledgeBase
-    from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
     kb = KnowledgeBase.load_default("flat")
     hits = kb.search(questions, k=3)

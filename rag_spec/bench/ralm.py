@@ -47,11 +47,12 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     ``retriever="milvus"`` searches the default corpus in Milvus at ``uri`` (default: the
     local milvus-lite folder, a real loopback round trip); ``latency_ms`` adds to any kind."""
 
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.bench.simulated import DelayedRetriever, SearchOnly
+    from rag_spec.engine.decoder import LookaheadDecoder
     from rag_spec.models import load_model
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.retrieval.milvus import MilvusKnowledgeBase
-    from rag_spec.retrieval.spec_retriever import DelayedRetriever, SearchOnly, SpecRetriever
+    from rag_spec.retrieval.spec_retriever import SpecRetriever
     from rag_spec.serving.ralm import IterativeRaLM
 
     questions = load_questions(questions_file) if questions_file else RAG_QUESTIONS

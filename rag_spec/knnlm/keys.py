@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.kv_cache import cache_argument
-from rag_spec.decoding.runner import Runner, RunnerSettings
+from rag_spec.engine.cache.kv_cache import cache_argument
+from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
 
 KeyKind = Literal["ffn_input", "final"]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rag_spec.decoding.kv_cache import new_cache
+from rag_spec.engine.cache.kv_cache import new_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM

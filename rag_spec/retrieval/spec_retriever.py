@@ -13,8 +13,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -89,32 +87,3 @@ class SpecSession:
 
 def same_passages(a: Sequence[Hit], b: Sequence[Hit]) -> bool:
     return [h.doc_id for h in a] == [h.doc_id for h in b]
-
-
-class DelayedRetriever:
-    """A retriever behind a simulated service: ``latency_ms`` of delay per (batched) call."""
-
-    def __init__(self, retriever: Retriever, latency_ms: float) -> None:
-        self.retriever = retriever
-        self.latency = latency_ms / 1000
-
-    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
-        import time
-
-        time.sleep(self.latency)
-        return self.retriever.search(queries, k)
-
-    def __getattr__(self, name: str) -> Any:  # score, embedder, passages, ... stay local
-        return getattr(self.retriever, name)
-
-
-class SearchOnly:
-    """A retriever seen as a user's own client sees it: ``search`` alone, hits without vectors
-    (speculation then embeds the cached passages' texts to score its guesses)."""
-
-    def __init__(self, retriever: Retriever) -> None:
-        self.retriever = retriever
-
-    def search(self, queries: Sequence[str], k: int = 1) -> list[list[Hit]]:
-        return [[replace(h, vector=None) for h in hits]
-                for hits in self.retriever.search(queries, k)]

@@ -9,9 +9,9 @@ from typing import Any
 
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
+from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.drafts import drafter_for
-from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
 
 @dataclass
@@ -35,7 +35,7 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
         draft: Any = None) -> Answer:
     """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
     (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None drafts from the trie)."""
-    from rag_spec.decoding.decoder import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     if not question.strip():
         msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rag_spec.decoding.drafter import Drafter
+from rag_spec.drafters.drafter import Drafter
 from rag_spec.errors import RagSpecError
 from rag_spec.models import loader
 from rag_spec.models.loader import LoadedModel
@@ -78,10 +78,10 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
 
     Serving never trains: a trained draft that is not cached is a RagSpecError naming the
     command that trains it, raised here, before any answer starts."""
-    from rag_spec.decoding.exit_adapter import cached_exit
-    from rag_spec.decoding.merged_drafter import MergedDrafter
-    from rag_spec.decoding.model_drafter import DraftModelDrafter, EarlyExitDrafter
-    from rag_spec.decoding.self_drafter import SelfSpecDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+    from rag_spec.drafters.self_drafter import SelfSpecDrafter
+    from rag_spec.training.train_exit import cached_exit
 
     if draft is None or isinstance(draft, Drafter):
         return draft
@@ -95,8 +95,8 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
                 else None
             return MergedDrafter(EarlyExitDrafter(count or 0, adapter=adapter))
         if kind == "head":
-            from rag_spec.decoding.draft_head import cached_head
-            from rag_spec.decoding.feature_drafter import FeatureDrafter
+            from rag_spec.drafters.feature_drafter import FeatureDrafter
+            from rag_spec.training.train_head import cached_head
 
             return MergedDrafter(FeatureDrafter(cached_head(target, train=False)))
         if kind == "self-spec":

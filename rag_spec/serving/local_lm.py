@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rag_spec.coalesce import Coalescer
-from rag_spec.decoding.decoder import DecodeStats, LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import DecodeStats, LookaheadConfig, LookaheadDecoder
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
+from rag_spec.prompts import chat_input_ids, merge_turns
 from rag_spec.serving.drafts import draft_key, drafter_for
-from rag_spec.serving.prompts import chat_input_ids, merge_turns
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
 

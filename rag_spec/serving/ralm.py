@@ -13,21 +13,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rag_spec.decoding.budget import AdaptiveBudget
-from rag_spec.decoding.decoder import LookaheadDecoder
-from rag_spec.decoding.drafter import DraftSession
+from rag_spec.drafters.drafter import DraftSession
+from rag_spec.engine.decoder import LookaheadDecoder
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
+from rag_spec.policy.budget import AdaptiveBudget
+from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
 from rag_spec.retrieval.types import Hit, Retriever
-from rag_spec.serving.prompts import chat_input_ids, rag_messages
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
 from rag_spec.threads import use_one_openmp_thread
 from rag_spec.tokenizing import serial
@@ -89,6 +90,10 @@ class IterativeRaLM:
     The stride scheduler's measurements (stride, call and guess latencies, hit rate) carry over
     from one request to the next, so only the first request starts cold at stride 1.
     """
+
+    # what knowledge-base calls are timed with, on the thread that makes them (simulations
+    # and tests put a clock of their own here)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
                  query_tokens: int = 32, k: int = 1, os3: bool = True,
@@ -180,9 +185,9 @@ class IterativeRaLM:
                 ) -> tuple[list[list[Hit]], float]:
         """One knowledge-base call through ``search``, counted; its hits and its own latency
         (each round in flight is timed by itself)."""
-        started = time.perf_counter()
+        started = self.clock()
         hits = search(queries, self.k)
-        elapsed = time.perf_counter() - started
+        elapsed = self.clock() - started
         with _STATS_LOCK:  # rounds in flight finish on different workers
             stats.retrieval_seconds += elapsed
             stats.kb_calls += 1

@@ -20,7 +20,7 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from rag_spec.decoding.decoder import LookaheadConfig
+from rag_spec.engine.decoder import LookaheadConfig
 from rag_spec.errors import RagSpecError
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.serving.local_lm import Completion, GenerateOptions, LocalLM, Prompt

@@ -23,8 +23,8 @@ from typing import Any
 from rag_spec.corpus import Passage
 from rag_spec.models.limits import context_window
 from rag_spec.progress import progress as progress_bar
+from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.types import Hit
-from rag_spec.serving.prompts import chat_input_ids, rag_messages
 
 _BATCH = 8  # prompts answered at once
 _MARK = "\x00rag-spec\x00"  # stands for a message's content while the template is rendered
@@ -37,7 +37,7 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
     model writes itself (``written_share`` of them), the rest questions about ``passages`` (all
     of them where its tokenizer has no chat template), fewer where some do not fit the model's
     context window. The model is only read."""
-    from rag_spec.decoding import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
 
     decoder = LookaheadDecoder(model, tokenizer)
     questions = written_questions(decoder, count - int(count * (1 - written_share)), seed=seed,

@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rag_spec.decoding.compiled_step import rewind
-from rag_spec.decoding.kv_cache import (
+from rag_spec.engine.cache.kv_cache import (
     SlidingWindow,
     attention_window,
     cache_argument,
@@ -32,7 +31,8 @@ from rag_spec.decoding.kv_cache import (
     layers,
     new_cache,
 )
-from rag_spec.decoding.tree import TokenTree
+from rag_spec.engine.forward.compiled_step import rewind
+from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import SparseView, TreeMask, tree_pass, whole_rows
 
@@ -92,8 +92,7 @@ class TreeKVCache:
         """Run every prompt but its last token; the last tokens become roots. Rows of very
         different lengths run in groups of similar length (``length_groups``), joined
         left-padded into one cache: a padded pass spends on padding what it spends on tokens
-        (32 RAG prompts of 111-547 tokens in batches of 8, padded to each batch's longest, ran
-        2.0x their tokens; grouped, 1.2x in two passes a batch).
+        (docs/concepts.md, "Why the defaults").
         With ``capacity``, into a static cache of that many slots lent by the runner's compiled
         step (prompts of one length); ``give_back`` returns it."""
         prefixes = [list(p[:-1]) for p in prompts]

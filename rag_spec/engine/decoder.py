@@ -12,20 +12,27 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.budget import AdaptiveBudget, TreeSizer
-from rag_spec.decoding.drafter import Drafter, DraftRequest, DraftSession, TargetView, propose
-from rag_spec.decoding.kv_cache import attention_window, crop, fill
-from rag_spec.decoding.runner import Runner, RunnerSettings
-from rag_spec.decoding.sampling import RowSampler, SamplingParams
-from rag_spec.decoding.step_costs import StepCosts, settle
-from rag_spec.decoding.stopping import StopRule
-from rag_spec.decoding.streaming import TextStream
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_cache import TreeKVCache
-from rag_spec.decoding.trie_drafter import TrieConfig, TrieDrafter, TrieMode
-from rag_spec.decoding.verify import verify
+from rag_spec.drafters.drafter import (
+    Drafter,
+    DraftRequest,
+    DraftSession,
+    TargetView,
+    check_drafter,
+    propose,
+)
+from rag_spec.drafters.trie_drafter import TrieConfig, TrieDrafter, TrieMode
+from rag_spec.engine.cache.kv_cache import attention_window, crop, fill
+from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.forward.runner import Runner, RunnerSettings
+from rag_spec.engine.stopping import StopRule
+from rag_spec.engine.streaming import TextStream
+from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
+from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
+from rag_spec.policy.budget import AdaptiveBudget, TreeSizer
+from rag_spec.policy.step_costs import StepCosts, settle
 from rag_spec.progress import progress as progress_bar
 from rag_spec.tokenizing import serial
 
@@ -188,6 +195,8 @@ class LookaheadDecoder:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or LookaheadConfig()
+        if drafter is not None:
+            check_drafter(drafter)
         self.drafter: Drafter = drafter or TrieDrafter.from_config(self.config.trie)
         Runner.of(model, self.config.runner)  # built now: the first generation stays fast
         self._window = attention_window(model.config)  # refuses attention it cannot mask
@@ -355,8 +364,12 @@ class LookaheadDecoder:
         length = tree_cache.length
         target = TargetView(self.runner, tree_cache)
         with self._lock:
-            while row.finish_reason is None:
-                self._step([row], [rule], target)
+            self.drafter.begin(target)
+            try:
+                while row.finish_reason is None:
+                    self._step([row], [rule], target)
+            finally:
+                self.drafter.end(target)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
         return GenerationResult(row.output, "", row.finish_reason or "length", row.stats)
 
@@ -388,35 +401,38 @@ class LookaheadDecoder:
         # row's does under multi-step speculative sampling: it keeps its own budget, so it
         # samples the same tokens in any batch. A drafter that sizes its drafts from measured
         # costs itself (``sizes_own_drafts``) is left to do so.
-        fixed = not rows[0].sampler.params.do_sample \
-            or not getattr(self.drafter, "draws_drafts", True)
-        sized = fixed and not getattr(self.drafter, "sizes_own_drafts", False)
+        declared = self.drafter.capabilities
+        fixed = not rows[0].sampler.params.do_sample or not declared.draws_drafts
+        sized = fixed and not declared.sizes_own_drafts
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
                           steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
+        self.drafter.begin(target)
         try:
             while any(r.finish_reason is None for r in live):
                 self._step(live, live_rules, target, sizer)
                 if stream is not None:
                     stream.update(rows[0].output, rows[0].finish_reason is not None)
-                live, live_rules = self._without_finished(live, live_rules, cache)
+                live, live_rules = self._without_finished(live, live_rules, target)
                 yield
         finally:  # also when a stream is left unfinished: the next generation replays graphs
+            self.drafter.end(target)
             cache.give_back(runner)
 
-    def _without_finished(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache
+    def _without_finished(self, rows: list[_Row], rules: list[StopRule], target: TargetView
                           ) -> tuple[list[_Row], list[StopRule]]:
         """The batch without its finished rows once they are a quarter of it: their entries
         leave the cache (the others' are copied once), so later passes stop reading and
-        computing them. Where the drafter follows (``keep_rows``) and the cache grows."""
+        computing them. Where the drafter's state follows (``Capabilities.keeps_rows``) and
+        the cache grows."""
         keep = [b for b, r in enumerate(rows) if r.finish_reason is None]
-        follow = getattr(self.drafter, "keep_rows", None)
-        if not keep or 4 * (len(rows) - len(keep)) < len(rows) or follow is None \
-                or cache.capacity is not None:
+        cache = target.cache
+        if not keep or 4 * (len(rows) - len(keep)) < len(rows) \
+                or not self.drafter.capabilities.keeps_rows or cache.capacity is not None:
             return rows, rules
         with torch.inference_mode():
             cache.keep_rows(keep)
-            follow(cache, keep)
+            self.drafter.keep_rows(target, keep)
         return [rows[b] for b in keep], [rules[b] for b in keep]
 
     def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
@@ -458,7 +474,7 @@ class LookaheadDecoder:
         t1 = time.perf_counter()
         target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
         logits = cache.forward(runner, cache.step(trees, runner.dtype),
-                               features=getattr(self.drafter, "reads_features", False))
+                               features=self.drafter.capabilities.reads_features)
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
@@ -521,7 +537,7 @@ class LookaheadDecoder:
     @property
     def _steady(self) -> bool:
         """Whether the drafter's hits are steady, not in runs (``budget.STEADY_SMOOTHING``)."""
-        return getattr(self.drafter, "steady", False)
+        return self.drafter.capabilities.steady
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from rag_spec.decoding.draft_head import DraftHead
-from rag_spec.decoding.drafter import DraftRequest, TargetView
-from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _SharedBatch, _weights
-from rag_spec.decoding.runner import Runner
-from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.drafters.draft_head import DraftHead
+from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
+from rag_spec.drafters.model_drafter import ModelDrafter, _Batch, _SharedBatch, _weights
+from rag_spec.drafters.tree_expansion import Expansion
+from rag_spec.engine.forward.runner import Runner
 from rag_spec_kernels import linear_stacks
 
 
@@ -73,18 +73,17 @@ class FeatureDrafter(ModelDrafter):
         head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
             ``draft_head.cached_head``) for this model.
         expansion: the trees' shape; by default the eight likeliest next tokens, each only
-            if the head gives it at least 2% (one pass: measured on the embedded model, one
-            row, 8 prompts per set, deeper trees' passes cost more than they add; eight at 2%
-            ran 1.36x no drafts on open-ended prompts and 1.42x on RAG prompts, four at 5%
-            1.31x and 1.42x, twelve at 1% 1.31x and 1.36x).
+            if the head gives it at least 2%, one pass deep (deeper trees' passes cost more
+            than they add; measured: docs/concepts.md, "Why the defaults").
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP
         >>> LookaheadDecoder(lm.model, lm.tokenizer, drafter=FeatureDrafter(head))  # doctest: +SKIP
     """
 
-    reads_features = True  # the decoder keeps the target's states before each root
-    steady = True  # its hits come about independently step to step (budget.STEADY_SMOOTHING)
+    # the decoder keeps the target's states before each root; its hits come about
+    # independently step to step (budget.STEADY_SMOOTHING)
+    capabilities = Capabilities(reads_features=True, steady=True)
 
     def __init__(self, head: DraftHead, *, expansion: Expansion | None = None) -> None:
         super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=1))

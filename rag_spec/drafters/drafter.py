@@ -9,18 +9,19 @@ module) and the batch's committed KV cache, read-only.
 
 from __future__ import annotations
 
-import warnings
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
-from rag_spec.decoding.step_costs import StepCosts
-from rag_spec.decoding.tree import TokenTree
+from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.errors import RagSpecError
+from rag_spec.policy.step_costs import StepCosts
 
 if TYPE_CHECKING:
-    from rag_spec.decoding.runner import Runner
-    from rag_spec.decoding.sampling import RowSampler
-    from rag_spec.decoding.tree_cache import TreeKVCache
+    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.engine.verify.sampling import RowSampler
 
 
 class DraftSession(Protocol):
@@ -68,37 +69,60 @@ class TargetView:
     costs: StepCosts = field(default_factory=StepCosts)  # measured pass costs of this batch
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """A source of drafts shared by requests.
+@dataclass(frozen=True)
+class Capabilities:
+    """What a drafter declares about its drafts. The decoder reads these fields and nothing
+    else about a drafter's kind."""
 
-    Under greedy decoding the decoder verifies the first nodes of each tree that pay for the
-    batch's step (``TreeSizer``; a single row's whole while its proposals are cheap,
-    ``budget.CHEAP_PROPOSAL``); a drafter that chooses its own draft lengths from measured
-    step costs sets a class attribute ``sizes_own_drafts = True`` to have its trees verified
-    whole. A drafter whose hits come about independently from step to step (a trained draft)
-    sets ``steady = True``: its estimates average over about twenty trees
-    (``budget.STEADY_SMOOTHING``), carry over from one greedy generation to the next, and a
-    single row's trees are verified whole (``TreeSizer.best``). Sampled rows keep
-    budgets of their own, since multi-step speculative sampling makes their tokens depend on
-    the drafts; a drafter whose trees never carry ``draft_probs`` says so with
-    ``draws_drafts = False``, and its sampled batches are sized as greedy ones.
+    # its trees may carry ``draft_probs``: a sampled row's tokens then depend on the drafts
+    # (multi-step speculative sampling), so sampled rows keep budgets of their own; False
+    # (copies, sample-and-match): sampled batches are sized as greedy ones
+    draws_drafts: bool = True
+    # it chooses its own draft lengths from measured step costs: its trees are verified whole
+    sizes_own_drafts: bool = False
+    # its hits come about independently from step to step (a trained draft): estimates
+    # average over about twenty trees (``budget.STEADY_SMOOTHING``) and carry over from one
+    # greedy generation to the next, and a single row's trees are verified whole
+    steady: bool = False
+    # it drafts from the target's hidden states before each root (the step keeps them)
+    reads_features: bool = False
+    # its batch state follows ``keep_rows``: finished rows may leave a batch
+    keeps_rows: bool = True
 
-    A drafter with a method ``keep_rows(cache, rows)`` lets finished rows leave a batch: the
-    decoder calls it after ``TreeKVCache.keep_rows`` on the batch's cache, and the drafter keeps
-    its state of that batch for ``rows`` only, in that order. Without it batches stay whole.
+
+class Drafter(abc.ABC):
+    """A source of drafts shared by requests, with an explicit batch lifecycle.
+
+    For each batch the decoder calls ``begin(target)``, then ``propose`` once a step for every
+    row (each row's session ``observe``s what was committed), ``keep_rows`` when finished rows
+    leave the batch (only where ``capabilities.keeps_rows``), and ``end(target)`` when the
+    batch is done, however it ends. Under greedy decoding the decoder verifies the first nodes
+    of each tree that pay for the batch's step (``TreeSizer``), unless the drafter sizes its
+    own (``Capabilities``).
     """
 
+    capabilities = Capabilities()
+
+    @abc.abstractmethod
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> DraftSession:
         """Open a session for a request with ``prompt`` and optional extra documents."""
-        ...
 
+    @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
         """One tree per request, for the whole batch at once (``target`` is None where the
         caller has no batch cache, e.g. a one-row RaLM segment)."""
-        ...
+
+    def begin(self, target: TargetView) -> None:  # noqa: B027 (most drafters keep no batch state)
+        """A batch starts on ``target``'s cache."""
+
+    def keep_rows(self, target: TargetView, rows: Sequence[int]) -> None:  # noqa: B027
+        """The batch on ``target`` goes on with only ``rows``, in that order
+        (``TreeKVCache.keep_rows`` was called): batch state follows."""
+
+    def end(self, target: TargetView) -> None:  # noqa: B027
+        """The batch on ``target`` is done: its state goes."""
 
 
 def propose_each(requests: Sequence[DraftRequest]) -> list[TokenTree]:
@@ -107,19 +131,20 @@ def propose_each(requests: Sequence[DraftRequest]) -> list[TokenTree]:
             for r in requests]
 
 
-def propose(drafter: Any, requests: Sequence[DraftRequest], target: TargetView | None
+def propose(drafter: Drafter, requests: Sequence[DraftRequest], target: TargetView | None
             ) -> list[TokenTree]:
-    """``drafter.propose``; drafters written before batch proposals (``session`` only) still
-    work, row by row, with a DeprecationWarning."""
-    batched = getattr(drafter, "propose", None)
-    if batched is None:
-        warnings.warn(f"{type(drafter).__name__} has no propose(requests, target); drafting row "
-                      "by row. Add it (see rag_spec.decoding.drafter.Drafter).",
-                      DeprecationWarning, stacklevel=3)
-        return propose_each(requests)
-    trees = batched(requests, target)
+    """``drafter.propose``, checked to return one tree per request."""
+    trees = drafter.propose(requests, target)
     if len(trees) != len(requests):
         msg = (f"{type(drafter).__name__}.propose returned {len(trees)} trees for "
                f"{len(requests)} requests; it must return one per request.")
         raise ValueError(msg)
     return trees
+
+
+def check_drafter(drafter: object) -> None:
+    """Refuse what does not declare the protocol, before any generation starts."""
+    if not isinstance(drafter, Drafter):
+        msg = (f"{type(drafter).__name__} is not a Drafter: subclass rag_spec.Drafter (declare "
+               f"its capabilities, implement session and propose).")
+        raise RagSpecError(msg)

@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rag_spec.decoding.drafter import DraftRequest, TargetView
-from rag_spec.decoding.model_drafter import ModelDrafter, _Batch, _SharedBatch
-from rag_spec.decoding.runner import ModuleRunner
-from rag_spec.decoding.sink_window import SinkWindow
-from rag_spec.decoding.step_costs import Acceptance, StepCosts, settle
-from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
+from rag_spec.drafters.model_drafter import ModelDrafter, _Batch, _SharedBatch
+from rag_spec.drafters.tree_expansion import Expansion
+from rag_spec.engine.cache.sink_window import SinkWindow
+from rag_spec.engine.forward.runner import ModuleRunner
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
 
 
 class SelfSpecDrafter(ModelDrafter):
@@ -62,9 +62,9 @@ class SelfSpecDrafter(ModelDrafter):
         self.last: SelfSpecStats | None = None  # the latest batch's costs and choices
 
     # Its draft length comes from the measured costs of its own passes as well as the
-    # target's, so the decoder verifies whole drafts (at batch 16 x 4k its own choice ran
-    # 1.14x faster than the decoder's tree sizes, same tokens).
-    sizes_own_drafts = True
+    # target's, so the decoder verifies whole drafts (its own choice beat the decoder's tree
+    # sizes at batch 16 x 4k: docs/concepts.md, "Why the defaults").
+    capabilities = Capabilities(sizes_own_drafts=True)
 
     def draft_runner(self, target: TargetView) -> ModuleRunner:
         """The target's own fast path."""

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.compiled_step import CompiledStep
+from rag_spec.engine.forward.compiled_step import CompiledStep
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,

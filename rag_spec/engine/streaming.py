@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rag_spec.decoding.stopping import StopRule
+from rag_spec.engine.stopping import StopRule
 
 
 class TextStream:

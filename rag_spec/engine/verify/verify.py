@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from rag_spec.decoding.acceptance import accept, accept_speculative
-from rag_spec.decoding.sampling import RowSampler, target_probs
-from rag_spec.decoding.tree import TokenTree
+from rag_spec.engine.verify.acceptance import accept, accept_speculative
+from rag_spec.engine.verify.sampling import RowSampler, target_probs
+from rag_spec.engine.verify.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
 
-from rag_spec.decoding.step_costs import StepCosts
+from rag_spec.policy.step_costs import StepCosts
 
 PROBE_SHARE = 0.02  # the most of plain decoding's time that probes (drafts not verified) take
 
@@ -19,8 +19,8 @@ PROBE_SHARE = 0.02  # the most of plain decoding's time that probes (drafts not 
 # (measured: the draft head on the embedded model's open-ended answers, a correlation of 0.03
 # between consecutive positions' hits, at a rate of 54%): estimates following the last few trees
 # swing with every miss, fall below what drafts cost, and with probes backing off stay there
-# (the head ran 1.08x no drafts so; 1.16x with steady estimates, 1.22x verifying every step). A
-# steady drafter's estimates average over about twenty trees, and its probes keep their pace.
+# (docs/concepts.md, "Why the defaults"). A steady drafter's estimates average over about
+# twenty trees, and its probes keep their pace.
 STEADY_SMOOTHING = 0.95
 # A steady drafter's acceptance belongs to the drafter and the model more than to one request,
 # so a new greedy row starts from the estimates the last ended with (``AdaptiveBudget.resumed``)
@@ -32,9 +32,9 @@ STEADY_TREES = 20
 # (the trie's nothing, the draft head's ~0.06) and whole trees commit faster than plain steps:
 # on a short prompt a wide step costs one row little more than a plain one, and cuts chosen
 # from estimates averaged over recent trees lose the long paths of copies that just started
-# (the trie on the embedded model, one row, RAG prompts: 1.41x no drafts whole against 1.34x
-# cut; see the benchmarks). Dearer proposals (a draft model's passes) are sized, as are trees
-# whose whole width costs more than they keep (over a long prompt, a wide step costs more).
+# (docs/concepts.md, "Why the defaults"). Dearer proposals (a draft model's passes) are sized,
+# as are trees whose whole width costs more than they keep (over a long prompt, a wide step
+# costs more).
 CHEAP_PROPOSAL = 0.1
 
 
@@ -216,11 +216,8 @@ class TreeSizer:
         A steady drafter's single row is verified whole throughout: its trees hold only the
         guesses its probabilities say pay (``Expansion.min_prob``), its row's budget stops it
         while they miss, and the rates, whose estimates of what its rarer guesses keep learn
-        slowly, verified fewer than paid (the draft head on the embedded model, one
-        interleaved run of 8 prompts per set: 1.25x no drafts on open-ended prompts whole,
-        1.19x sized; 1.39x / 1.35x on RAG prompts); cut only where whole trees did not pay,
-        its compiled steps, where a wider step costs relatively more, ran 1.15x compiled no
-        drafts on RAG prompts, against 1.23x whole in a second bench run the same hour."""
+        slowly, verified fewer than paid; cutting only where whole trees did not pay lost on
+        compiled steps too (docs/concepts.md, "Why the defaults")."""
         if not self.adaptive or not budgets:
             return self.full
         if costs.rows == 1 and (self.steady or not costs.target):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.decoding.tree import TokenTree
+from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.nn.utils import skip_init
 
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
@@ -23,28 +22,6 @@ from rag_spec.progress import progress as progress_bar
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
 _LENGTH = 256  # tokens of a text trained on (the last ones of an answer)
 Trained = TypeVar("Trained")
-
-
-class SubsetHead(torch.nn.Module):
-    """An LM head over some tokens: full-vocabulary logits, -inf outside ``subset``."""
-
-    def __init__(self, weight: torch.Tensor, subset: torch.Tensor, vocab_size: int) -> None:
-        super().__init__()
-        # [len(subset), hidden], a plain linear layer: the runner's kernels can take it; made
-        # without a random start (torch's global RNG is the caller's)
-        self.readout = skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=False,
-                                 device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            self.readout.weight.copy_(weight)
-        self.readout.requires_grad_(False)
-        self.register_buffer("subset", subset.clone())
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = self.readout(hidden)
-        logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.subset] = small
-        return logits
 
 
 def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int, *,
@@ -55,7 +32,7 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
     itself, shuffled, as a function that makes them (answering takes minutes: only called
     when nothing is cached), and a fingerprint of the passages."""
     from rag_spec.corpus import fingerprint, load_passages
-    from rag_spec.decoding.own_answers import own_answers
+    from rag_spec.training.own_answers import own_answers
 
     passages = load_passages(sources)
 
@@ -75,6 +52,8 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
 
 
 @dataclass(frozen=True)
+
+
 class DraftRecipe:
     """What a trained draft is and how a user trains it: named in every message about it."""
 
@@ -131,6 +110,8 @@ def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
 
 
 @dataclass
+
+
 class TrainingSample:
     """One text: its tokens, the model's hidden states after some layer (the last: the states
     its LM head reads), and its top tokens and log-probs at each position."""
@@ -142,12 +123,14 @@ class TrainingSample:
 
 
 @torch.no_grad()
+
+
 def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress: bool
                     ) -> list[TrainingSample]:
     """The model's states after ``layer`` layers (-1: after its final norm) and predictions on
     each sequence, read through rag-spec's private copy of it (asking transformers for hidden
     states installs hooks on the modules it runs: those must not be the user's)."""
-    from rag_spec.decoding.runner import Runner
+    from rag_spec.engine.forward.runner import Runner
 
     runner = Runner.of(model)
     samples = []
@@ -163,6 +146,8 @@ def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress
 
 
 @dataclass
+
+
 class TrainingSet:
     """A draft's training data: the held-out tenth (agreement is measured on it), the rest,
     and the tokens its read-out scores."""

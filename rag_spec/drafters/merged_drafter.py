@@ -29,12 +29,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from rag_spec.decoding.budget import AdaptiveBudget
-from rag_spec.decoding.drafter import DraftRequest, DraftSession, TargetView, propose
-from rag_spec.decoding.model_drafter import ModelDrafter
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_cache import TreeKVCache
-from rag_spec.decoding.trie_drafter import TrieDrafter
+from rag_spec.drafters.drafter import (
+    Capabilities,
+    Drafter,
+    DraftRequest,
+    DraftSession,
+    TargetView,
+    propose,
+)
+from rag_spec.drafters.model_drafter import ModelDrafter
+from rag_spec.drafters.trie_drafter import TrieDrafter
+from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.policy.budget import AdaptiveBudget
 
 # A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
 # the trie's copy is the better draft, and the model's passes are spared.
@@ -98,7 +104,7 @@ class _Both:
         self.trie.add_documents(documents)
 
 
-class MergedDrafter:
+class MergedDrafter(Drafter):
     """A draft model's trees merged with the trie's.
 
     Examples:
@@ -116,31 +122,28 @@ class MergedDrafter:
         self.learnt: AdaptiveBudget | None = None
 
     @property
-    def steady(self) -> bool:
-        """Whether the rows' budgets treat the merged trees' hits as steady: a trained draft's
-        are (``budget.STEADY_SMOOTHING``), and the trie's copies, verified for nothing beside
-        them, should not stop its drafting whenever a few steps miss. Measured with the draft
-        head on the embedded model (one row, 8 prompts per set, one interleaved run): 1.70
-        tokens per step on open-ended prompts steady against 1.41 (the head alone: 1.48),
-        1.26x no drafts against 1.15x; 1.55x against 1.49x on RAG prompts."""
-        return getattr(self.model, "steady", False)
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """The model's steadiness and features: a trained draft's hits are steady
+        (``budget.STEADY_SMOOTHING``), and the trie's copies, verified for nothing beside them,
+        should not stop its drafting whenever a few steps miss (docs/concepts.md, "Merged
+        drafts"); the trie's row state and the model's batch state both follow kept rows."""
+        model = self.model.capabilities
+        return Capabilities(steady=model.steady, reads_features=model.reads_features)
 
-    @property
-    def reads_features(self) -> bool:
-        """Whether the model drafts from the target's hidden states (``FeatureDrafter``)."""
-        return getattr(self.model, "reads_features", False)
+    def keep_rows(self, target: TargetView, rows: Sequence[int]) -> None:
+        self.model.keep_rows(target, rows)
 
-    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
-        """The model's drafting state follows the rows that go on (the trie's is per row)."""
-        self.model.keep_rows(cache, rows)
+    def end(self, target: TargetView) -> None:
+        self.model.end(target)
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Both:
         return _Both(self.model.session(prompt, extra_context),
                      self.trie.session(prompt, extra_context), self,
                      # the draft head reads the target's states: no passes of its own to spare
-                     eager=self.eager or self.reads_features, spared=not self.reads_features,
-                     steady=self.steady)
+                     eager=self.eager or self.capabilities.reads_features,
+                     spared=not self.capabilities.reads_features,
+                     steady=self.capabilities.steady)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:

@@ -9,12 +9,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rag_spec.decoding.drafter import DraftRequest, TargetView, propose_each
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
+from rag_spec.drafters.drafter import (
+    Capabilities,
+    Drafter,
+    DraftRequest,
+    TargetView,
+    propose_each,
+)
+from rag_spec.drafters.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
+from rag_spec.engine.verify.tree import TokenTree
 
 if TYPE_CHECKING:  # the cache is only named here; a trie needs none of it
-    from rag_spec.decoding.tree_cache import TreeKVCache
+    pass
 
 TrieMode = Literal["tree", "chains"]
 
@@ -31,7 +37,7 @@ class TrieConfig:
     memory_mb: float = 64.0  # bound on the memory of earlier outputs
 
 
-class TrieDrafter:
+class TrieDrafter(Drafter):
     """Drafts from n-gram tries; the cross-request memory stays within ``memory_mb``.
 
     Args:
@@ -42,8 +48,9 @@ class TrieDrafter:
     """
 
     # its drafts are copied, not drawn from a distribution: sampled output does not depend on
-    # them (sample-and-match), so a sampled batch sizes them as a greedy one does
-    draws_drafts = False
+    # them (sample-and-match), so a sampled batch sizes them as a greedy one does; a row's
+    # state is its session, which finished rows drop
+    capabilities = Capabilities(draws_drafts=False)
 
     def __init__(self, *, branch_length: int = 8, mode: TrieMode = "tree",
                  memory_mb: float = 64.0, max_key: int = 3) -> None:
@@ -64,9 +71,6 @@ class TrieDrafter:
                 ) -> list[TokenTree]:
         """Each row's tree from its own session (tries need nothing from the target)."""
         return propose_each(requests)
-
-    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
-        """Nothing to follow: a row's state is its session, which finished rows drop."""
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> TrieSession:

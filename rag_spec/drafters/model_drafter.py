@@ -28,15 +28,15 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.decoding.drafter import DraftRequest, TargetView
-from rag_spec.decoding.exit_adapter import ExitAdapter
-from rag_spec.decoding.runner import ModuleRunner, Runner, RunnerSettings
-from rag_spec.decoding.sampling import SamplingParams, processed_logits
-from rag_spec.decoding.step_costs import prior_cost
-from rag_spec.decoding.tree import TokenTree
-from rag_spec.decoding.tree_cache import TreeKVCache
-from rag_spec.decoding.tree_expansion import Expansion
+from rag_spec.drafters.drafter import Drafter, DraftRequest, TargetView
+from rag_spec.drafters.exit_adapter import ExitAdapter
+from rag_spec.drafters.tree_expansion import Expansion
+from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.forward.runner import ModuleRunner, Runner, RunnerSettings
+from rag_spec.engine.verify.sampling import SamplingParams, processed_logits
+from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.step_costs import prior_cost
 from rag_spec_kernels import SparseView
 
 _GREEDY = SamplingParams()
@@ -220,14 +220,13 @@ class _SharedBatch(_Batch):
         self.roots = [self.roots[b] for b in rows]
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """What drafting with a model takes: per-batch draft caches, rounds, the tree's shape.
     Subclasses say which forward passes draft (``draft_runner``)."""
 
     def __init__(self, expansion: Expansion | None) -> None:
         self.expansion = expansion or Expansion()
-        self._batches: weakref.WeakKeyDictionary[TreeKVCache, _Batch] = (
-            weakref.WeakKeyDictionary())
+        self._batches: dict[int, _Batch] = {}  # per batch, from begin to end: id(target)
         self._lock = threading.Lock()
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
@@ -241,19 +240,21 @@ class ModelDrafter:
                 ) -> list[TokenTree]:
         if target is None or not any(r.budget > 0 for r in requests):
             return [TokenTree.empty() for _ in requests]
-        with self._lock:  # the draft's runner is looked up once per batch (a generation)
-            batch = self._batches.get(target.cache)
+        with self._lock:  # made at the batch's first draft: it prefills every context
+            batch = self._batches.get(id(target))
             if batch is None:
-                batch = self._batches[target.cache] = self.new_batch(target, requests)
+                batch = self._batches[id(target)] = self.new_batch(target, requests)
         return _draft(batch, requests, self.expansion)
 
-    def keep_rows(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
-        """The target's batch on ``cache`` goes on with only ``rows`` (``TreeKVCache.keep_rows``
-        was called): its drafting state follows."""
+    def keep_rows(self, target: TargetView, rows: Sequence[int]) -> None:
         with self._lock:
-            batch = self._batches.get(cache)
+            batch = self._batches.get(id(target))
         if batch is not None:
             batch.keep_rows(rows)
+
+    def end(self, target: TargetView) -> None:
+        with self._lock:
+            self._batches.pop(id(target), None)
 
     def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
         """The drafting state of a new batch: a draft cache prefilled with every context."""
