@@ -5,14 +5,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # No NVIDIA GPU: the CPU build of torch; with one, PyPI's default (CUDA) build.
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# the partner packages (LangChain's and LlamaIndex's integration layout), installed beside rag-spec
+PARTNERS := langchain-rag-spec llama-index-llms-rag-spec llama-index-retrievers-rag-spec \
+	llama-index-embeddings-rag-spec rag-spec-chain-bench
 QUESTION ?= How do I join two path components with os.path?
 
 .PHONY: install pull demo test docs bench bench-draft gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus]' \
+		$(foreach p,$(PARTNERS),-e integrations/$(p))
 	touch $@
 
 install: $(STAMP)

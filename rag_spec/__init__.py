@@ -41,6 +41,17 @@ _EXPORTS = {
     "KNNDatastore": "rag_spec.knnlm",
     "KNNSpeculation": "rag_spec.knnlm",
     "RagSpecError": "rag_spec.errors",
+    # what the partner packages (integrations/) build on
+    "DEFAULT_MODEL": "rag_spec.models.registry",
+    "DEFAULT_EMBEDDER": "rag_spec.retrieval.embedder",
+    "Completion": "rag_spec.serving.local_lm",
+    "Chunk": "rag_spec.serving.local_lm",
+    "Prompt": "rag_spec.serving.local_lm",
+    "BatchingRetriever": "rag_spec.retrieval.batching",
+    "require_retriever": "rag_spec.retrieval.types",
+    "stable_id": "rag_spec.retrieval.types",
+    "side_by_side": "rag_spec.threads",
+    "run_in_compute_thread": "rag_spec.threads",
 }
 
 __all__ = sorted(_EXPORTS)

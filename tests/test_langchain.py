@@ -178,6 +178,22 @@ def test_iterative_ralm_runnable_speculative_equals_naive(chat):
     assert len(fast._loops) == 2
 
 
+def test_swapping_in_a_spec_retriever_is_what_turns_speculation_on(chat):
+    """As in rag_spec: the same name means the same thing in both packages."""
+    from langchain_rag_spec import RagSpecRetriever
+
+    source = HashRetriever()
+    plain = IterativeRaLM(llm=chat, retriever=RagSpecRetriever(source=source), max_tokens=16)
+    spec = IterativeRaLM(llm=chat, retriever=SpecRetriever(source=source), max_tokens=16)
+    question = "alpha beta gamma"
+    assert spec.invoke(question) == plain.invoke(question)
+    ((_, _, plain_speculates, *_),) = plain._loops
+    ((_, _, speculates, *_),) = spec._loops
+    assert speculates and not plain_speculates
+    assert SpecRetriever(source=source).invoke("alpha") == \
+        RagSpecRetriever(source=source).invoke("alpha")  # elsewhere, the same retriever
+
+
 @pytest.mark.parametrize("draft", ["early-exit:1", "folder", "self-spec:8"])
 def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir, draft):
     prompt = "the cat sat on the mat. the cat"

@@ -1,0 +1,178 @@
+"""``LookaheadLLM``: a LlamaIndex LLM that decodes speculatively, losslessly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+
+from rag_spec import (
+    DEFAULT_MODEL,
+    Completion,
+    GenerateOptions,
+    LocalLM,
+    LookaheadConfig,
+    Prompt,
+    RagSpecError,
+)
+
+
+class LookaheadLLM(LLM):
+    """A local Hugging Face model with lookahead decoding; replaces ``HuggingFaceLLM``.
+
+    ``chat`` applies the model's chat template; ``complete`` takes the prompt as text.
+    Greedy output equals ``transformers`` ``generate``; async methods never block the loop;
+    ``additional_kwargs`` of every response carry token counts and speculation stats.
+
+    Examples:
+        >>> from llama_index.core import Settings                         # doctest: +SKIP
+        >>> Settings.llm = LookaheadLLM(max_new_tokens=128)               # doctest: +SKIP
+    """
+
+    model: str = Field(default=DEFAULT_MODEL,
+                       description="Embedded model name or a local Hugging Face folder.")
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="rag_spec.load_model arguments: device, dtype.")
+    lookahead: dict[str, Any] = Field(
+        default_factory=dict, description="rag_spec.LookaheadConfig fields.")
+    draft_model: Any = Field(
+        default=None, description="A draft model of the same vocabulary (embedded name, folder "
+        "or model object) or 'early-exit:L' (the model's first L layers), merged with the "
+        "trie's drafts; None: the trie alone.")
+    max_new_tokens: int = Field(default=256, description="Most tokens per answer.")
+    temperature: float = Field(default=0.0, description="0 decodes greedily.")
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop: list[str] = Field(default_factory=list, description="Strings that end an answer.")
+    seed: int | None = None
+    context_window: int | None = Field(
+        default=None, description="Tokens the model takes; None reads it from the model.")
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagSpecLookaheadLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        window = self.context_window or self._lm().context_window
+        if window is None:
+            msg = (f"The context window of {self.model} is not in its config; pass it: "
+                   "LookaheadLLM(context_window=...).")
+            raise RagSpecError(msg)
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
+                           is_chat_model=True, model_name=self.model)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _chat_response(self._generate(_chat(messages), kwargs))
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return _completion_response(self._generate(self._text(prompt, formatted), kwargs))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        chunks = self._lm().stream(_chat(messages), self._options(kwargs))
+        return (_chat_response(c, text, c.text) for c, text in _accumulate(chunks))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False,
+                        **kwargs: Any) -> CompletionResponseGen:
+        chunks = self._lm().stream(self._text(prompt, formatted), self._options(kwargs))
+        return (_completion_response(c, text, c.text) for c, text in _accumulate(chunks))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _chat_response(await self._agenerate(_chat(messages), kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False,
+                        **kwargs: Any) -> CompletionResponse:
+        return _completion_response(await self._agenerate(self._text(prompt, formatted), kwargs))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage],
+                           **kwargs: Any) -> ChatResponseAsyncGen:
+        chunks = self._lm().astream(_chat(messages), self._options(kwargs))
+
+        return (_chat_response(c, text, c.text) async for c, text in _aaccumulate(chunks))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        chunks = self._lm().astream(self._text(prompt, formatted), self._options(kwargs))
+
+        return (_completion_response(c, text, c.text) async for c, text in _aaccumulate(chunks))
+
+    def _lm(self) -> LocalLM:
+        return LocalLM.shared(self.model, config=LookaheadConfig(**self.lookahead),
+                              draft=self.draft_model, **self.model_kwargs)
+
+    def _text(self, prompt: str, formatted: bool) -> str:
+        return prompt if formatted else self.completion_to_prompt(prompt)
+
+    def _options(self, overrides: dict[str, Any]) -> GenerateOptions:
+        names = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+        values = {name: overrides.get(name, getattr(self, name)) for name in names}
+        return GenerateOptions(stop=tuple(overrides.get("stop", self.stop)), **values)
+
+    def _generate(self, prompt: Prompt, overrides: dict[str, Any]) -> Completion:
+        return self._lm().generate([prompt], self._options(overrides))[0]
+
+    async def _agenerate(self, prompt: Prompt, overrides: dict[str, Any]) -> Completion:
+        return (await self._lm().agenerate([prompt], self._options(overrides)))[0]
+
+
+def _chat(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role.value, "content": m.content or ""} for m in messages]
+
+
+def _accumulate(chunks: Any) -> Any:
+    """Pairs of (chunk, text so far): LlamaIndex streams cumulative text plus a delta."""
+    text = ""
+    for chunk in chunks:
+        text += chunk.text
+        yield chunk, text
+
+
+async def _aaccumulate(chunks: Any) -> Any:
+    text = ""
+    async for chunk in chunks:
+        text += chunk.text
+        yield chunk, text
+
+
+def _details(completion: Completion | None) -> dict[str, Any]:
+    if completion is None:
+        return {}
+    return {**completion.usage(), "finish_reason": completion.finish_reason,
+            **completion.speculation()}
+
+
+def _completion_response(result: Any, text: str | None = None,
+                         delta: str | None = None) -> CompletionResponse:
+    """A response from a Completion, or from a stream Chunk with the text so far."""
+    completion = result if isinstance(result, Completion) else result.completion
+    return CompletionResponse(text=result.text if text is None else text, delta=delta,
+                              additional_kwargs=_details(completion))
+
+
+def _chat_response(result: Any, text: str | None = None, delta: str | None = None) -> ChatResponse:
+    reply = _completion_response(result, text, delta)
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=reply.text),
+                        delta=delta, additional_kwargs=reply.additional_kwargs)
