@@ -26,6 +26,7 @@ from rag_spec.engine.cache.tree_cache import TreeKVCache
 from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.engine.stopping import StopRule
 from rag_spec.engine.streaming import TextStream
+from rag_spec.engine.verify.grammar import Constraint, Grammars, row_requests
 from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.engine.verify.verify import verify
@@ -125,6 +126,7 @@ class _Row:
     budget: AdaptiveBudget
     sampler: RowSampler
     remember: bool = True  # hand the finished output to the drafter's cross-request memory
+    constraint: Constraint | None = None  # the grammar the output follows, if any
     output: list[int] = field(default_factory=list)
     # proposed trees, each with the context length it continues, until what they would have
     # kept is known
@@ -225,7 +227,8 @@ class LookaheadDecoder:
                  repetition_penalty: float = 1.0, stop: Sequence[str] = (),
                  streamer: Callable[[str], None] | Any = None,
                  attention_mask: Any = None, seed: int | None = None,
-                 context: Sequence[str] = (),
+                 context: Sequence[str] = (), json_schema: Any = None, regex: Any = None,
+                 grammar: Any = None, choices: Any = None,
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` after each prompt.
 
@@ -242,6 +245,12 @@ class LookaheadDecoder:
                 sampling's either way. Greedy decoding draws nothing.
             context: documents this call may copy from, like ``add_context`` but for this call
                 only.
+            json_schema, regex, grammar, choices: what the output must follow (at most one per
+                prompt): a JSON schema (a dict, a JSON string or a Pydantic model class;
+                xgrammar's ``compile_json_schema`` with its defaults), a regular expression,
+                an EBNF grammar (start rule ``root``) or a list of strings. A list gives one
+                per prompt of a batch. The tokens are constrained decoding's: greedy picks the
+                argmax of the allowed tokens' logits, sampling draws from the allowed tokens.
 
         Returns:
             A GenerationResult for a single prompt, a list of them for a batch.
@@ -252,7 +261,7 @@ class LookaheadDecoder:
             raise RagSpecError(msg)
         steps = self._steps(prompts, max_new_tokens, SamplingParams(
             do_sample, temperature, top_k, top_p, repetition_penalty), stop, seed, context,
-            streamer)
+            streamer, json_schema=json_schema, regex=regex, grammar=grammar, choices=choices)
         results = _drain(steps)
         return results[0] if single else results
 
@@ -283,7 +292,8 @@ class LookaheadDecoder:
 
     def _steps(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
                stop: Sequence[str], seed: int | None, context: Sequence[str],
-               streamer: Callable[[str], None] | Any = None,
+               streamer: Callable[[str], None] | Any = None, *, json_schema: Any = None,
+               regex: Any = None, grammar: Any = None, choices: Any = None,
                ) -> Generator[None, None, list[GenerationResult]]:
         """The whole generation as a generator: one ``yield`` per decoding step, holding the
         decoder meanwhile; returns the results."""
@@ -304,12 +314,15 @@ class LookaheadDecoder:
         documents = self._pending.__dict__.pop("documents", []) + documents
         self._check_length(prompts)
         _check_ids(prompts, self.model.get_input_embeddings().num_embeddings)
+        constraints = self._constraints(len(prompts), json_schema=json_schema, regex=regex,
+                                        grammar=grammar, choices=choices)
         if params.do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         with self._lock:
             started = time.perf_counter()
             rows = [_Row(p, self.drafter.session(p, documents), self._budget(params),
-                         RowSampler(params, None if seed is None else seed + b))
+                         RowSampler(params, None if seed is None else seed + b),
+                         constraint=constraints[b])
                     for b, p in enumerate(prompts)]
             rules = [StopRule(self._tokens, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
@@ -320,6 +333,17 @@ class LookaheadDecoder:
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats)
                 for r, rule in zip(rows, rules)]
+
+    def _constraints(self, rows: int, **grammars: Any) -> list[Constraint | None]:
+        """Each row's grammar, compiled before any decoding (a bad one is a RagSpecError)."""
+        requests = row_requests(rows, **grammars)
+        if not any(r.given for r in requests):
+            return [None] * rows
+        self._require_tokenizer("constrained output")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        compiler = Grammars.of(self.tokenizer, vocab, self._eos_ids())
+        return [Constraint(compiler.compile(r), vocab, self._tokens) if r.given else None
+                for r in requests]
 
     def warm_up(self, max_new_tokens: int = 16, *, progress: bool = True) -> float:
         """Pay a first request's one-time costs now, before a service takes traffic: with
@@ -469,6 +493,9 @@ class LookaheadDecoder:
                     for r, on in zip(rows, active)]
         proposals = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
+        # a grammar cuts the drafts it forbids and drafts what it forces
+        proposals = [r.constraint.drafts(tree, self.config.budget) if on and r.constraint
+                     else tree for r, tree, on in zip(rows, proposals, active)]
         trees = [tree.first(cap) for tree in proposals]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
@@ -479,8 +506,9 @@ class LookaheadDecoder:
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
         # 3. Verify: each row's accepted path and the target's next token after it.
-        verdicts = [verify(logits[b, :1 + len(tree)], tree, row.sampler, row.context,
-                           len(row.output)) for b, (row, tree) in enumerate(zip(rows, trees))]
+        verdicts = [verify(self._allowed(row, logits[b, :1 + len(tree)], tree), tree,
+                           row.sampler, row.context, len(row.output))
+                    for b, (row, tree) in enumerate(zip(rows, trees))]
         for row, rule, tree, proposal, verdict, on in zip(rows, rules, trees, proposals,
                                                            verdicts, active):
             if on:
@@ -499,11 +527,18 @@ class LookaheadDecoder:
         """Commit each row's first token, chosen from the logits after its whole prompt; it
         becomes the row's root."""
         empty = TokenTree.empty()
-        verdicts = [verify(logits[b:b + 1], empty, row.sampler, row.context, 0)
-                    for b, row in enumerate(rows)]
+        verdicts = [verify(self._allowed(row, logits[b:b + 1], empty), empty, row.sampler,
+                           row.context, 0) for b, row in enumerate(rows)]
         for row, rule, verdict in zip(rows, rules, verdicts):
             self._commit(row, rule, verdict.tokens, 0, empty)
         cache.roots = [v.next_token for v in verdicts]
+
+    @staticmethod
+    def _allowed(row: _Row, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+        """A row's logits [1 + n, vocab], masked by its grammar along each node's path."""
+        if row.constraint is None or row.finish_reason is not None:
+            return logits
+        return row.constraint.apply(logits, tree)
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
                 proposal: TokenTree) -> None:
@@ -515,6 +550,8 @@ class LookaheadDecoder:
             row.finish_reason = rule.finish_reason(row.output)
             if row.finish_reason is not None:
                 break
+        if row.constraint is not None:
+            row.constraint.advance(row.context[before:])
         row.stats.steps += 1
         row.stats.drafted += drafted
         row.stats.accepted_per_step.append(len(tokens) - 1)

@@ -1,0 +1,230 @@
+"""Constrained output: greedy tokens are constrained greedy decoding's (transformers `generate`
+with xgrammar's logits processor), sampled tokens follow the constrained distribution, drafts
+the grammar forbids never reach the forward pass, and bad grammars fail before decoding."""
+
+import json
+import string
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.drafters.merged_drafter import MergedDrafter
+from rag_spec.drafters.model_drafter import DraftModelDrafter
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.verify.grammar import Constraint, Grammars, GrammarRequest
+from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.errors import RagSpecError
+from test_sampling import KNOBS, chi_square_ok
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"]}
+REGEX = r"(cat|dog) sat on the [a-z]{2,5}\."
+EBNF = 'root ::= "yes" | "no" | "maybe " [a-z]+'
+CHOICES = ["alpha", "beta", "gamma delta"]
+
+
+def printable_tokenizer():
+    """A character-level fast tokenizer over printable ASCII: JSON can be spelled with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(sorted(set(string.printable) - {"\x0b",
+                                                                                 "\x0c"}))})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return printable_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    # an EOS the grammar's end allows; peaked logits keep near ties rare
+    return tiny_llama(seed=4, vocab_size=len(tok), eos=2, init=0.4)
+
+
+def prompt(tok, text="the answer: "):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def hf_constrained(model, tok, ids, compiled, max_new_tokens):
+    """transformers `generate` under xgrammar's logits processor: the peer to equal."""
+    processor = xgr.contrib.hf.LogitsProcessor(compiled)
+    ids_t = torch.tensor([ids])
+    out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
+                         max_new_tokens=max_new_tokens, logits_processor=[processor])
+    new = out[0, len(ids):].tolist()
+    return new[:new.index(2) + 1] if 2 in new else new
+
+
+def compiled_for(lm, tok, **kind):
+    return Grammars.of(tok, lm.get_input_embeddings().num_embeddings, [2]).compile(
+        GrammarRequest(**kind))
+
+
+@pytest.mark.parametrize("kind", [{"json_schema": SCHEMA}, {"regex": REGEX}, {"grammar": EBNF},
+                                  {"choices": CHOICES}])
+@pytest.mark.parametrize("budget", [0, 4, 12])
+def test_greedy_equals_generate_with_xgrammars_logits_processor(lm, tok, kind, budget):
+    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(budget=budget))
+    for text in ("the answer: ", "{\"name\": ", "cat"):
+        ids = prompt(tok, text)
+        expected = hf_constrained(lm, tok, ids, compiled_for(lm, tok, **kind), 40)
+        result = decoder.generate(ids, 40, **kind)
+        assert result.token_ids == expected, (kind, text)
+        assert result.finish_reason == ("eos" if expected[-1] == 2 else "length")
+
+
+def test_drafts_of_the_grammars_own_text_are_accepted_and_outputs_stay_exact(lm, tok):
+    """The forced continuation (jump-forward) is drafted: JSON keys and punctuation cost no
+    pass of their own, and a trie that copies earlier answers adds more."""
+    ids = prompt(tok)
+    plain = LookaheadDecoder(lm, tok, LookaheadConfig(budget=0)).generate(ids, 60,
+                                                                           json_schema=SCHEMA)
+    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(adaptive=False))
+    first = decoder.generate(ids, 60, json_schema=SCHEMA)
+    again = decoder.generate(ids, 60, json_schema=SCHEMA)
+    assert first.token_ids == again.token_ids == plain.token_ids
+    assert max(first.stats.accepted_per_step) >= 4  # a forced key, verified as one chain
+    assert again.stats.tokens_per_step > first.stats.tokens_per_step  # and the trie's memory
+    text = tok.decode(plain.token_ids, skip_special_tokens=True)
+    if plain.finish_reason == "eos":
+        assert json.loads(text).keys() == SCHEMA["properties"].keys()
+    else:  # cut short by the token limit: a prefix the grammar accepts, never more
+        assert plain.finish_reason == "length" and text.lstrip().startswith("{")
+
+
+def test_a_batch_mixes_grammars_and_free_rows(lm, tok):
+    prompts = [prompt(tok, t) for t in ("the answer: ", "a dog ", "x")]
+    decoder = LookaheadDecoder(lm, tok)
+    kinds = {"json_schema": [SCHEMA, None, None], "regex": [None, REGEX, None]}
+    batch = decoder.generate(prompts, 30, **kinds)
+    alone = [decoder.generate(prompts[0], 30, json_schema=SCHEMA),
+             decoder.generate(prompts[1], 30, regex=REGEX), decoder.generate(prompts[2], 30)]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+
+
+def test_drafts_the_grammar_forbids_are_cut_before_the_forward_pass(lm, tok):
+    compiled = compiled_for(lm, tok, choices=CHOICES)
+    constraint = Constraint(compiled, lm.get_input_embeddings().num_embeddings, tok)
+    a, b, z = (tok.convert_tokens_to_ids(c) for c in "abz")
+    # "al" is allowed, "b" then "e" too, "z" is not, nor anything under it
+    tree = TokenTree.from_paths([[a, tok.convert_tokens_to_ids("l")], [b, a], [z, a]])
+    kept = constraint.drafts(tree, budget=8)
+    assert set(kept.tokens) <= {a, b, tok.convert_tokens_to_ids("l"),
+                                tok.convert_tokens_to_ids("e")}
+    assert z not in kept.tokens and (b, a) not in zip(kept.tokens, kept.tokens[1:])
+    constraint.advance([b])  # after "b" the grammar forces "eta"
+    forced = constraint.drafts(TokenTree.empty(), budget=8)
+    assert tok.decode(list(forced.tokens)) == "eta"
+
+
+def test_each_nodes_logits_are_masked_along_its_own_path(lm, tok):
+    compiled = compiled_for(lm, tok, choices=["ab", "cd"])
+    constraint = Constraint(compiled, lm.get_input_embeddings().num_embeddings, tok)
+    a, b, c, d = (tok.convert_tokens_to_ids(x) for x in "abcd")
+    tree = TokenTree.from_paths([[a], [c]])
+    masked = constraint.apply(torch.zeros(3, lm.get_input_embeddings().num_embeddings), tree)
+    allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in masked]
+    assert allowed == [{a, c}, {b}, {d}]
+
+
+@pytest.mark.parametrize("drafter", ["trie", "draft model"])
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_sampling_follows_the_constrained_distribution(lm, tok, drafter, name):
+    knobs = KNOBS[name]
+    regex = r"[a-h][a-p]"
+    ids = prompt(tok)
+    make = {"trie": lambda: None,
+            "draft model": lambda: MergedDrafter(DraftModelDrafter(
+                tiny_llama(seed=5, vocab_size=len(tok), eos=2)), eager=True)}
+    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(adaptive=False), drafter=make[drafter]())
+    greedy = decoder.generate(ids, 2, regex=regex).token_ids
+    decoder.drafter.trie.remember(ids + greedy) if drafter == "draft model" else \
+        decoder.drafter.remember(ids + greedy)  # drafts that often match
+    n = 3000
+    results = decoder.generate([ids] * n, 2, do_sample=True, seed=7, regex=regex, **knobs)
+    first, second = constrained_marginals(lm, tok, ids, regex, knobs)
+    for position, probs in ((0, first), (1, second)):
+        stat, bound = chi_square_ok([r.token_ids[position] for r in results], probs)
+        assert stat < bound, (position, stat, bound)
+    unmasked, _ = constrained_marginals(lm, tok, ids, r"[a-p][a-p]", knobs)  # power check
+    stat, bound = chi_square_ok([r.token_ids[0] for r in results], unmasked)
+    assert stat > bound
+
+
+def constrained_marginals(lm, tok, ids, regex, knobs):
+    """P(first token), P(second token) under the grammar's masks, then the knobs (mask first,
+    as vLLM does): transformers' own warpers on masked logits."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    vocab = lm.get_input_embeddings().num_embeddings
+    compiled = compiled_for(lm, tok, regex=regex)
+
+    def probs(context):
+        constraint = Constraint(compiled, vocab, tok)
+        constraint.advance(context[len(ids):])
+        with torch.no_grad():
+            logits = lm(torch.tensor([context])).logits[:, -1].float()
+        logits = constraint.apply(logits, TokenTree.empty())
+        logits = TemperatureLogitsWarper(knobs["temperature"])(None, logits)
+        if "top_k" in knobs:
+            logits = TopKLogitsWarper(knobs["top_k"])(None, logits)
+        if "top_p" in knobs:
+            logits = TopPLogitsWarper(knobs["top_p"])(None, logits)
+        return logits.softmax(-1)[0]
+
+    first = probs(ids)
+    second = sum(p * probs(ids + [t]) for t, p in enumerate(first.tolist()) if p > 0)
+    return first, second
+
+
+@pytest.mark.parametrize("kind, match", [
+    ({"json_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+     "json schema does not compile"),
+    ({"json_schema": 3}, "json_schema takes a dict, a JSON string or a Pydantic model"),
+    ({"regex": "(unclosed"}, "regex does not compile"),
+    ({"grammar": "start ::= oops"}, "grammar does not compile.*root ::="),
+    ({"choices": []}, "choices takes a list of non-empty strings"),
+    ({"choices": ["a", ""]}, "choices takes a list of non-empty strings"),
+    ({"regex": "a", "choices": ["a"]}, "Give one of json_schema, regex, grammar or choices"),
+    ({"regex": ["a", "b"]}, "regex has 2 entries for 1 prompts"),
+])
+def test_bad_grammars_fail_before_any_decoding(lm, tok, kind, match, monkeypatch):
+    decoder = LookaheadDecoder(lm, tok)
+    monkeypatch.setattr(type(decoder), "_decode", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(RagSpecError, match=match):
+        decoder.generate(prompt(tok), 5, **kind)
+
+
+def test_a_pydantic_model_is_a_schema(lm, tok):
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        name: str
+        n: int
+
+    decoder = LookaheadDecoder(lm, tok)
+    ids = prompt(tok)
+    expected = hf_constrained(lm, tok, ids, compiled_for(lm, tok, json_schema=Item), 40)
+    assert decoder.generate(ids, 40, json_schema=Item).token_ids == expected
+
+
+def test_constrained_output_needs_a_tokenizer(lm):
+    with pytest.raises(RagSpecError, match="constrained output needs a tokenizer"):
+        LookaheadDecoder(lm).generate([5, 6, 7], 5, regex="a+")
