@@ -42,14 +42,28 @@ def _ask(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # bad flags fail before anything loads
     check_draft(args.draft)
     _check_backend_flags(args)
+    schema = _json_schema(args.json_schema)
     started = time.perf_counter()
     lm = load_model(args.model, device=args.device)
     drafter = drafter_for(args.draft, lm)  # loads a trained draft, never trains one
     kb = _knowledge_base(args, args.kind)
     print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
-    print(f"Q: {args.question}\nA: ", end="", flush=True)
+    print(f"Q: {args.question}")
+    started_answer = []
+
+    def show(piece: str) -> None:  # "A:" once text comes: an error before it stands alone
+        if not started_answer:
+            started_answer.append(True)
+            print("A: ", end="")
+        print(piece, end="", flush=True)
+
     answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                 on_text=lambda piece: print(piece, end="", flush=True), draft=drafter)
+                 on_text=show, draft=drafter, json_schema=schema)
+    if schema is not None and answer.finish_reason == "length":
+        print()
+        msg = (f"The answer was cut at --max-new-tokens {args.max_new_tokens} before its JSON "
+               f"closed: it does not follow the schema. Raise --max-new-tokens.")
+        raise RagSpecError(msg)
     print("\n\nSources:")
     for i, hit in enumerate(answer.hits, 1):
         preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
@@ -59,6 +73,24 @@ def _ask(args: argparse.Namespace) -> int:
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
           f"forward pass); retrieval {answer.retrieval_seconds * 1000:.0f} ms")
     return 0
+
+
+def _json_schema(path: str | None) -> Any:
+    """The schema in ``path`` (a JSON file), read before anything loads."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        msg = f"--json-schema {path}: cannot read a JSON schema there ({err})."
+        raise RagSpecError(msg) from err
+    if not isinstance(schema, dict):
+        msg = f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}."
+        raise RagSpecError(msg)
+    return schema
 
 
 def _index_build(args: argparse.Namespace) -> int:
@@ -193,6 +225,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="also draft with a model of the same vocabulary (embedded name or "
                      "folder), early-exit:L (the model's first L layers) or trained-exit:L "
                      "(with a trained adapter, see rag-spec draft train); default: the trie")
+    ask.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="answer as JSON following the JSON schema in FILE (constrained "
+                     "decoding, speculated)")
     _add_backend_flags(ask)
     ask.set_defaults(run=_ask)
 

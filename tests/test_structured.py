@@ -228,3 +228,37 @@ def test_a_pydantic_model_is_a_schema(lm, tok):
 def test_constrained_output_needs_a_tokenizer(lm):
     with pytest.raises(RagSpecError, match="constrained output needs a tokenizer"):
         LookaheadDecoder(lm).generate([5, 6, 7], 5, regex="a+")
+
+
+@pytest.mark.parametrize("content, match", [(None, "cannot read a JSON schema there"),
+                                            ("[1, 2]", "a JSON schema is an object"),
+                                            ("{not json", "cannot read a JSON schema there")])
+def test_a_bad_json_schema_file_is_refused_before_anything_loads(capsys, monkeypatch, tmp_path,
+                                                                 content, match):
+    import rag_spec.models.loader as loader
+    from rag_spec.cli import main
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    code = main(["ask", "hi", "--json-schema", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and "Traceback" not in err
+
+
+def test_a_schema_the_tokenizer_cannot_spell_stops_before_the_answer(capsys, monkeypatch,
+                                                                     tmp_path, tiny_model_dir):
+    import rag_spec.retrieval.knowledge_base as knowledge_base
+    from conftest import HashRetriever
+    from rag_spec.cli import main
+
+    store = HashRetriever()
+    store.kind = "hash"
+    monkeypatch.setattr(knowledge_base.KnowledgeBase, "open", classmethod(lambda *a, **k: store))
+    path = tmp_path / "schema.json"
+    path.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    code = main(["ask", "hi", "--model", tiny_model_dir, "--json-schema", str(path)])
+    captured = capsys.readouterr()
+    assert code == 2 and "A:" not in captured.out
+    assert "allows no token of this tokenizer" in captured.err

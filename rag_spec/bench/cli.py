@@ -31,9 +31,16 @@ def add_bench_commands(commands: Any) -> None:
     lookahead.add_argument("--draft-head", action="store_true",
                            help="also our decoder drafting with the trained draft head, "
                                 "alone and merged with the trie, "
-                                "compiled too with --compiled (trains it the first time: "
-                                "about 25 minutes on a CPU)")
+                                "compiled too with --compiled (train it first: rag-spec "
+                                "draft train --head, about 25 minutes on a CPU)")
     lookahead.set_defaults(run=_lookahead)
+    structured = kinds.add_parser(
+        "structured", help="JSON under a schema: ours vs generate + xgrammar's logits processor")
+    structured.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or folder")
+    structured.add_argument("--limit", type=int, default=8, help="prompts per set (default 8)")
+    structured.add_argument("--max-new-tokens", type=int, default=96)
+    structured.add_argument("--json", dest="json_out", help="write the report here")
+    structured.set_defaults(run=_structured)
     draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
     draft.add_argument("--layers", type=int, default=8,
                        help="the draft: the model's first N layers (default 8)")
@@ -154,6 +161,18 @@ def _batch(args: argparse.Namespace) -> int:
             raise RagSpecError(msg)
     run(batch=args.batch, limit=args.limit, max_new_tokens=args.max_new_tokens,
         json_out=args.json_out)
+    return 0
+
+
+def _structured(args: argparse.Namespace) -> int:
+    from rag_spec.bench.structured import run
+
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
+    run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+        model_name=args.model)
     return 0
 
 

@@ -661,7 +661,13 @@ def _check_vocabulary(model: Any, tokenizer: Any) -> None:
     and the model's ids would decode to nothing."""
     if tokenizer is None:
         return
-    rows, words = model.get_input_embeddings().num_embeddings, len(tokenizer)
+    try:
+        words = len(tokenizer)
+    except TypeError:  # a wrapper without __len__: its vocabulary size, added tokens aside
+        words = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(words, int):
+        return
+    rows = model.get_input_embeddings().num_embeddings
     if not words <= rows <= words + _PADDING:
         msg = (f"The tokenizer has {words} tokens but the model {rows} embeddings: it belongs "
                f"to another model. Load the tokenizer from the model's own folder "

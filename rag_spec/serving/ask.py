@@ -24,6 +24,7 @@ class Answer:
     retrieval_seconds: float
     generation_seconds: float
     stats: dict = field(default_factory=dict)
+    finish_reason: str = "eos"  # "eos", "stop" or "length" (cut at the token limit)
 
     @property
     def tokens_per_second(self) -> float:
@@ -32,9 +33,10 @@ class Answer:
 
 def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
         max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
-        draft: Any = None) -> Answer:
+        draft: Any = None, json_schema: Any = None) -> Answer:
     """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
-    (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None drafts from the trie)."""
+    (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None drafts from the trie), as
+    JSON under ``json_schema`` if one is given."""
     from rag_spec.engine.decoder import LookaheadDecoder
 
     if not question.strip():
@@ -46,8 +48,9 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter_for(draft, lm))
     decoder.add_context([hit.text for hit in hits])
     prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
-    result = decoder.generate(prompt, max_new_tokens=max_new_tokens, streamer=on_text)
+    result = decoder.generate(prompt, max_new_tokens=max_new_tokens, streamer=on_text,
+                              json_schema=json_schema)
     generated = time.perf_counter()
     return Answer(text=result.text, token_ids=result.token_ids, hits=hits,
                   retrieval_seconds=retrieved - started, generation_seconds=generated - retrieved,
-                  stats=result.stats.as_dict())
+                  stats=result.stats.as_dict(), finish_reason=result.finish_reason)

@@ -212,6 +212,11 @@ class Constraint:
                                               vocab_size=vocab)
         if masked.shape[-1] > vocab:  # padded embedding rows: never a token
             masked[:, vocab:] = float("-inf")
+        if torch.isneginf(masked[0]).all():
+            msg = ("The grammar allows no token of this tokenizer here: it cannot spell what "
+                   "the grammar requires next (a JSON schema needs braces and quotes). Use a "
+                   "grammar this vocabulary can produce.")
+            raise RagSpecError(msg)
         return masked
 
     def advance(self, tokens: Sequence[int]) -> None:
