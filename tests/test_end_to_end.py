@@ -78,7 +78,7 @@ def test_json_extraction_from_retrieved_passages_equals_generate_with_xgrammar(u
     import xgrammar as xgr
 
     from rag_spec.bench.structured import ApiRecord
-    from rag_spec.engine.verify.grammar import Grammars, GrammarRequest
+    from rag_spec.engine.verify.grammar import GrammarRequest, Grammars
     from rag_spec.prompts import chat_input_ids
 
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)

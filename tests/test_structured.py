@@ -12,7 +12,7 @@ from conftest import tiny_llama
 from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.verify.grammar import Constraint, Grammars, GrammarRequest
+from rag_spec.engine.verify.grammar import Constraint, GrammarRequest, Grammars
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from test_sampling import KNOBS, chi_square_ok
