@@ -262,3 +262,78 @@ def test_a_schema_the_tokenizer_cannot_spell_stops_before_the_answer(capsys, mon
     captured = capsys.readouterr()
     assert code == 2 and "A:" not in captured.out
     assert "allows no token of this tokenizer" in captured.err
+
+
+# -- LangChain: with_structured_output ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def printable_dir(tmp_path_factory, tok, lm):
+    """The tiny model and the printable tokenizer, with a chat template, as a model folder."""
+    folder = tmp_path_factory.mktemp("printable")
+    lm.save_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+@pytest.mark.parametrize("kind", ["pydantic", "typeddict", "dict"])
+def test_with_structured_output_parses_what_the_grammar_allowed(printable_dir, method, kind):
+    from typing import TypedDict
+
+    from pydantic import BaseModel
+
+    from langchain_rag_spec import ChatLookahead
+
+    class Item(BaseModel):
+        """An item."""
+
+        name: str
+        n: int
+
+    class ItemDict(TypedDict):
+        """An item."""
+
+        name: str
+        n: int
+
+    schema = {"pydantic": Item, "typeddict": ItemDict,
+              "dict": {"title": "Item", "description": "An item.", "type": "object",
+                       "properties": {"name": {"type": "string", "maxLength": 4},
+                                      "n": {"type": "integer", "maximum": 99}},
+                       "required": ["name", "n"]}}[kind]
+    chat = ChatLookahead(model=printable_dir, max_tokens=300)
+    structured = chat.with_structured_output(schema, method=method, include_raw=True)
+    out = structured.invoke("the item: ")
+    raw = out["raw"]
+    if raw.response_metadata["finish_reason"] == "length":  # cut short: never parsed
+        assert out["parsed"] is None and "cut at max_tokens" in str(out["parsing_error"])
+        return
+    if method == "json_mode":  # any JSON object: the schema only parses it
+        assert isinstance(json.loads(raw.content), dict)
+        if out["parsing_error"] is not None:
+            assert kind == "pydantic" and out["parsed"] is None
+            return
+    assert out["parsing_error"] is None
+    parsed = out["parsed"]
+    if kind == "pydantic":
+        assert isinstance(parsed, Item)
+    elif method == "json_schema":
+        assert set(parsed) == {"name", "n"} and isinstance(parsed["n"], int)
+    else:
+        assert isinstance(parsed, dict)
+    text = raw.content
+    assert json.loads(text) == (parsed.model_dump() if kind == "pydantic" else parsed)
+
+
+def test_a_structured_answer_cut_at_max_tokens_is_an_error_not_a_value(printable_dir):
+    from langchain_core.exceptions import OutputParserException
+
+    from langchain_rag_spec import ChatLookahead
+
+    chat = ChatLookahead(model=printable_dir, max_tokens=3)
+    with pytest.raises(OutputParserException, match="cut at max_tokens"):
+        chat.with_structured_output({"title": "T", "type": "object", "properties": {
+            "a": {"type": "string"}}, "required": ["a"]}).invoke("x")
+    with pytest.raises(ValueError, match="method 'json_schema' .* or 'json_mode'"):
+        chat.with_structured_output({"type": "object"}, method="function_calling")

@@ -40,13 +40,14 @@ class GenerateOptions:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    json_schema: str | None = None  # the JSON schema the output follows, as JSON text
 
     def decoder_kwargs(self) -> dict[str, Any]:
         sample = self.temperature > 0
         return {"max_new_tokens": self.max_new_tokens, "do_sample": sample,
                 "temperature": self.temperature if sample else 1.0, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
-                "stop": list(self.stop), "seed": self.seed}
+                "stop": list(self.stop), "seed": self.seed, "json_schema": self.json_schema}
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class LookaheadSettings(BaseModel):
         values = {name: overrides.get(name, getattr(self, name)) for name in _OPTION_FIELDS}
         stops = [*(self.stop or ()), *(stop or ())]
         return GenerateOptions(max_new_tokens=values.pop("max_tokens"), stop=tuple(stops),
-                               **values)
+                               json_schema=overrides.get("json_schema"), **values)
 
     def with_context(self, documents: Sequence[Document | str]) -> Any:
         """A copy that may copy text from ``documents`` (e.g. retrieved passages that are not

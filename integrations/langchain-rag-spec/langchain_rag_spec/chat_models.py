@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
+from operator import itemgetter
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
+from pydantic import BaseModel
 
 from langchain_rag_spec._settings import LookaheadSettings, response_metadata, usage
 from rag_spec import Chunk, Completion
@@ -64,6 +71,36 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                                       kwargs.get("context", ())):
             yield self._chunk(chunk)
 
+    def with_structured_output(self, schema: dict[str, Any] | type, *,
+                               method: str = "json_schema", include_raw: bool = False,
+                               **kwargs: Any) -> Runnable:
+        """Answers as ``schema`` (a Pydantic class, a TypedDict or a JSON schema dict), decoded
+        under the schema's grammar: ``method="json_schema"`` constrains the output to the
+        schema, ``"json_mode"`` to any JSON object (parsed as ``schema``). An answer cut at
+        ``max_tokens`` before its JSON closed is an error (``parsing_error`` with
+        ``include_raw=True``), never a parsed value."""
+        if kwargs:
+            msg = f"Unexpected arguments for with_structured_output: {sorted(kwargs)}."
+            raise ValueError(msg)
+        if method not in ("json_schema", "json_mode"):
+            msg = (f"ChatLookahead decodes structured output under a grammar: method "
+                   f"'json_schema' (the default) or 'json_mode', not {method!r}.")
+            raise ValueError(msg)
+        pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        grammar = convert_to_json_schema(schema) if method == "json_schema" else \
+            {"type": "object"}
+        llm = self.bind(json_schema=json.dumps(grammar), ls_structured_output_format={
+            "kwargs": {"method": method}, "schema": convert_to_json_schema(schema)})
+        parse: Runnable = RunnableLambda(_closed) | (
+            PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser())
+        if not include_raw:
+            return llm | parse
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parse,
+                                            parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed],
+                                                             exception_key="parsing_error")
+
     def _result(self, completion: Completion) -> ChatResult:
         message = AIMessage(content=completion.text, usage_metadata=usage(completion),
                             response_metadata=response_metadata(completion, self.model))
@@ -79,6 +116,15 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                                    usage_metadata=usage(done),
                                    response_metadata=response_metadata(done, self.model)),
             generation_info={"finish_reason": done.finish_reason})
+
+
+def _closed(message: BaseMessage) -> BaseMessage:
+    """``message`` if its JSON was finished; one cut at the token limit is no answer."""
+    if message.response_metadata.get("finish_reason") == "length":
+        msg = ("The structured answer was cut at max_tokens before its JSON closed; raise "
+               "max_tokens.")
+        raise OutputParserException(msg, llm_output=message.text)
+    return message
 
 
 def _chat(messages: list[BaseMessage]) -> list[dict[str, str]]:
