@@ -52,6 +52,11 @@ _EXPORTS = {
     "stable_id": "rag_spec.retrieval.types",
     "side_by_side": "rag_spec.threads",
     "run_in_compute_thread": "rag_spec.threads",
+    "Tool": "rag_spec.serving.tools",
+    "ToolCall": "rag_spec.serving.tools",
+    "call_grammar": "rag_spec.serving.tools",
+    "parse_calls": "rag_spec.serving.tools",
+    "render_call": "rag_spec.serving.tools",
 }
 
 __all__ = sorted(_EXPORTS)

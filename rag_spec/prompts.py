@@ -32,11 +32,14 @@ def merge_turns(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     return merged
 
 
-def chat_input_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` with the generation prompt appended."""
+def chat_input_ids(tokenizer: Any, messages: Sequence[dict[str, str]],
+                   tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of ``messages`` with the generation prompt appended (``tools``: for a chat
+    template with a tools section)."""
     if getattr(tokenizer, "chat_template", None):
+        extra = {"tools": list(tools)} if tools else {}
         encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)
+                                                tokenize=True, return_dict=True, **extra)
         return list(encoded["input_ids"])
     text = "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
     return list(tokenizer(text)["input_ids"])

@@ -51,7 +51,7 @@ def tok():
 @pytest.fixture(scope="module")
 def lm(tok):
     # an EOS the grammar's end allows; peaked logits keep near ties rare
-    return tiny_llama(seed=4, vocab_size=len(tok), eos=2, init=0.4)
+    return tiny_llama(seed=4, vocab_size=len(tok), eos=2, init=0.4, window=1024)
 
 
 def prompt(tok, text="the answer: "):
@@ -337,3 +337,98 @@ def test_a_structured_answer_cut_at_max_tokens_is_an_error_not_a_value(printable
             "a": {"type": "string"}}, "required": ["a"]}).invoke("x")
     with pytest.raises(ValueError, match="method 'json_schema' .* or 'json_mode'"):
         chat.with_structured_output({"type": "object"}, method="function_calling")
+
+
+# -- tool calling ----------------------------------------------------------------------------------
+
+def magic_function(input: int) -> int:  # noqa: A002 (LangChain's standard suite's tool)
+    """Apply a magic function to an input."""
+    return input + 2
+
+
+def weather(city: str, unit: str = "c") -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+@pytest.mark.parametrize("choice", ["any", "required", "magic_function"])
+def test_a_forced_tool_call_always_parses_with_arguments_of_its_schema(printable_dir, choice):
+    from langchain_rag_spec import ChatLookahead
+
+    chat = ChatLookahead(model=printable_dir, max_tokens=120)
+    bound = chat.bind_tools([magic_function, weather], tool_choice=choice)
+    called = 0
+    for question in ("what is magic of 3?", "weather in paris"):
+        message = bound.invoke(question)
+        if message.response_metadata["finish_reason"] == "length":
+            # cut short: whole calls are presented, an unfinished one stays text
+            assert message.content.startswith("<tool_call>") or not message.content
+        else:
+            assert message.tool_calls and not message.content  # calls, nothing else
+        called += bool(message.tool_calls)
+        for call in message.tool_calls:
+            assert call["id"].startswith("call_")
+            if choice == "magic_function" or call["name"] == "magic_function":
+                assert call["name"] == "magic_function" and isinstance(call["args"]["input"],
+                                                                      int)
+            else:
+                assert call["name"] == "weather" and isinstance(call["args"]["city"], str)
+    assert called  # the random model's calls closed within max_tokens
+
+
+def test_auto_tool_choice_answers_or_calls_and_histories_render(printable_dir):
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from langchain_rag_spec import ChatLookahead
+
+    chat = ChatLookahead(model=printable_dir, max_tokens=60)
+    bound = chat.bind_tools([magic_function])
+    message = bound.invoke("hello")
+    assert isinstance(message.content, str)
+    assert all(c["name"] == "magic_function" for c in message.tool_calls)
+    history = [HumanMessage("magic of 3?"),
+               AIMessage("", tool_calls=[{"name": "magic_function", "args": {"input": 3},
+                                          "id": "call_1"}]),
+               ToolMessage("5", tool_call_id="call_1")]
+    assert isinstance(bound.invoke(history).content, str)
+    streamed = list(chat.bind_tools([magic_function], tool_choice="any").stream("magic of 3"))
+    last = streamed[-1]
+    if last.response_metadata.get("finish_reason") != "length":
+        (call,) = last.tool_call_chunks[:1]
+        assert call["name"] == "magic_function" and "input" in json.loads(call["args"])
+
+
+def test_tools_are_rendered_through_a_chat_template_that_has_a_tools_section(tok):
+    from rag_spec.serving.tools import Tool, template_has_tools
+
+    plain = printable_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert not template_has_tools(plain)
+    plain.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }}"
+                           "{% endfor %}\n{% endif %}{% for m in messages %}{{ m['content'] }}"
+                           "{% endfor %}")
+    assert template_has_tools(plain)
+    assert Tool("f").openai()["function"]["name"] == "f"
+
+
+@pytest.mark.parametrize("tools, choice, match", [
+    ([{"type": "function", "function": {"name": "bad name!", "parameters": {}}}], "auto",
+     "cannot be called"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "auto", "must be a JSON schema of an object"),
+    ([magic_function], "nope", "names no bound tool"),
+])
+def test_bad_tools_are_refused_when_bound(printable_dir, tools, choice, match):
+    from langchain_rag_spec import ChatLookahead
+
+    with pytest.raises(RagSpecError, match=match):
+        ChatLookahead(model=printable_dir).bind_tools(tools, tool_choice=choice)
+
+
+def test_calls_parse_out_of_text_and_back():
+    from rag_spec.serving.tools import ToolCall, parse_calls, render_call
+
+    call = ToolCall("f", {"x": [1, 2]}, id="call_1")
+    text, calls = parse_calls(f"before {render_call(call)} after <tool_call>oops</tool_call>")
+    assert text == "before  after <tool_call>oops</tool_call>"
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"x": [1, 2]})]

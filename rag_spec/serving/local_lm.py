@@ -9,6 +9,8 @@ or event loop are safe.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.prompts import chat_input_ids, merge_turns
 from rag_spec.serving.drafts import draft_key, drafter_for
+from rag_spec.serving.tools import Tool, template_has_tools, tool_messages
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
 
@@ -41,13 +44,16 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     json_schema: str | None = None  # the JSON schema the output follows, as JSON text
+    grammar: str | None = None  # or the EBNF grammar it follows (tool calls: ``tools``)
+    tools: str | None = None  # the tools the prompt offers, as JSON (``serving.tools``)
 
     def decoder_kwargs(self) -> dict[str, Any]:
         sample = self.temperature > 0
         return {"max_new_tokens": self.max_new_tokens, "do_sample": sample,
                 "temperature": self.temperature if sample else 1.0, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
-                "stop": list(self.stop), "seed": self.seed, "json_schema": self.json_schema}
+                "stop": list(self.stop), "seed": self.seed, "json_schema": self.json_schema,
+                "grammar": self.grammar}
 
 
 @dataclass(frozen=True)
@@ -146,14 +152,26 @@ class LocalLM:
         """A context manager that holds the model for other work (e.g. an iterative RaLM loop)."""
         return self._batcher.exclusive()
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text prompt, or of chat messages with the generation prompt added."""
+    def encode(self, prompt: Prompt, tools: str | None = None) -> list[int]:
+        """Token ids of a text prompt, or of chat messages with the generation prompt added
+        (and ``tools``, JSON of ``serving.tools.Tool.openai`` entries, offered: through the
+        chat template's tools section, else in a system message)."""
         if isinstance(prompt, str):
             return list(self._tokens(prompt)["input_ids"])
         if not prompt:
             msg = "No messages to answer; pass at least one user message."
             raise RagSpecError(msg)
-        return chat_input_ids(self._tokens, merge_turns(prompt))
+        if not tools:
+            return chat_input_ids(self._tokens, merge_turns(prompt))
+        offered = [Tool.from_openai(spec) for spec in json.loads(tools)]
+        if self._template_has_tools:
+            return chat_input_ids(self._tokens, merge_turns(prompt),
+                                  tools=[t.openai() for t in offered])
+        return chat_input_ids(self._tokens, merge_turns(tool_messages(prompt, offered)))
+
+    @functools.cached_property
+    def _template_has_tools(self) -> bool:
+        return template_has_tools(self._tokens)
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:
@@ -173,7 +191,8 @@ class LocalLM:
 
         Stopping early (``break``) ends the generation at its current step.
         """
-        options, ids = _checked(options), self.encode(prompt)
+        options = _checked(options)
+        ids = self.encode(prompt, options.tools)
         with self._batcher.exclusive():
             stream = self.decoder.stream(ids, context=tuple(context), **options.decoder_kwargs())
             for piece in stream:
@@ -214,7 +233,7 @@ class LocalLM:
     def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions | None,
                 context: Sequence[str]) -> list[Any]:
         key = (_checked(options), tuple(context))  # only equal keys share a batch
-        return self._batcher.submit([self.encode(p) for p in prompts], key=key)
+        return self._batcher.submit([self.encode(p, key[0].tools) for p in prompts], key=key)
 
     def _run(self, key: Any, prompts: Sequence[list[int]]) -> list[Completion]:
         """Decode one batch of same-option requests (on the leading caller's thread)."""

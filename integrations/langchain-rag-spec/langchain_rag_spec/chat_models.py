@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -14,11 +14,11 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Chat
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
-from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel
 
 from langchain_rag_spec._settings import LookaheadSettings, response_metadata, usage
-from rag_spec import Chunk, Completion
+from rag_spec import Chunk, Completion, Tool, ToolCall, call_grammar, parse_calls, render_call
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
 
@@ -43,33 +43,39 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                   run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
         lm = self.local_lm()
-        completion = lm.generate([_chat(messages)], self.options(stop, kwargs),
-                                 kwargs.get("context", ()))[0]
-        return self._result(completion)
+        options = self.options(stop, kwargs)
+        completion = lm.generate([_chat(messages)], options, kwargs.get("context", ()))[0]
+        return self._result(completion, calls=options.tools is not None)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
                          **kwargs: Any) -> ChatResult:
         lm = self.local_lm()
-        completions = await lm.agenerate([_chat(messages)], self.options(stop, kwargs),
-                                         kwargs.get("context", ()))
-        return self._result(completions[0])
+        options = self.options(stop, kwargs)
+        completions = await lm.agenerate([_chat(messages)], options, kwargs.get("context", ()))
+        return self._result(completions[0], calls=options.tools is not None)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         lm = self.local_lm()
-        for chunk in lm.stream(_chat(messages), self.options(stop, kwargs),
-                               kwargs.get("context", ())):
-            yield self._chunk(chunk)
+        options = self.options(stop, kwargs)
+        chunks = lm.stream(_chat(messages), options, kwargs.get("context", ()))
+        yield from _with_calls(chunks, self._chunk) if options.tools else map(self._chunk, chunks)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         lm = self.local_lm()
-        async for chunk in lm.astream(_chat(messages), self.options(stop, kwargs),
-                                      kwargs.get("context", ())):
-            yield self._chunk(chunk)
+        options = self.options(stop, kwargs)
+        held: list[Chunk] = []  # with tools, text and calls come once the answer is whole
+        async for chunk in lm.astream(_chat(messages), options, kwargs.get("context", ())):
+            if options.tools:
+                held.append(chunk)
+            else:
+                yield self._chunk(chunk)
+        for whole in _with_calls(held, self._chunk) if held else ():
+            yield whole
 
     def with_structured_output(self, schema: dict[str, Any] | type, *,
                                method: str = "json_schema", include_raw: bool = False,
@@ -101,8 +107,23 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([failed],
                                                              exception_key="parsing_error")
 
-    def _result(self, completion: Completion) -> ChatResult:
-        message = AIMessage(content=completion.text, usage_metadata=usage(completion),
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
+                   **kwargs: Any) -> Runnable:
+        """Offer ``tools`` (LangChain tools, Pydantic classes, functions or OpenAI tool dicts):
+        through the chat template's tools section where it has one, else a system message
+        in the ``<tool_call>`` format (``rag_spec.serving.tools``). Calls are decoded under a
+        grammar of the tools' schemas, so each parses into ``AIMessage.tool_calls``;
+        ``tool_choice``: "auto" (default), "any" / "required" (a call is made), a tool's
+        name (that tool), or "none"."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        call_grammar([Tool.from_openai(spec) for spec in formatted], tool_choice)  # checked now
+        return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def _result(self, completion: Completion, calls: bool = False) -> ChatResult:
+        text, made = parse_calls(completion.text) if calls else (completion.text, [])
+        message = AIMessage(content=text, usage_metadata=usage(completion),
+                            tool_calls=[{"name": c.name, "args": c.arguments, "id": c.id,
+                                         "type": "tool_call"} for c in made],
                             response_metadata=response_metadata(completion, self.model))
         return ChatResult(generations=[ChatGeneration(
             message=message, generation_info={"finish_reason": completion.finish_reason})])
@@ -127,7 +148,33 @@ def _closed(message: BaseMessage) -> BaseMessage:
     return message
 
 
+def _with_calls(chunks: Any, chunk: Any) -> Iterator[ChatGenerationChunk]:
+    """A streamed answer with tools: its text outside calls, then each call as a
+    ``tool_call_chunks`` entry, in the last chunk (a call is yielded only once it parses)."""
+    pieces = list(chunks)
+    last = chunk(pieces[-1])
+    text, made = parse_calls("".join(p.text for p in pieces))
+    yield ChatGenerationChunk(
+        message=AIMessageChunk(
+            content=text, chunk_position="last", usage_metadata=last.message.usage_metadata,
+            response_metadata=last.message.response_metadata,
+            tool_call_chunks=[{"name": c.name, "args": json.dumps(c.arguments), "id": c.id,
+                               "index": i, "type": "tool_call_chunk"}
+                              for i, c in enumerate(made)]),
+        generation_info=last.generation_info)
+
+
 def _chat(messages: list[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as role/content dicts for the chat template."""
+    """LangChain messages as role/content dicts for the chat template; an AI message's tool
+    calls are written as the model writes them, a tool's result is a ``tool`` turn."""
     return [{"role": m.role if isinstance(m, ChatMessage) else _ROLES.get(m.type, "user"),
-             "content": m.text} for m in messages]
+             "content": _content(m)} for m in messages]
+
+
+def _content(message: BaseMessage) -> str:
+    calls = getattr(message, "tool_calls", None) if isinstance(message, AIMessage) else None
+    if not calls:
+        return message.text
+    written = "\n".join(render_call(ToolCall(c["name"], c["args"], c.get("id") or ""))
+                        for c in calls)
+    return f"{message.text}\n{written}".strip()
