@@ -84,12 +84,14 @@ def check_tools(tools: Sequence[Tool]) -> None:
         tool.check()
 
 
-def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto") -> str | None:
+def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto", *,
+                 parallel: bool = False) -> str | None:
     """EBNF (xgrammar's) that the answer follows; None where tools are off (``"none"``).
 
     ``tool_choice``: "auto" (or None): text, and valid calls where it opens one; "any",
-    "required" or True: one or more calls and nothing else; a tool's name (or
-    ``{"function": {"name": ...}}``): calls of that tool."""
+    "required" or True: a call and nothing else; a tool's name (or ``{"function": {"name":
+    ...}}``): a call of that tool. ``parallel``: one or more calls, one per line, where a call
+    is forced (small models otherwise repeat a call until the token limit)."""
     import xgrammar as xgr
 
     check_tools(tools)
@@ -104,6 +106,8 @@ def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto") -> str | None
     calls = xgr.Grammar.union(*[xgr.Grammar.concat(
         _literal(OPEN + begin), xgr.Grammar.from_json_schema(schema), _literal(end + CLOSE))
         for begin, schema, end in tags])
+    if not parallel:
+        return str(calls)
     # the calls' grammar, renamed, repeated: parallel calls one per line
     ebnf = str(calls).replace("root ::=", "rag_spec_call ::=", 1)
     return f'root ::= rag_spec_call ("\\n" rag_spec_call)*\n{ebnf}'

@@ -67,7 +67,8 @@ class LookaheadSettings(BaseModel):
         tools, grammar = overrides.get("tools"), None
         if tools:  # bound with bind_tools: offered in the prompt, calls decoded under a grammar
             offered = [Tool.from_openai(spec) for spec in tools]
-            grammar = call_grammar(offered, overrides.get("tool_choice"))
+            grammar = call_grammar(offered, overrides.get("tool_choice"),
+                                   parallel=bool(overrides.get("parallel_tool_calls")))
             tools = json.dumps([t.openai() for t in offered]) if grammar else None
         return GenerateOptions(max_new_tokens=values.pop("max_tokens"), stop=tuple(stops),
                                json_schema=overrides.get("json_schema"), grammar=grammar,

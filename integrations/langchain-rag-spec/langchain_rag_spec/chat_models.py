@@ -16,6 +16,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel
+from pydantic.v1 import BaseModel as BaseModelV1
 
 from langchain_rag_spec._settings import LookaheadSettings, response_metadata, usage
 from rag_spec import Chunk, Completion, Tool, ToolCall, call_grammar, parse_calls, render_call
@@ -92,7 +93,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
             msg = (f"ChatLookahead decodes structured output under a grammar: method "
                    f"'json_schema' (the default) or 'json_mode', not {method!r}.")
             raise ValueError(msg)
-        pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        pydantic = isinstance(schema, type) and issubclass(schema, (BaseModel, BaseModelV1))
         grammar = convert_to_json_schema(schema) if method == "json_schema" else \
             {"type": "object"}
         llm = self.bind(json_schema=json.dumps(grammar), ls_structured_output_format={
@@ -108,16 +109,18 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                                                              exception_key="parsing_error")
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
-                   **kwargs: Any) -> Runnable:
+                   parallel_tool_calls: bool = False, **kwargs: Any) -> Runnable:
         """Offer ``tools`` (LangChain tools, Pydantic classes, functions or OpenAI tool dicts):
         through the chat template's tools section where it has one, else a system message
         in the ``<tool_call>`` format (``rag_spec.serving.tools``). Calls are decoded under a
         grammar of the tools' schemas, so each parses into ``AIMessage.tool_calls``;
         ``tool_choice``: "auto" (default), "any" / "required" (a call is made), a tool's
-        name (that tool), or "none"."""
+        name (that tool), or "none"; ``parallel_tool_calls``: a forced answer may hold several
+        calls (one per line)."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         call_grammar([Tool.from_openai(spec) for spec in formatted], tool_choice)  # checked now
-        return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+        return self.bind(tools=formatted, tool_choice=tool_choice,
+                         parallel_tool_calls=parallel_tool_calls, **kwargs)
 
     def _result(self, completion: Completion, calls: bool = False) -> ChatResult:
         text, made = parse_calls(completion.text) if calls else (completion.text, [])
