@@ -57,6 +57,7 @@ _EXPORTS = {
     "call_grammar": "rag_spec.serving.tools",
     "parse_calls": "rag_spec.serving.tools",
     "render_call": "rag_spec.serving.tools",
+    "tool_options": "rag_spec.serving.tools",
 }
 
 __all__ = sorted(_EXPORTS)

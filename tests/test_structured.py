@@ -432,3 +432,44 @@ def test_calls_parse_out_of_text_and_back():
     text, calls = parse_calls(f"before {render_call(call)} after <tool_call>oops</tool_call>")
     assert text == "before  after <tool_call>oops</tool_call>"
     assert [(c.name, c.arguments) for c in calls] == [("f", {"x": [1, 2]})]
+
+
+# -- LlamaIndex: a function-calling LLM ----------------------------------------------------------
+
+def test_lookahead_llm_calls_tools_and_predicts_structures(printable_dir):
+    from llama_index.core import PromptTemplate
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.rag_spec import LookaheadLLM
+    from pydantic import BaseModel
+
+    llm = LookaheadLLM(model=printable_dir, max_new_tokens=120)
+    assert llm.metadata.is_function_calling_model
+    tool = FunctionTool.from_defaults(fn=magic_function)
+    response = llm.chat_with_tools([tool], user_msg="magic of 3", tool_required=True)
+    if response.additional_kwargs["finish_reason"] != "length":
+        (selection,) = llm.get_tool_calls_from_response(response)
+        assert selection.tool_name == "magic_function"
+        assert isinstance(selection.tool_kwargs["input"], int)
+        output = llm.predict_and_call([tool], user_msg="magic of 3", tool_required=True)
+        assert output.sources[0].raw_output == selection.tool_kwargs["input"] + 2 or \
+            output.sources[0].tool_name == "magic_function"
+    history = [ChatMessage(role="user", content="magic of 3"),
+               ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
+                   {"id": "call_1", "name": "magic_function", "arguments": {"input": 3}}]}),
+               ChatMessage(role="tool", content="5")]
+    assert isinstance(llm.chat(history).message.content, str)
+
+    class Item(BaseModel):
+        """An item."""
+
+        name: str
+        n: int
+
+    llm = LookaheadLLM(model=printable_dir, max_new_tokens=200)
+    try:
+        item = llm.structured_predict(Item, PromptTemplate("the item {x}: "), x="a")
+    except ValueError as err:  # cut at max_new_tokens: no value, an error
+        assert "tool call" in str(err) or "Expected" in str(err)
+    else:
+        assert isinstance(item, Item) and isinstance(item.n, int)

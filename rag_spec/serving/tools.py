@@ -113,6 +113,19 @@ def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto", *,
     return f'root ::= rag_spec_call ("\\n" rag_spec_call)*\n{ebnf}'
 
 
+def tool_options(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None, *,
+                 parallel: bool = False) -> dict[str, str | None]:
+    """``GenerateOptions`` fields (``grammar``, ``tools``) for tools in the OpenAI format that
+    frameworks convert theirs to: the grammar the answer follows and the tools the prompt
+    offers (none of either where ``tools`` is empty or ``tool_choice`` is "none")."""
+    if not tools:
+        return {"grammar": None, "tools": None}
+    offered = [Tool.from_openai(spec) for spec in tools]
+    grammar = call_grammar(offered, tool_choice, parallel=parallel)
+    return {"grammar": grammar,
+            "tools": json.dumps([t.openai() for t in offered]) if grammar else None}
+
+
 def _chosen(tools: Sequence[Tool], tool_choice: Any) -> str:
     if tool_choice in (None, "auto"):
         return "auto"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +15,7 @@ from rag_spec import (
     GenerateOptions,
     LocalLM,
     LookaheadConfig,
-    Tool,
-    call_grammar,
+    tool_options,
 )
 
 _OPTION_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
@@ -64,15 +62,11 @@ class LookaheadSettings(BaseModel):
         """This object's settings, with per-call ``stop`` and keyword overrides applied."""
         values = {name: overrides.get(name, getattr(self, name)) for name in _OPTION_FIELDS}
         stops = [*(self.stop or ()), *(stop or ())]
-        tools, grammar = overrides.get("tools"), None
-        if tools:  # bound with bind_tools: offered in the prompt, calls decoded under a grammar
-            offered = [Tool.from_openai(spec) for spec in tools]
-            grammar = call_grammar(offered, overrides.get("tool_choice"),
-                                   parallel=bool(overrides.get("parallel_tool_calls")))
-            tools = json.dumps([t.openai() for t in offered]) if grammar else None
+        # bound with bind_tools: offered in the prompt, calls decoded under a grammar
+        tools = tool_options(overrides.get("tools"), overrides.get("tool_choice"),
+                             parallel=bool(overrides.get("parallel_tool_calls")))
         return GenerateOptions(max_new_tokens=values.pop("max_tokens"), stop=tuple(stops),
-                               json_schema=overrides.get("json_schema"), grammar=grammar,
-                               tools=tools or None, **values)
+                               json_schema=overrides.get("json_schema"), **tools, **values)
 
     def with_context(self, documents: Sequence[Document | str]) -> Any:
         """A copy that may copy text from ``documents`` (e.g. retrieved passages that are not

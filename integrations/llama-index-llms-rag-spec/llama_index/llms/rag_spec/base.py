@@ -18,7 +18,8 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 from rag_spec import (
     DEFAULT_MODEL,
@@ -28,15 +29,24 @@ from rag_spec import (
     LookaheadConfig,
     Prompt,
     RagSpecError,
+    ToolCall,
+    parse_calls,
+    render_call,
+    tool_options,
 )
 
 
-class LookaheadLLM(LLM):
+class LookaheadLLM(FunctionCallingLLM):
     """A local Hugging Face model with lookahead decoding; replaces ``HuggingFaceLLM``.
 
     ``chat`` applies the model's chat template; ``complete`` takes the prompt as text.
     Greedy output equals ``transformers`` ``generate``; async methods never block the loop;
     ``additional_kwargs`` of every response carry token counts and speculation stats.
+
+    A function-calling LLM: ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` offer
+    the tools through the chat template (or a system message where it has no tools section)
+    and decode calls under a grammar of their schemas (``rag_spec.serving.tools``), so every
+    call parses; ``structured_predict`` goes through such a call.
 
     Examples:
         >>> from llama_index.core import Settings                         # doctest: +SKIP
@@ -75,11 +85,35 @@ class LookaheadLLM(LLM):
                    "LookaheadLLM(context_window=...).")
             raise RagSpecError(msg)
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
-                           is_chat_model=True, model_name=self.model)
+                           is_chat_model=True, is_function_calling_model=True,
+                           model_name=self.model)
+
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None
+                                 = None, chat_history: list[ChatMessage] | None = None,
+                                 verbose: bool = False, allow_parallel_tool_calls: bool = False,
+                                 tool_required: bool = False, **kwargs: Any) -> dict[str, Any]:
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage)
+                            else ChatMessage(role=MessageRole.USER, content=user_msg))
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools],
+                "tool_choice": "required" if tool_required else "auto",
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse,
+                                     error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls", [])
+        if not calls and error_on_no_tool_call:
+            msg = f"Expected a tool call, got text: {response.message.content!r:.200}"
+            raise ValueError(msg)
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"])
+                for c in calls]
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(self._generate(_chat(messages), kwargs))
+        return _chat_response(self._generate(_chat(messages), kwargs),
+                              calls=bool(kwargs.get("tools")))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -88,7 +122,8 @@ class LookaheadLLM(LLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         chunks = self._lm().stream(_chat(messages), self._options(kwargs))
-        return (_chat_response(c, text, c.text) for c, text in _accumulate(chunks))
+        calls = bool(kwargs.get("tools"))
+        return (_chat_response(c, text, c.text, calls) for c, text in _accumulate(chunks))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
@@ -98,7 +133,8 @@ class LookaheadLLM(LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(await self._agenerate(_chat(messages), kwargs))
+        return _chat_response(await self._agenerate(_chat(messages), kwargs),
+                              calls=bool(kwargs.get("tools")))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False,
@@ -109,8 +145,9 @@ class LookaheadLLM(LLM):
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
         chunks = self._lm().astream(_chat(messages), self._options(kwargs))
-
-        return (_chat_response(c, text, c.text) async for c, text in _aaccumulate(chunks))
+        calls = bool(kwargs.get("tools"))
+        return (_chat_response(c, text, c.text, calls)
+                async for c, text in _aaccumulate(chunks))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -129,7 +166,9 @@ class LookaheadLLM(LLM):
     def _options(self, overrides: dict[str, Any]) -> GenerateOptions:
         names = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
         values = {name: overrides.get(name, getattr(self, name)) for name in names}
-        return GenerateOptions(stop=tuple(overrides.get("stop", self.stop)), **values)
+        tools = tool_options(overrides.get("tools"), overrides.get("tool_choice"),
+                             parallel=bool(overrides.get("parallel_tool_calls")))
+        return GenerateOptions(stop=tuple(overrides.get("stop", self.stop)), **tools, **values)
 
     def _generate(self, prompt: Prompt, overrides: dict[str, Any]) -> Completion:
         return self._lm().generate([prompt], self._options(overrides))[0]
@@ -139,7 +178,16 @@ class LookaheadLLM(LLM):
 
 
 def _chat(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role.value, "content": m.content or ""} for m in messages]
+    """Messages for the chat template: an assistant's tool calls written as the model writes
+    them, a tool's result as a ``tool`` turn."""
+    return [{"role": m.role.value, "content": _content(m)} for m in messages]
+
+
+def _content(message: ChatMessage) -> str:
+    calls = message.additional_kwargs.get("tool_calls") or []
+    written = [render_call(ToolCall(c["name"], c["arguments"], c.get("id", ""))) for c in calls
+               if isinstance(c, dict) and "name" in c and "arguments" in c]
+    return "\n".join([message.content or "", *written]).strip()
 
 
 def _accumulate(chunks: Any) -> Any:
@@ -172,7 +220,14 @@ def _completion_response(result: Any, text: str | None = None,
                               additional_kwargs=_details(completion))
 
 
-def _chat_response(result: Any, text: str | None = None, delta: str | None = None) -> ChatResponse:
+def _chat_response(result: Any, text: str | None = None, delta: str | None = None,
+                   calls: bool = False) -> ChatResponse:
+    """A response; with tools offered (``calls``), the calls move from the text into the
+    message's ``additional_kwargs["tool_calls"]`` (id, name, arguments)."""
     reply = _completion_response(result, text, delta)
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=reply.text),
+    content, made = parse_calls(reply.text) if calls else (reply.text, [])
+    extra = {"tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                            for c in made]} if made else {}
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
+                                            additional_kwargs=extra),
                         delta=delta, additional_kwargs=reply.additional_kwargs)
