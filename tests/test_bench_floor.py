@@ -38,9 +38,23 @@ def test_read_bandwidth_is_bytes_per_second():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_product_time_grows_with_the_rows(dtype):
+def test_product_time_times_products_of_the_rows_asked_for(dtype, monkeypatch):
+    """A timing charged by rows: what is timed is a product of ``rows`` rows in the model's
+    dtype for each linear layer's shape, counted once per layer (no wall clock involved)."""
     model = tiny_llama(hidden=64).to(dtype)
-    assert 0 < product_seconds(model, 1, repeats=5) < product_seconds(model, 512, repeats=5) < 10
+    seen = []
+
+    def charged(x, weight, repeats):
+        seen.append((x.shape[0], x.dtype, tuple(weight.shape)))
+        return x.shape[0] * 1e-6
+
+    monkeypatch.setattr(floor, "_best_product_seconds", charged)
+    one, many = product_seconds(model, 1, repeats=2), product_seconds(model, 512, repeats=2)
+    assert {(rows, d) for rows, d, _ in seen} == {(1, dtype), (512, dtype)}
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert {shape for _, _, shape in seen} == shapes
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert one == pytest.approx(linears * 1e-6) and many == pytest.approx(512 * one)
 
 
 def test_product_time_counts_every_linear_layer_once(monkeypatch):

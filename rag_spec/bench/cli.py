@@ -38,7 +38,7 @@ def add_bench_commands(commands: Any) -> None:
         "structured", help="JSON under a schema: ours vs generate + xgrammar's logits processor")
     structured.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or folder")
     structured.add_argument("--limit", type=int, default=8, help="prompts per set (default 8)")
-    structured.add_argument("--max-new-tokens", type=int, default=96)
+    structured.add_argument("--max-new-tokens", type=int, default=256)
     structured.add_argument("--json", dest="json_out", help="write the report here")
     structured.set_defaults(run=_structured)
     draft = kinds.add_parser("draft", help="draft models and early exits vs assisted generation")
@@ -155,10 +155,7 @@ def _longctx(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from rag_spec.bench.batch import run
 
-    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            msg = f"{flag} must be at least 1 (got {value})."
-            raise RagSpecError(msg)
+    _at_least_one(("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens))
     run(batch=args.batch, limit=args.limit, max_new_tokens=args.max_new_tokens,
         json_out=args.json_out)
     return 0
@@ -167,10 +164,7 @@ def _batch(args: argparse.Namespace) -> int:
 def _structured(args: argparse.Namespace) -> int:
     from rag_spec.bench.structured import run
 
-    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            msg = f"{flag} must be at least 1 (got {value})."
-            raise RagSpecError(msg)
+    _at_least_one(("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens))
     run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens,
         model_name=args.model)
     return 0
@@ -188,11 +182,8 @@ def _lookahead(args: argparse.Namespace) -> int:
 def _draft(args: argparse.Namespace) -> int:
     from rag_spec.bench.draft import run
 
-    for flag, value in (("--layers", args.layers), ("--limit", args.limit),
-                        ("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            msg = f"{flag} must be at least 1 (got {value})."
-            raise RagSpecError(msg)
+    _at_least_one(("--layers", args.layers), ("--limit", args.limit), ("--batch", args.batch),
+                  ("--max-new-tokens", args.max_new_tokens))
     run(json_out=args.json_out, max_new_tokens=args.max_new_tokens, limit=args.limit,
         layers=args.layers, batch=args.batch, modes=args.modes)
     return 0
@@ -204,11 +195,8 @@ def _knnlm(args: argparse.Namespace) -> int:
     if args.compare_keys:
         compare_keys(k=args.k, json_out=args.json_out)
         return 0
-    for flag, value in (("--kb-size", args.kb_size), ("--k", args.k), ("--nprobe", args.nprobe),
-                        ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            msg = f"{flag} must be at least 1 (got {value})."
-            raise RagSpecError(msg)
+    _at_least_one(("--kb-size", args.kb_size), ("--k", args.k), ("--nprobe", args.nprobe),
+                  ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens))
     if args.precision == "float16" and args.retriever != "exact":
         msg = "--precision float16 applies to exact datastores (IVF-PQ keeps codes)."
         raise RagSpecError(msg)
@@ -232,3 +220,11 @@ def _ralm(args: argparse.Namespace) -> int:
         packed=args.packed, questions_file=args.questions, json_out=args.json_out,
         limit=args.limit, max_new_tokens=args.max_new_tokens, uri=args.uri)
     return 0
+
+
+def _at_least_one(*flags: tuple[str, int]) -> None:
+    """Refuse a count flag below 1, naming it, before anything loads."""
+    for flag, value in flags:
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)

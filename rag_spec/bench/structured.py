@@ -1,6 +1,7 @@
-"""``rag-spec bench structured``: JSON under a schema, ours against transformers ``generate``
-with xgrammar's logits processor (the peer a user would pick), beside our own constrained
-decoding without drafts (the ablation).
+"""``rag-spec bench structured``: JSON under a schema (every string bounded, so an answer closes
+within the token limit), ours against transformers ``generate`` with xgrammar's logits
+processor (the peer a user would pick), beside our own constrained decoding without drafts
+(the ablation).
 
 Two prompt sets, held out from the lookahead bench's questions: extraction (a question's top
 retrieved passages -> a JSON record of the API they describe) and tool calls (a question -> a
@@ -11,7 +12,7 @@ equal the ablation's token for token.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -28,12 +29,12 @@ class ApiRecord(BaseModel):
     name: str = Field(description="the dotted name of the function or class", max_length=60)
     module: str = Field(max_length=40)
     summary: str = Field(description="one sentence", max_length=160)
-    arguments: list[str] = Field(max_length=6)
+    arguments: list[Annotated[str, Field(max_length=30)]] = Field(max_length=6)
 
 
 class _SearchArgs(BaseModel):
-    query: str
-    k: int
+    query: str = Field(max_length=80)
+    k: int = Field(ge=1, le=20)
 
 
 class SearchDocs(BaseModel):
@@ -42,7 +43,7 @@ class SearchDocs(BaseModel):
 
 
 class _CodeArgs(BaseModel):
-    code: str
+    code: str = Field(max_length=200)
 
 
 class RunCode(BaseModel):
@@ -61,7 +62,7 @@ TOOLS_TEXT = ("Tools: search_docs(query: str, k: int) searches the Python docume
               '{"call": {"name": ..., "arguments": {...}}}.')
 
 
-def run(json_out: str | None = None, limit: int = 8, max_new_tokens: int = 96,
+def run(json_out: str | None = None, limit: int = 8, max_new_tokens: int = 256,
         model_name: str | None = None) -> dict[str, Any]:
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model

@@ -101,11 +101,10 @@ class Grammars:
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
-        core = getattr(tokenizer, "tokenizer", tokenizer)  # a SerialTokenizer's own
         with cls._lock:
-            grammars = cls._by_tokenizer.get(core)
+            grammars = cls._by_tokenizer.get(tokenizer)
             if grammars is None or grammars.vocab_size != vocab_size:
-                grammars = cls._by_tokenizer[core] = cls(core, vocab_size, stop_ids)
+                grammars = cls._by_tokenizer[tokenizer] = cls(tokenizer, vocab_size, stop_ids)
             return grammars
 
     def compile(self, request: GrammarRequest) -> Any:
