@@ -172,6 +172,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         for i, s in enumerate(systems.values()):
             ax.text(i, s["speedup_vs_peer"], f"{s['speedup_vs_peer']:.2f}x\n"
                     f"{s['tokens_per_step']:.2f} tok/pass", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.3 * max(s["speedup_vs_peer"] for s in systems.values()))
         ax.set_title(f"{name} ({report[name]['prompts']} prompts)")
         ax.set_ylabel("speedup vs generate + xgrammar (median)")
     save_figure(fig, path, f"bench structured: {setting(report)}")
