@@ -276,7 +276,7 @@ def printable_dir(tmp_path_factory, tok, lm):
     return str(folder)
 
 
-@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 @pytest.mark.parametrize("kind", ["pydantic", "typeddict", "dict"])
 def test_with_structured_output_parses_what_the_grammar_allowed(printable_dir, method, kind):
     from typing import TypedDict
@@ -322,8 +322,9 @@ def test_with_structured_output_parses_what_the_grammar_allowed(printable_dir, m
         assert set(parsed) == {"name", "n"} and isinstance(parsed["n"], int)
     else:
         assert isinstance(parsed, dict)
-    text = raw.content
-    assert json.loads(text) == (parsed.model_dump() if kind == "pydantic" else parsed)
+    value = raw.tool_calls[0]["args"] if method == "function_calling" else json.loads(
+        raw.content)
+    assert value == (parsed.model_dump() if kind == "pydantic" else parsed)
 
 
 def test_a_structured_answer_cut_at_max_tokens_is_an_error_not_a_value(printable_dir):
@@ -335,8 +336,8 @@ def test_a_structured_answer_cut_at_max_tokens_is_an_error_not_a_value(printable
     with pytest.raises(OutputParserException, match="cut at max_tokens"):
         chat.with_structured_output({"title": "T", "type": "object", "properties": {
             "a": {"type": "string"}}, "required": ["a"]}).invoke("x")
-    with pytest.raises(ValueError, match="method 'json_schema' .* or 'json_mode'"):
-        chat.with_structured_output({"type": "object"}, method="function_calling")
+    with pytest.raises(ValueError, match="method must be 'json_schema' .*, 'function_calling'"):
+        chat.with_structured_output({"type": "object"}, method="xml")
 
 
 # -- tool calling ----------------------------------------------------------------------------------

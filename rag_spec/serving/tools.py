@@ -76,12 +76,13 @@ class ToolCall:
 
 
 def check_tools(tools: Sequence[Tool]) -> None:
-    names = [t.name for t in tools]
-    if not tools or len(set(names)) != len(names):
-        msg = f"Give one or more tools with distinct names (got {names})."
-        raise RagSpecError(msg)
+    """One or more tools, each callable (of tools sharing a name, the first is the one
+    offered, as frameworks bind a class and its schema under one name)."""
     for tool in tools:
         tool.check()
+    if not tools:
+        msg = "Give one or more tools."
+        raise RagSpecError(msg)
 
 
 def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto", *,
@@ -98,7 +99,8 @@ def call_grammar(tools: Sequence[Tool], tool_choice: Any = "auto", *,
     choice = _chosen(tools, tool_choice)
     if choice == "none":
         return None
-    tags = [_tag(t) for t in tools if choice in ("auto", "any") or t.name == choice]
+    unique = _first_of_each_name(tools)
+    tags = [_tag(t) for t in unique if choice in ("auto", "any") or t.name == choice]
     if choice == "auto":
         return str(xgr.Grammar.from_structural_tag(
             [xgr.StructuralTagItem(begin=OPEN + begin, schema=schema, end=end + CLOSE)
@@ -120,10 +122,17 @@ def tool_options(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = N
     offers (none of either where ``tools`` is empty or ``tool_choice`` is "none")."""
     if not tools:
         return {"grammar": None, "tools": None}
-    offered = [Tool.from_openai(spec) for spec in tools]
+    offered = _first_of_each_name([Tool.from_openai(spec) for spec in tools])
     grammar = call_grammar(offered, tool_choice, parallel=parallel)
     return {"grammar": grammar,
             "tools": json.dumps([t.openai() for t in offered]) if grammar else None}
+
+
+def _first_of_each_name(tools: Sequence[Tool]) -> list[Tool]:
+    firsts: dict[str, Tool] = {}
+    for tool in tools:
+        firsts.setdefault(tool.name, tool)
+    return list(firsts.values())
 
 
 def _chosen(tools: Sequence[Tool], tool_choice: Any) -> str:

@@ -12,6 +12,10 @@ from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
@@ -80,26 +84,36 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
 
     def with_structured_output(self, schema: dict[str, Any] | type, *,
                                method: str = "json_schema", include_raw: bool = False,
-                               **kwargs: Any) -> Runnable:
-        """Answers as ``schema`` (a Pydantic class, a TypedDict or a JSON schema dict), decoded
-        under the schema's grammar: ``method="json_schema"`` constrains the output to the
-        schema, ``"json_mode"`` to any JSON object (parsed as ``schema``). An answer cut at
+                               strict: bool | None = None, **kwargs: Any) -> Runnable:
+        """Answers as ``schema`` (a Pydantic class, v2 or v1, a TypedDict or a JSON schema
+        dict), decoded under a grammar: ``method="json_schema"`` constrains the output to the
+        schema, ``"function_calling"`` to a call of a tool of that schema (``bind_tools``),
+        ``"json_mode"`` to any JSON object (parsed as ``schema``). An answer cut at
         ``max_tokens`` before its JSON closed is an error (``parsing_error`` with
-        ``include_raw=True``), never a parsed value."""
+        ``include_raw=True``), never a parsed value. Decoding under a grammar is always
+        strict: ``strict`` is accepted and changes nothing."""
         if kwargs:
             msg = f"Unexpected arguments for with_structured_output: {sorted(kwargs)}."
             raise ValueError(msg)
-        if method not in ("json_schema", "json_mode"):
-            msg = (f"ChatLookahead decodes structured output under a grammar: method "
-                   f"'json_schema' (the default) or 'json_mode', not {method!r}.")
+        if method not in ("json_schema", "function_calling", "json_mode"):
+            msg = (f"method must be 'json_schema' (the default), 'function_calling' or "
+                   f"'json_mode', not {method!r}.")
             raise ValueError(msg)
         pydantic = isinstance(schema, type) and issubclass(schema, (BaseModel, BaseModelV1))
-        grammar = convert_to_json_schema(schema) if method == "json_schema" else \
-            {"type": "object"}
-        llm = self.bind(json_schema=json.dumps(grammar), ls_structured_output_format={
-            "kwargs": {"method": method}, "schema": convert_to_json_schema(schema)})
-        parse: Runnable = RunnableLambda(_closed) | (
-            PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser())
+        traced = {"ls_structured_output_format": {
+            "kwargs": {"method": method}, "schema": convert_to_openai_tool(schema)}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, **traced)
+            parser: Runnable = PydanticToolsParser(tools=[schema], first_tool_only=True) \
+                if pydantic else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        else:
+            grammar = convert_to_json_schema(schema) if method == "json_schema" else \
+                {"type": "object"}
+            llm = self.bind(json_schema=json.dumps(grammar), **traced)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic \
+                else JsonOutputParser()
+        parse = RunnableLambda(_closed) | parser
         if not include_raw:
             return llm | parse
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parse,

@@ -187,6 +187,8 @@ def _content(message: ChatMessage) -> str:
     calls = message.additional_kwargs.get("tool_calls") or []
     written = [render_call(ToolCall(c["name"], c["arguments"], c.get("id", ""))) for c in calls
                if isinstance(c, dict) and "name" in c and "arguments" in c]
+    if not written:  # the text as it is: a prompt's own whitespace is the caller's
+        return message.content or ""
     return "\n".join([message.content or "", *written]).strip()
 
 
