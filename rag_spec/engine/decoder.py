@@ -245,12 +245,14 @@ class LookaheadDecoder:
                 sampling's either way. Greedy decoding draws nothing.
             context: documents this call may copy from, like ``add_context`` but for this call
                 only.
-            json_schema, regex, grammar, choices: what the output must follow (at most one per
-                prompt): a JSON schema (a dict, a JSON string or a Pydantic model class;
-                xgrammar's ``compile_json_schema`` with its defaults), a regular expression,
-                an EBNF grammar (start rule ``root``) or a list of strings. A list gives one
-                per prompt of a batch. The tokens are constrained decoding's: greedy picks the
+            json_schema: a JSON schema the output follows (a dict, a JSON string or a
+                Pydantic model class; xgrammar's ``compile_json_schema`` with its defaults).
+                At most one of the four grammar keywords per prompt; a list gives one per
+                prompt of a batch. The tokens are constrained decoding's: greedy picks the
                 argmax of the allowed tokens' logits, sampling draws from the allowed tokens.
+            regex: a regular expression the output matches.
+            grammar: an EBNF grammar the output follows (start rule ``root``).
+            choices: the strings the output is one of.
 
         Returns:
             A GenerationResult for a single prompt, a list of them for a batch.
