@@ -1,5 +1,7 @@
 """The floor benchmark's parts: what a step reads, how fast memory reads, what steps cost."""
 
+import math
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
         torch.float32) else set()  # oneDNN's kernels beside the streamed ones, where they run
     assert set(costs) == {"hf_1", "rag_spec_1", "rag_spec_5", "rag_spec_exact_1",
                           "rag_spec_exact_5"} | onednn
-    assert all(0 < seconds < 10 for seconds in costs.values())
+    assert all(math.isfinite(cost) and cost > 0 for cost in costs.values())  # no time bound
     assert all((model.state_dict()[k] == v).all() for k, v in state.items())
 
 
