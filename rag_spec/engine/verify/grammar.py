@@ -78,6 +78,9 @@ def _per_row(name: str, value: Any, rows: int) -> list[Any]:
     return list(value)
 
 
+_CACHE_BYTES = 256 * 2**20  # compiled grammars kept per tokenizer
+
+
 class Grammars:
     """The compiler for one tokenizer (xgrammar's tokenizer info takes a second to build, and
     its compiler caches what it compiled), shared by every decoder on that tokenizer."""
@@ -96,8 +99,8 @@ class Grammars:
                    f"Hugging Face tokenizer (tokenizer.json or a sentencepiece model).")
             raise RagSpecError(msg) from err
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        # xgrammar's compiler caches what it compiled; bounded for a long-running service
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=_CACHE_BYTES)
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
@@ -111,28 +114,23 @@ class Grammars:
         """xgrammar's compiled grammar for ``request``; a RagSpecError that names the fix for
         anything that does not compile, before any decoding."""
         kind, text = _source(request)
-        key = (kind, text)
-        if key not in self._compiled:
-            try:
-                if kind == "json_schema":
-                    compiled = self.compiler.compile_json_schema(text)
-                elif kind == "regex":
-                    compiled = self.compiler.compile_regex(text)
-                else:
-                    compiled = self.compiler.compile_grammar(text)
-            except Exception as err:  # xgrammar raises RuntimeError / ValueError subclasses
-                fixes = {"json_schema": "give a JSON schema (a dict, a JSON string or a "
-                                        "Pydantic model class) that xgrammar supports",
-                         "regex": "give a regular expression xgrammar supports (no "
-                                  "lookaround or backreferences)",
-                         "grammar": "give an EBNF grammar whose start rule is root, e.g. "
-                                    "root ::= \"yes\" | \"no\"",
-                         "choices": "give non-empty strings"}
-                msg = (f"The {kind.replace('_', ' ')} does not compile "
-                       f"({type(err).__name__}: {str(err).strip()[:300]}); {fixes[kind]}.")
-                raise RagSpecError(msg) from err
-            self._compiled[key] = compiled
-        return self._compiled[key]
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(text)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            return self.compiler.compile_grammar(text)
+        except Exception as err:  # xgrammar raises RuntimeError / ValueError subclasses
+            fixes = {"json_schema": "give a JSON schema (a dict, a JSON string or a Pydantic "
+                                    "model class) that xgrammar supports",
+                     "regex": "give a regular expression xgrammar supports (no lookaround or "
+                              "backreferences)",
+                     "grammar": "give an EBNF grammar whose start rule is root, e.g. "
+                                "root ::= \"yes\" | \"no\"",
+                     "choices": "give non-empty strings"}
+            msg = (f"The {kind.replace('_', ' ')} does not compile "
+                   f"({type(err).__name__}: {str(err).strip()[:300]}); {fixes[kind]}.")
+            raise RagSpecError(msg) from err
 
 
 def _source(request: GrammarRequest) -> tuple[str, str]:
