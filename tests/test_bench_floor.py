@@ -152,10 +152,10 @@ def test_the_plot_takes_dtypes_timed_on_different_systems(tmp_path):
 
 def test_longctx_step_costs_time_both_attentions_and_leave_the_prefill_as_it_was(monkeypatch):
     from rag_spec.bench import longctx
-    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.forward import prefill as prefill_module
 
     lengths = []
-    prefill = TreeKVCache.prefill
+    prefill = prefill_module.prefill
 
     def watched(*args, **kwargs):
         cache = prefill(*args, **kwargs)
@@ -168,7 +168,7 @@ def test_longctx_step_costs_time_both_attentions_and_leave_the_prefill_as_it_was
         cache.discard_round = dropped
         return cache
 
-    monkeypatch.setattr(TreeKVCache, "prefill", watched)
+    monkeypatch.setattr(prefill_module, "prefill", watched)
     costs = longctx.step_ms(tiny_llama(hidden=64), [[5, 6, 7, 8, 9], [5, 6, 7]], widths=(1, 4),
                             repeats=2)
     assert set(costs) == {"ours", "sdpa"}

@@ -8,8 +8,8 @@ import torch
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.drafters.self_drafter import SelfSpecDrafter
-from rag_spec.engine.cache import tree_cache
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.forward import passes
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM
@@ -108,8 +108,8 @@ def test_with_cuda_graphs_every_pass_runs_compiled_and_tokens_stay_generates(mon
     assert [step.bucket(w) for w in range(1, 19)] == [1, 2, 4, 4, *[8] * 4, *[16] * 8, 24, 24]
     widths = compiled_widths(step)
     trees = []  # each pass's own width, before padding
-    padded = tree_cache._padded
-    monkeypatch.setattr(tree_cache, "_padded", lambda inputs, width: trees.append(
+    padded = passes.padded_inputs
+    monkeypatch.setattr(passes, "padded_inputs", lambda inputs, width: trees.append(
         inputs["input_ids"].shape[1]) or padded(inputs, width))
     for seed in range(2):
         prompt = repetitive_prompt(seed)

@@ -13,8 +13,9 @@ from rag_spec.drafters.feature_drafter import FeatureDrafter
 from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.forward.prefill import prefill
 from rag_spec.engine.forward.runner import Runner
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
@@ -44,8 +45,8 @@ def test_roots_carry_the_models_last_hidden_state_before_them(target):
     prompts = [repetitive_prompt(s, length=9 + 5 * s) for s in range(3)]
     trees = [TokenTree.from_paths([[7, 8]]), TokenTree.empty(), TokenTree.from_paths([[3]])]
     with torch.inference_mode():
-        cache = TreeKVCache.prefill(runner, prompts)
-        cache.forward(runner, cache.step(trees, runner.dtype), features=True)
+        cache = prefill(runner, prompts)
+        runner.forward(cache, tree_step(cache, trees, runner.dtype), features=True)
         cache.keep([[0, 1], [], [0]], [11, 12, 13])  # rows accept 2, 0 and 1 draft tokens
         reference = tiny_llama(seed=0, layers=4)  # the target's twin: hidden states install
         # hooks on the model asked for them, and later tests check the target has none

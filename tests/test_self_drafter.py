@@ -11,8 +11,10 @@ from conftest import tiny_llama
 from rag_spec.drafters.self_drafter import SelfSpecDrafter
 from rag_spec.engine.cache.kv_cache import new_cache
 from rag_spec.engine.cache.sink_window import SinkWindow
+from rag_spec.engine.cache.step_inputs import round_step
 from rag_spec.engine.cache.tree_cache import TreeKVCache
 from rag_spec.engine.decoder import LookaheadDecoder
+from rag_spec.engine.forward.prefill import prefill
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.step_costs import Acceptance, StepCosts, expected_tokens
 from test_decoder_greedy import hf_greedy, repetitive_prompt
@@ -53,7 +55,7 @@ def test_a_view_of_every_slot_gives_the_targets_logits_pass_after_pass(target):
     prompts = [repetitive_prompt(s, length=12 + 5 * s) for s in range(3)]
     logits = {}
     for name in ("full", "view"):
-        cache = TreeKVCache.prefill(runner, prompts)
+        cache = prefill(runner, prompts)
         sparse = SinkWindow(cache, 2, cache.length).view if name == "view" else None
         passes = []
         for width in (1, 2):  # two passes of one round: the second sees the first's slots
@@ -61,8 +63,8 @@ def test_a_view_of_every_slot_gives_the_targets_logits_pass_after_pass(target):
             ids = torch.randint(3, 60, (3, width), generator=torch.Generator().manual_seed(width))
             positions = torch.tensor(cache.positions)[:, None] + first + torch.arange(width)
             sees = torch.ones(3, width, first + width, dtype=torch.bool).tril(first)
-            passes.append(cache.forward(runner, cache.grow(ids, positions, sees, runner.dtype,
-                                                           sparse)))
+            passes.append(runner.forward(cache, round_step(cache, ids, positions, sees,
+                                                           runner.dtype, sparse)))
         logits[name] = passes
     for full, view in zip(logits["full"], logits["view"]):
         torch.testing.assert_close(view, full, atol=1e-5, rtol=1e-5)

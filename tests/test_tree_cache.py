@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rag_spec.engine.cache.tree_cache as tree_cache
+import rag_spec.engine.cache.step_inputs as step_inputs
+import rag_spec.engine.forward.prefill as prefill
 from conftest import TINY_SHAPE, tiny_llama
 from rag_spec.engine.cache.kv_cache import SlidingWindow, attention_window, cache_argument
 from rag_spec.engine.cache.tree_cache import TreeKVCache
@@ -61,9 +62,9 @@ def test_padded_prefill_runs_in_chunks_with_bounded_masks(monkeypatch):
     prompts = [repetitive_prompt(1, length=12), repetitive_prompt(2, length=40)]
     expected = [hf_greedy(model, p, 15) for p in prompts]
     shapes = []
-    forward = tree_cache.TreeKVCache._fill
+    forward = prefill.fill
 
-    def spy(self, runner, ids):
+    def spy(runner, tree, ids):
         original = runner.module.forward
 
         def record(*args, **kwargs):
@@ -73,13 +74,13 @@ def test_padded_prefill_runs_in_chunks_with_bounded_masks(monkeypatch):
 
         runner.module.forward = record  # the runner's private copy, not the user's model
         try:
-            forward(self, runner, ids)
+            forward(runner, tree, ids)
         finally:
             del runner.module.forward
 
     width = max(len(p) for p in prompts) - 1  # prompt slots before the roots
-    monkeypatch.setattr(tree_cache, "_MASK_ELEMENTS", 2 * width * 10)  # 10 query rows a chunk
-    monkeypatch.setattr(tree_cache.TreeKVCache, "_fill", spy)
+    monkeypatch.setattr(prefill, "_MASK_ELEMENTS", 2 * width * 10)  # 10 query rows a chunk
+    monkeypatch.setattr(prefill, "fill", spy)
     results = LookaheadDecoder(model).generate(prompts, 15)
     assert [r.token_ids for r in results] == expected
     assert len(shapes) == -(-width // 10)
@@ -88,17 +89,17 @@ def test_padded_prefill_runs_in_chunks_with_bounded_masks(monkeypatch):
 
 @given(st.lists(st.integers(0, 600), min_size=1, max_size=12))
 def test_length_groups_split_rows_only_where_padding_would_cost(lengths):
-    groups = tree_cache.length_groups(lengths)
+    groups = prefill.length_groups(lengths)
     assert sorted(b for g in groups for b in g) == list(range(len(lengths)))
     for group in groups:
         tokens = sum(lengths[b] for b in group)
         padding = max(lengths[b] for b in group) * len(group) - tokens
-        assert padding <= tokens * tree_cache._PADDING_SHARE + tree_cache._PADDING_FREE
+        assert padding <= tokens * prefill._PADDING_SHARE + prefill._PADDING_FREE
     for first, then in zip(groups, groups[1:]):  # the next row would have padded too much
         together = first + then[:1]
         tokens = sum(lengths[b] for b in together)
         padding = max(lengths[b] for b in together) * len(together) - tokens
-        assert padding > tokens * tree_cache._PADDING_SHARE + tree_cache._PADDING_FREE
+        assert padding > tokens * prefill._PADDING_SHARE + prefill._PADDING_FREE
     if len(set(lengths)) == 1:
         assert len(groups) == 1
 
@@ -110,10 +111,9 @@ def test_rows_of_very_different_lengths_prefill_in_groups_with_each_rows_tokens(
     model = make()
     prompts = [(repetitive_prompt(s) * 5)[:n] for s, n in enumerate((4, 160, 30, 170))]
     passes = []
-    padded = TreeKVCache._padded.__func__
-    monkeypatch.setattr(TreeKVCache, "_padded", classmethod(
-        lambda cls, runner, prefixes, *rest: passes.append(sorted(map(len, prefixes)))
-        or padded(cls, runner, prefixes, *rest)))
+    padded = prefill.padded_prefill
+    monkeypatch.setattr(prefill, "padded_prefill", lambda runner, prefixes, *rest: passes.append(
+        sorted(map(len, prefixes))) or padded(runner, prefixes, *rest))
     results = LookaheadDecoder(model).generate(prompts, 20)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
     assert passes == [[3, 29], [159, 169]]
@@ -122,7 +122,7 @@ def test_rows_of_very_different_lengths_prefill_in_groups_with_each_rows_tokens(
 def test_a_group_of_one_token_prompts_has_no_prefix_and_joins_the_others():
     model = tiny_llama(seed=2)
     prompts = [[5], (repetitive_prompt(1) * 5)[:170], [7]]
-    assert tree_cache.length_groups([len(p) - 1 for p in prompts]) == [[0, 2], [1]]
+    assert prefill.length_groups([len(p) - 1 for p in prompts]) == [[0, 2], [1]]
     results = LookaheadDecoder(model).generate(prompts, 20)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
 
@@ -153,9 +153,14 @@ def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch)
     model = tiny_mixed(kind)
     assert attention_window(model.config) == SlidingWindow(6, mixed=True)
     per_kind = []
-    dense = TreeKVCache._dense
-    monkeypatch.setattr(TreeKVCache, "_dense", lambda cache, *args: per_kind.append(
-        out := dense(cache, *args)) or out)
+    dense = step_inputs.dense_mask
+
+    def spy(*args):
+        per_kind.append(out := dense(*args))
+        return out
+
+    for module in (step_inputs, prefill):  # tree steps and padded prefills
+        monkeypatch.setattr(module, "dense_mask", spy)
     prompts = [(repetitive_prompt(s) * 2)[:n] for s, n in enumerate((40, 25, 5, 70))]
     expected = [hf_greedy(model, p, 30) for p in prompts]
     decoder = LookaheadDecoder(model)

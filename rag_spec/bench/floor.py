@@ -166,19 +166,20 @@ def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int]
     """Median seconds of our runner's forward pass (``settings``: default kernels) over a root
     plus a chain of ``width - 1`` draft tokens after ``prompt``'s prefill, per width (the first
     pass of a width, which prepares its kernels, is not timed)."""
-    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.cache.step_inputs import tree_step
+    from rag_spec.engine.forward.prefill import prefill
     from rag_spec.engine.forward.runner import Runner
     from rag_spec.engine.verify.tree import TokenTree
 
     runner = Runner.of(model, settings)
     costs = {}
     for width in widths:
-        cache = TreeKVCache.prefill(runner, [list(prompt)])
+        cache = prefill(runner, [list(prompt)])
         tree = TokenTree(tuple(range(3, 2 + width)), tuple(range(-1, width - 2)))
         timings = []
         for _ in range(repeats + 1):
-            batch = cache.step([tree], runner.dtype)
-            timings.append(_seconds(lambda c=cache, b=batch: c.forward(runner, b),
+            batch = tree_step(cache, [tree], runner.dtype)
+            timings.append(_seconds(lambda c=cache, b=batch: runner.forward(c, b),
                                     model.device))
             cache.keep([[]], [3])  # the root stays: one position per step, as in hf_step
         costs[width] = median(timings[1:])

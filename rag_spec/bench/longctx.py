@@ -92,8 +92,9 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
     what a wider verification costs against a one-token step (the first round is not timed)."""
     import torch
 
-    from rag_spec.engine.cache.tree_cache import TreeKVCache
+    from rag_spec.engine.cache.step_inputs import tree_step
     from rag_spec.engine.decoder import LookaheadConfig
+    from rag_spec.engine.forward.prefill import prefill
     from rag_spec.engine.forward.runner import Runner
     from rag_spec.engine.verify.tree import TokenTree
 
@@ -101,14 +102,14 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
                "sdpa": Runner.of(model, LookaheadConfig(cpu_attention=False).runner)}
     timings: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
-        cache = TreeKVCache.prefill(runners["ours"], prompts)
+        cache = prefill(runners["ours"], prompts)
         for repeat in range(repeats + 1):
             for width in widths:
                 chain = TokenTree.from_paths([range(3, 2 + width)])
                 for name, runner in runners.items():
-                    batch = cache.step([chain] * len(prompts), runner.dtype)
+                    batch = tree_step(cache, [chain] * len(prompts), runner.dtype)
                     started = time.perf_counter()
-                    cache.forward(runner, batch)
+                    runner.forward(cache, batch)
                     elapsed = time.perf_counter() - started
                     cache.discard_round()
                     if repeat:

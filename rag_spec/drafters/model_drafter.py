@@ -31,8 +31,11 @@ import torch
 from rag_spec.drafters.drafter import Drafter, DraftRequest, TargetView
 from rag_spec.drafters.exit_adapter import ExitAdapter
 from rag_spec.drafters.tree_expansion import Expansion
+from rag_spec.engine.cache.step_inputs import round_step
 from rag_spec.engine.cache.tree_cache import TreeKVCache
-from rag_spec.engine.forward.runner import ModuleRunner, Runner, RunnerSettings
+from rag_spec.engine.forward.passes import ModuleRunner
+from rag_spec.engine.forward.prefill import prefill
+from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.engine.verify.sampling import SamplingParams, processed_logits
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
@@ -117,7 +120,7 @@ class _Batch:
         _check_vocabularies(runner.config, target.config)
         self.runner = runner
         self.offsets = [max(len(c) - TRIAL_CONTEXT, 0) for c in contexts]
-        self.cache = TreeKVCache.prefill(runner, [c[o:] for c, o in zip(contexts, self.offsets)])
+        self.cache = prefill(runner, [c[o:] for c, o in zip(contexts, self.offsets)])
         self.rows = [_Row() for _ in contexts]
         self.cost = _weights(runner.module) / _weights(target.module)
 
@@ -138,7 +141,7 @@ class _Batch:
         rounds = sum(row.rounds for row in self.rows)
         if self.on_trial and rounds > 1 \
                 and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
-            self.cache = TreeKVCache.prefill(self.runner, [r.context for r in requests])
+            self.cache = prefill(self.runner, [r.context for r in requests])
             self.offsets = [0] * len(requests)
         else:
             self.cache.keep_slots(kept, [r.context[-1] for r in requests])
@@ -165,8 +168,8 @@ class _Batch:
                 input_ids[b, j] = token
                 position_ids[b, j] = position
                 sees[b, j, slots] = True
-        step = cache.grow(input_ids, position_ids, sees, runner.dtype, self.sparse)
-        return cache.forward(runner, step), first
+        step = round_step(cache, input_ids, position_ids, sees, runner.dtype, self.sparse)
+        return runner.forward(cache, step), first
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Only the target's rows ``rows`` go on (the others finished): so do their drafts."""

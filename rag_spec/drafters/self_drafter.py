@@ -26,7 +26,7 @@ from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
 from rag_spec.drafters.model_drafter import ModelDrafter, _Batch, _SharedBatch
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.engine.cache.sink_window import SinkWindow
-from rag_spec.engine.forward.runner import ModuleRunner
+from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
 

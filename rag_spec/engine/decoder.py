@@ -21,8 +21,10 @@ from rag_spec.drafters.drafter import (
     propose,
 )
 from rag_spec.drafters.trie_drafter import TrieConfig, TrieDrafter, TrieMode
-from rag_spec.engine.cache.kv_cache import attention_window, crop, fill
+from rag_spec.engine.cache.kv_cache import attention_window, crop
+from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.engine.forward.prefill import append, prefill, prefill_whole
 from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.engine.stopping import StopRule
 from rag_spec.engine.streaming import TextStream
@@ -403,18 +405,18 @@ class LookaheadDecoder:
         """Append ``tokens`` to a one-row cache the caller manages (``extend``'s prefill), on
         the same fast path as the steps that follow."""
         with self._lock:
-            fill(self.runner, cache, tokens)
+            append(self.runner, cache, tokens)
 
     def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None,
                 started: float) -> Iterator[None]:
         runner = self.runner
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
             if runner.exact:  # generate's prefill, which gives the first token too
-                cache, logits = TreeKVCache.prefill_whole(runner, [r.prompt for r in rows])
+                cache, logits = prefill_whole(runner, [r.prompt for r in rows])
                 self._first_tokens(rows, rules, cache, logits)
             else:
-                cache = TreeKVCache.prefill(runner, [r.prompt for r in rows],
-                                            self._capacity(runner, rows, rules))
+                cache = prefill(runner, [r.prompt for r in rows],
+                                self._capacity(runner, rows, rules))
         target = TargetView(runner, cache, StepCosts(rows=len(rows)))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
@@ -443,7 +445,7 @@ class LookaheadDecoder:
                 yield
         finally:  # also when a stream is left unfinished: the next generation replays graphs
             self.drafter.end(target)
-            cache.give_back(runner)
+            runner.release(cache)
 
     def _without_finished(self, rows: list[_Row], rules: list[StopRule], target: TargetView
                           ) -> tuple[list[_Row], list[StopRule]]:
@@ -502,8 +504,8 @@ class LookaheadDecoder:
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
         target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
-        logits = cache.forward(runner, cache.step(trees, runner.dtype),
-                               features=self.drafter.capabilities.reads_features)
+        logits = runner.forward(cache, tree_step(cache, trees, runner.dtype),
+                                features=self.drafter.capabilities.reads_features)
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rag_spec.engine.cache.kv_cache import cache_argument, crop, new_cache
-from rag_spec.engine.cache.kv_cache import fill as fill_cache
+from rag_spec.engine.forward.prefill import append as fill_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.retrieval.types import Hit

@@ -175,12 +175,6 @@ def _cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def fill(model: Any, cache: Any, tokens: list[int]) -> None:
-    """Append ``tokens`` to a one-row ``cache`` (positions continue from its length)."""
-    model(input_ids=torch.tensor([tokens], device=model.device), use_cache=True,
-          **cache_argument(model, cache), **fill_only(model))
-
-
 def crop(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of every layer (``DynamicCache.crop``, whose
     argument conventions changed across transformers releases)."""

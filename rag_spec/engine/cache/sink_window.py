@@ -21,7 +21,7 @@ class SinkWindow:
 
     Examples:
         >>> window = SinkWindow(cache, sinks=4, window=252)            # doctest: +SKIP
-        >>> cache.grow(ids, positions, sees, dtype, window.view)      # doctest: +SKIP
+        >>> round_step(cache, ids, positions, sees, dtype, window.view)  # doctest: +SKIP
         >>> window.advance(cache)  # after the target committed more  # doctest: +SKIP
     """
 

@@ -34,7 +34,6 @@ stock kernels. Runners are built once per (model, settings) and held weakly by t
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import os
 import threading
@@ -45,11 +44,9 @@ from typing import Any, Literal
 import torch
 
 from rag_spec.engine.forward.compiled_step import CompiledStep
+from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
 from rag_spec_kernels import (
-    EXACT_TREE_ATTENTION,
-    TREE_ATTENTION,
-    TREE_ATTENTION_SDPA,
     LinearStack,
     OneDNNLinear,
     RowChunkedLinear,
@@ -83,44 +80,6 @@ class RunnerSettings:
     # steps through torch.compile on a static cache (not with exact numerics): every step on a
     # CPU with oneDNN products (one-token steps only without), as CUDA graphs on a GPU
     compile: bool = False
-
-
-class ModuleRunner:
-    """Forward passes of a module tree the fast path owns; call it like the model."""
-
-    compiled: CompiledStep | None = None  # passes on a static cache, if compiled
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        # read per step: a parameter's device and dtype, not transformers' properties, which
-        # walk the module tree (tens of microseconds each); ``.to()`` moves this one too
-        self._weight = next(p for p in module.parameters() if p.is_floating_point())
-
-    @property
-    def config(self) -> Any:
-        """The private copy of the model's config (its attention selects tree attention)."""
-        return self.module.config
-
-    @property
-    def device(self) -> torch.device:
-        return self._weight.device
-
-    @functools.cached_property
-    def tree_attention(self) -> bool:
-        """Whether every attention of the module tree runs ``tree_attention``, so passes may
-        take compact tree masks (not where a user's wrapped module keeps its own config)."""
-        configs = [config for module in self.module.modules()
-                   if hasattr(config := vars(module).get("config"), "_attn_implementation")]
-        return bool(configs) and all(c._attn_implementation in (
-            TREE_ATTENTION, TREE_ATTENTION_SDPA, EXACT_TREE_ATTENTION) for c in configs)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._weight.dtype
-
-    def __call__(self, **inputs: Any) -> Any:
-        with torch.inference_mode():
-            return self.module(**inputs)
 
 
 class Runner(ModuleRunner):
