@@ -315,3 +315,24 @@ def test_a_cost_is_counted_from_its_second_timing_the_first_being_a_warm_up():
     given = StepCosts(target={1: 1.0})  # given costs count as measured: blended into
     given.record_target(1, 0.0)
     assert given.target[1] == pytest.approx(0.7)
+
+
+def test_one_prober_backs_off_after_misses_returns_to_its_pace_on_a_hit_and_bounds_its_cost():
+    from rag_spec.policy.budget import PROBE_SHARE, Prober
+
+    prober = Prober(every=2, longest=8)
+    gaps = []
+    for hits in (False, False, False, False, True, False):
+        idle = 0
+        while not prober.due():
+            prober.wait()
+            idle += 1
+        gaps.append(idle + 1)  # steps from the last draft to this probe
+        prober.drafted(hit=hits)
+    assert gaps == [2, 4, 8, 8, 8, 2]  # doubled after each miss, capped, reset by the hit
+    dear = Prober(every=2)
+    steps = 1
+    while not dear.due(cost=0.5):  # a probe costing half a plain step
+        dear.wait()
+        steps += 1
+    assert 0.5 / steps <= PROBE_SHARE

@@ -40,7 +40,7 @@ from rag_spec.drafters.drafter import (
 from rag_spec.drafters.model_drafter import ModelDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.verify.tree import TokenTree
-from rag_spec.policy.budget import AdaptiveBudget
+from rag_spec.policy.budget import AdaptiveBudget, merged_share
 
 # A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
 # the trie's copy is the better draft, and the model's passes are spared.
@@ -81,7 +81,7 @@ class _Both:
         copying = len(copies) and copies.depths.max() >= _COPYING
         if not self.model_budget.current or (self.spared and copying):
             return 0
-        return max(budget // 2, budget - len(copies))
+        return merged_share(budget, len(copies))
 
     def guessed(self, context: Sequence[int], guess: TokenTree) -> None:
         self._guess, self._asked_at = guess, len(context)

@@ -39,6 +39,7 @@ from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.engine.verify.sampling import SamplingParams, processed_logits
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.budget import depth_pays
 from rag_spec.policy.step_costs import prior_cost
 from rag_spec_kernels import SparseView
 
@@ -436,12 +437,7 @@ class _Growth:
         self.params = sampler.params if sampler is not None else _GREEDY
         self.generator = sampler.draft_generator if sampler is not None else None
         self.expansion = expansion
-        # Each depth is accepted with about alpha = m / (1 + m) when m draft tokens are kept per
-        # round on average (a geometric run); a pass for depth d + 1 pays while the path to
-        # depth d is likelier to be accepted than the pass costs, in target steps.
-        alpha = row.mean_accepted / (1 + row.mean_accepted)
         self.cost = cost
-        self.alpha = alpha
         self.frontier: list[int] = []  # nodes (-1: the root) whose children come next
         self.q: dict[int, torch.Tensor] = {}  # node -> [vocab] draft distribution after it
         self.cumulative: dict[int, float] = {-1: 1.0}
@@ -455,7 +451,8 @@ class _Growth:
     def grows(self, depth: int) -> bool:
         """Whether nodes just added at ``depth`` get a pass (their children come next)."""
         return (depth < self.expansion.max_depth and len(self.row.tokens) < self.budget
-                and (not self.expansion.adaptive_depth or self.alpha ** depth >= self.cost))
+                and (not self.expansion.adaptive_depth
+                     or depth_pays(self.row.mean_accepted, depth, self.cost)))
 
     def sees(self, node: int) -> list[int]:
         """Round slots ``node`` attends to: the pending tokens and its ancestors."""

@@ -28,6 +28,7 @@ from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.engine.cache.sink_window import SinkWindow
 from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.budget import Prober
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
 
 
@@ -108,7 +109,7 @@ class _SelfBatch(_SharedBatch):
         self.costs: StepCosts = target.costs
         self.acceptance = [Acceptance() for _ in range(rows)]
         self.stats = SelfSpecStats(self.costs, self.acceptance)
-        self.plain_rounds = 0
+        self.prober = Prober(drafter.probe_every, drafter.probe_every)  # a steady pace
         self.started = 0.0
         self.gamma = 0
         self.window: SinkWindow | None = None
@@ -156,9 +157,10 @@ class _SelfBatch(_SharedBatch):
         if 1 not in self.costs.target:  # a plain step, measured: what every draft must beat
             return 0
         if best > 0:
-            self.plain_rounds = 0
+            self.prober.drafted(hit=True)
             return best
-        self.plain_rounds += 1
-        if self.plain_rounds % self.drafter.probe_every == 0:
+        if self.prober.due():
+            self.prober.drafted(hit=False)
             return 1  # a probe: acceptance and costs may have changed with the context
+        self.prober.wait()
         return 0

@@ -38,6 +38,54 @@ STEADY_TREES = 20
 CHEAP_PROPOSAL = 0.1
 
 
+class Prober:
+    """When drafts that stopped paying are tried again: the one back-off every sizing decision
+    uses (a row's budget, a batch's tree size, a self-draft's gamma).
+
+    A probe is due after ``every`` idle steps at first, twice as many after each probe that
+    missed (up to ``longest``), ``every`` again once one hits; and never more often than keeps
+    probes costing ``cost`` plain steps within ``PROBE_SHARE`` of the steps' time.
+    """
+
+    def __init__(self, every: int = 4, longest: int = 64) -> None:
+        self.every = every
+        self.longest = max(longest, every)
+        self.interval = every  # idle steps between probes now
+        self.idle = 0  # idle steps since the last draft
+
+    def due(self, cost: float = 0.0) -> bool:
+        """Whether the next step probes (a draft at ``cost`` plain steps)."""
+        return self.idle >= max(self.interval, _affordable_interval(cost)) - 1
+
+    def wait(self) -> None:
+        """A step without drafts."""
+        self.idle += 1
+
+    def drafted(self, hit: bool, probe: bool = True) -> None:
+        """A step drafted; ``hit``: the target kept some of it. A ``probe`` that missed backs
+        off; a hit restores the first pace."""
+        self.idle = 0
+        if hit:
+            self.interval = self.every
+        elif probe:
+            self.interval = min(2 * self.interval, self.longest)
+
+
+def merged_share(budget: int, copies: int) -> int:
+    """Nodes a model's draft may take of a merged tree's ``budget`` beside the trie's
+    ``copies``: what the trie left, and at least half (the trie proposes first, for free)."""
+    return max(budget // 2, budget - copies)
+
+
+def depth_pays(mean_accepted: float, depth: int, cost: float) -> bool:
+    """Whether a draft pass for depth ``depth + 1`` pays, at ``cost`` target steps a pass:
+    each depth is accepted with about ``alpha = m / (1 + m)`` when ``m`` draft tokens are kept
+    per round on average (a geometric run), so the pass pays while the path to ``depth`` is
+    likelier to be accepted than the pass costs."""
+    alpha = mean_accepted / (1 + mean_accepted)
+    return alpha ** depth >= cost
+
+
 class AdaptiveBudget:
     """The full budget while drafts pay for themselves; none while they keep missing.
 
@@ -59,8 +107,7 @@ class AdaptiveBudget:
         self.full = full
         self.adaptive = adaptive
         self.threshold = threshold
-        self.probe_every = probe_every
-        self.max_probe_every = probe_every if steady else max_probe_every
+        self.prober = Prober(probe_every, probe_every if steady else max_probe_every)
         self.smoothing = STEADY_SMOOTHING if steady else smoothing
         self.steady = steady
         self.mean_accepted = initial  # 1.0: an optimistic start, the first steps draft
@@ -70,8 +117,6 @@ class AdaptiveBudget:
         self.kept = [initial * min(n, 2) for n in range(full + 1)]
         self._proposals = 0  # proposals recorded (each measures every size)
         self.cost = 0.0  # smoothed cost of a proposal, in target steps
-        self._interval = probe_every  # steps between probes now
-        self._idle = 0
 
     @property
     def paying(self) -> bool:
@@ -82,8 +127,7 @@ class AdaptiveBudget:
     def current(self) -> int:
         if not self.adaptive or self.paying:
             return self.full
-        interval = max(self._interval, _affordable_interval(self.cost))
-        return self.full if self._idle >= interval - 1 else 0
+        return self.full if self.prober.due(self.cost) else 0
 
     @property
     def trees(self) -> int:
@@ -95,7 +139,7 @@ class AdaptiveBudget:
         ``STEADY_TREES`` trees, its probes at their first pace."""
         budget = self.carried()
         budget._proposals = min(self._proposals, STEADY_TREES)
-        budget._interval, budget._idle = self.probe_every, 0
+        budget.prober = Prober(self.prober.every, self.prober.longest)
         return budget
 
     def carried(self) -> AdaptiveBudget:
@@ -103,16 +147,16 @@ class AdaptiveBudget:
         cost and hits outlast one request, and so does the share of time its probes take."""
         budget = copy.copy(self)
         budget.kept = list(self.kept)
+        budget.prober = copy.copy(self.prober)
         return budget
 
     def update(self, drafted: int, accepted: int, cost: float = 0.0) -> None:
         """Record a step that verified ``drafted`` nodes and kept ``accepted`` of them, drafted
         at ``cost`` target steps."""
         if drafted == 0:
-            self._idle += 1
+            self.prober.wait()
             return
-        probing = not self.paying
-        self._idle = 0
+        self.prober.drafted(hit=accepted > 0, probe=not self.paying)
         self._proposals += 1
         # A trie's start stays optimistic for a few trees (a copy often starts a few tokens
         # in); a steady drafter's estimate is a running mean of its first trees, or twenty
@@ -121,10 +165,6 @@ class AdaptiveBudget:
         self.mean_accepted += weight * (accepted - self.mean_accepted)
         kept = self.smoothing if self._proposals > 1 else 0.0  # the first cost is measured
         self.cost = kept * self.cost + (1 - kept) * cost
-        if accepted:
-            self._interval = self.probe_every
-        elif probing:
-            self._interval = min(2 * self._interval, self.max_probe_every)
 
     def expected(self, n: int) -> float:
         """Draft tokens a step with ``n`` nodes is expected to keep: a larger tree keeps at
@@ -181,11 +221,8 @@ class TreeSizer:
                  max_probe_every: int = 64, steady: bool = False) -> None:
         self.full = full
         self.adaptive = adaptive
-        self.probe_every = probe_every
-        self.max_probe_every = probe_every if steady else max_probe_every
+        self.prober = Prober(probe_every, probe_every if steady else max_probe_every)
         self.steady = steady
-        self._interval = probe_every
-        self._idle = 0
 
     def size(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
              costs: StepCosts) -> tuple[int, bool]:
@@ -194,14 +231,12 @@ class TreeSizer:
         no further than the best size, whose trees are learnt from the tokens that follow."""
         best = self.best(budgets, remaining, costs)
         if best >= self.full:
-            self._interval, self._idle = self.probe_every, 0
+            self.prober.drafted(hit=True)
             return self.full, True
-        self._idle += 1
-        if self._idle < max(self._interval,
-                            _affordable_interval(costs.drafting(_drafting(budgets)))):
+        if not self.prober.due(costs.drafting(_drafting(budgets))):
+            self.prober.wait()
             return best, best > 0
-        self._idle = 0
-        self._interval = min(2 * self._interval, self.max_probe_every)
+        self.prober.drafted(hit=False)  # a probe: the trees are learnt, not verified
         return best, True
 
     def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
