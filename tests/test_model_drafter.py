@@ -80,8 +80,9 @@ class Counting(DraftModelDrafter):
 
     fed: list[int]
 
-    def draft_runner(self, target):
-        runner = super().draft_runner(target)
+    def draft_passes(self, target, requests):
+        passes = super().draft_passes(target, requests)
+        runner = passes.runner
         outer = self
 
         class Spy(ModuleRunner):
@@ -90,7 +91,8 @@ class Counting(DraftModelDrafter):
                     outer.fed.append(int((inputs["input_ids"] != 0).sum()))
                 return runner(**inputs)
 
-        return Spy(runner.module)
+        passes.runner = Spy(runner.module)
+        return passes
 
 
 def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatch,
@@ -107,14 +109,14 @@ def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatc
         drafter.first_pass = True  # the next pass is this round's pending tokens
 
     monkeypatch.setattr(module._Growth, "__init__", mark)
-    real_forward = module._Batch.forward
+    real_forward = module.DraftBatch.forward
 
     def forward(*args):
         out = real_forward(*args)
         drafter.first_pass = False
         return out
 
-    monkeypatch.setattr(module._Batch, "forward", forward)
+    monkeypatch.setattr(module.DraftBatch, "forward", forward)
     prompt = repetitive_prompt(2)
     # a fixed budget: the draft keeps drafting through its hits and misses
     result = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),

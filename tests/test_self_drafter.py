@@ -137,11 +137,12 @@ def test_a_batch_drafts_one_token_until_its_passes_are_timed_then_times_a_plain_
     # chain of 3 lost ~3% of a batch's decoding; one draft pass times both passes as well
     from types import SimpleNamespace
 
-    from rag_spec.drafters.self_drafter import _SelfBatch
+    from rag_spec.drafters.self_drafter import _SelfView
+    from rag_spec.policy.budget import Prober
 
     def gamma(costs: StepCosts) -> int:
-        batch = SimpleNamespace(costs=costs, drafter=SelfSpecDrafter(), plain_rounds=0)
-        return _SelfBatch._gamma(batch, [Acceptance()])
+        view = SimpleNamespace(costs=costs, drafter=SelfSpecDrafter(), prober=Prober(8, 8))
+        return _SelfView._gamma(view, [Acceptance()])
 
     assert gamma(StepCosts()) == 1  # nothing timed
     assert gamma(StepCosts(target={2: 1.2})) == 1  # the draft pass not yet

@@ -18,37 +18,41 @@ import torch
 
 from rag_spec.drafters.draft_head import DraftHead
 from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
-from rag_spec.drafters.model_drafter import ModelDrafter, _Batch, _SharedBatch, _weights
+from rag_spec.drafters.model_drafter import (
+    DraftBatch,
+    DraftPasses,
+    ModelDrafter,
+    SharedPasses,
+    _weights,
+)
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.engine.forward.runner import Runner
 from rag_spec_kernels import linear_stacks
 
 
-class _FeatureBatch(_SharedBatch):
-    """A batch's drafting state: the head's guessed states of this round's nodes."""
+class _HeadPasses(SharedPasses):
+    """The head's passes over the target's states, and its guessed states of this round's
+    nodes."""
 
-    def __init__(self, head: DraftHead, target: TargetView, rows: int) -> None:
+    def __init__(self, head: DraftHead, target: TargetView) -> None:
         runner = target.runner
-        super().__init__(runner, target, rows,
-                         cost=_weights(head) / _weights(runner.module))
+        super().__init__(runner, cost=_weights(head) / _weights(runner.module))
         self.head = head  # on the runner's kernels (``FeatureDrafter.head_for``)
         self.table = runner.module.get_input_embeddings().weight  # the target's, read only
         self.states: torch.Tensor | None = None  # [B, round, hidden]
 
-    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
-                    ) -> Expansion | None:
-        """Learn what was accepted; no draft before a verification pass kept the states (the
-        first step after the prefill)."""
-        super().begin_round(requests, expansion)
-        return expansion if self.cache.root_features is not None else None
+    def shape(self, batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expansion
+              ) -> Expansion | None:
+        """No draft before a verification pass kept the states (the first step after the
+        prefill)."""
+        return expansion if batch.cache.root_features is not None else None
 
-    def forward(self, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
-                ) -> tuple[torch.Tensor, int]:
+    def forward(self, batch: DraftBatch, rows: int,
+                feeds: dict[int, list[tuple[int, int, list[int]]]]) -> tuple[torch.Tensor, int]:
         """The head on each fed token and the state before it: the root's is the target's, a
         node's its parent's guessed state (the last slot it sees)."""
-        roots = self.cache.root_features
+        roots = batch.cache.root_features
         assert roots is not None
-        self.passes += 1
         first = 0 if self.states is None else self.states.shape[1]
         width = max(len(f) for f in feeds.values())
         tokens = torch.zeros(rows, width, dtype=torch.long, device=roots.device)
@@ -61,7 +65,7 @@ class _FeatureBatch(_SharedBatch):
         self.states = states if self.states is None else torch.cat([self.states, states], 1)
         return logits, first
 
-    def end_round(self) -> None:
+    def end_round(self, batch: DraftBatch) -> None:
         self.states = None
 
 
@@ -90,8 +94,10 @@ class FeatureDrafter(ModelDrafter):
         self.head = head
         self._fast: weakref.WeakKeyDictionary[Runner, DraftHead] = weakref.WeakKeyDictionary()
 
-    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
-        return _FeatureBatch(self.head_for(target.runner), target, len(requests))
+    def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
+                     ) -> DraftPasses:
+        """The head's passes, on the target's kernels and states."""
+        return _HeadPasses(self.head_for(target.runner), target)
 
     def head_for(self, runner: Runner) -> DraftHead:
         """The head multiplying through the kernels ``runner`` multiplies through (a private

@@ -19,6 +19,7 @@ order; multi-step speculative sampling then verifies them against ``draft_probs`
 
 from __future__ import annotations
 
+import abc
 import copy
 import threading
 import weakref
@@ -104,60 +105,35 @@ class _Row:
         return slots
 
 
-class _Batch:
-    """A draft KV cache for one batch of the target (one row per target row), the passes that
-    fill it, and what a pass costs in target steps (estimated by the weights each reads).
+class DraftPasses:
+    """The pluggable forward of a model drafter: which passes draft and over whose cache.
 
-    On trial the cache holds only each context's last ``TRIAL_CONTEXT`` tokens (``offsets``:
-    where in the context it starts); once the drafts pay it is prefilled with whole contexts.
+    A draft model (``DraftModelDrafter``) runs its own fast path over a cache of its own, kept
+    in step with what the target committed. Drafts whose committed entries are the target's
+    (an early exit, the target through a sparse view, a draft head on its hidden states)
+    ``share`` the target's cache and draft in a round of their own, dropped before the target
+    verifies: nothing is prefilled or kept in step, and no KV is stored twice. ``cost`` is a
+    pass's cost in target steps (by the weights each reads).
     """
 
-    sparse: SparseView | None = None  # committed slots the draft reads (None: all)
-    passes = 0  # forward passes run so far
-    shares_cache = False  # whether ``cache`` is the target's own
+    shares_cache = False
+    sparse: SparseView | None = None  # committed slots the passes read (None: all)
 
-    def __init__(self, runner: ModuleRunner, target: ModuleRunner,
-                 contexts: Sequence[Sequence[int]]) -> None:
-        _check_vocabularies(runner.config, target.config)
+    def __init__(self, runner: ModuleRunner, cost: float) -> None:
         self.runner = runner
-        self.offsets = [max(len(c) - TRIAL_CONTEXT, 0) for c in contexts]
-        self.cache = prefill(runner, [c[o:] for c, o in zip(contexts, self.offsets)])
-        self.rows = [_Row() for _ in contexts]
-        self.cost = _weights(runner.module) / _weights(target.module)
+        self.cost = cost
 
-    @property
-    def on_trial(self) -> bool:
-        return any(self.offsets)
-
-    def start(self, row: int) -> int:
-        """Where in row ``row``'s context its pending tokens begin."""
-        return self.offsets[row] + self.cache.positions[row]
-
-    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
-                    ) -> Expansion | None:
-        """Commit what the target accepted of the last round's drafts (after a trial that paid,
-        read the whole contexts); returns this round's tree shape (None: no draft)."""
-        kept = [row.kept(r.context, self.start(b))
-                for b, (row, r) in enumerate(zip(self.rows, requests))]
-        rounds = sum(row.rounds for row in self.rows)
-        if self.on_trial and rounds > 1 \
-                and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
-            self.cache = prefill(self.runner, [r.context for r in requests])
-            self.offsets = [0] * len(requests)
-        else:
-            self.cache.keep_slots(kept, [r.context[-1] for r in requests])
+    def shape(self, batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expansion
+              ) -> Expansion | None:
+        """This round's tree shape (None: no draft this round)."""
         return expansion
 
-    def end_round(self) -> None:
-        """The round's passes are done (their KV entries stay for the next ``begin_round``)."""
-
-    def forward(self, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
-                ) -> tuple[torch.Tensor, int]:
+    def forward(self, batch: DraftBatch, rows: int,
+                feeds: dict[int, list[tuple[int, int, list[int]]]]) -> tuple[torch.Tensor, int]:
         """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other
         rows ride along as padding. Returns the logits [B, W, vocab] and the round slot of each
         row's first token (its j-th token lands at that slot + j)."""
-        cache, runner = self.cache, self.runner
-        self.passes += 1
+        cache, runner = batch.cache, self.runner
         first = cache.round_length
         width = max(len(f) for f in feeds.values())
         input_ids = torch.zeros(rows, width, dtype=torch.long)
@@ -172,73 +148,119 @@ class _Batch:
         step = round_step(cache, input_ids, position_ids, sees, runner.dtype, self.sparse)
         return runner.forward(cache, step), first
 
+    def record(self, row: int, drafted: int, accepted: int) -> None:
+        """Row ``row`` kept ``accepted`` of the ``drafted`` tokens of its last round."""
+
+    def end_round(self, batch: DraftBatch) -> None:
+        """The round's passes are done."""
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Only the batch rows ``rows`` go on."""
+
+
+class SharedPasses(DraftPasses):
+    """Passes over the target's own cache (see ``DraftPasses``)."""
+
+    shares_cache = True
+
+
+class DraftBatch:
+    """One batch's drafting state, whatever drafts: a row per target row, the cache the passes
+    read (the draft's own or the target's), and the forward (``DraftPasses``).
+
+    A draft of its own cache is on trial at first: its cache holds only each context's last
+    ``TRIAL_CONTEXT`` tokens (``offsets``: where in the context it starts); once its drafts pay
+    it is prefilled with whole contexts.
+    """
+
+    def __init__(self, passes: DraftPasses, target: TargetView,
+                 requests: Sequence[DraftRequest]) -> None:
+        self.draft = passes
+        self.cost = passes.cost
+        self.passes = 0  # forward passes run so far
+        self.rows = [_Row() for _ in requests]
+        if passes.shares_cache:
+            self.cache: TreeKVCache = target.cache
+            self.offsets = [0] * len(requests)
+            self.roots = [0] * len(requests)  # each row's root position when last drafted for
+        else:
+            contexts = [r.context for r in requests]
+            self.offsets = [max(len(c) - TRIAL_CONTEXT, 0) for c in contexts]
+            self.cache = prefill(passes.runner,
+                                 [c[o:] for c, o in zip(contexts, self.offsets)])
+
+    @property
+    def on_trial(self) -> bool:
+        return any(self.offsets)
+
+    def start(self, row: int) -> int:
+        """Where in row ``row``'s context its pending tokens begin."""
+        return self.offsets[row] + self.cache.positions[row]
+
+    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
+                    ) -> Expansion | None:
+        """Learn what the target accepted of the last round's drafts (an own cache commits it,
+        or after a trial that paid reads the whole contexts); returns this round's tree shape
+        (None: no draft)."""
+        if self.draft.shares_cache:
+            for b, (row, request) in enumerate(zip(self.rows, requests)):
+                accepted = row.accepted(request.context, self.roots[b])
+                self.draft.record(b, len(row.tokens), len(accepted))
+                row.learn(accepted)
+                self.roots[b] = len(request.context) - 1
+            return self.draft.shape(self, requests, expansion)
+        kept = [row.kept(r.context, self.start(b))
+                for b, (row, r) in enumerate(zip(self.rows, requests))]
+        rounds = sum(row.rounds for row in self.rows)
+        if self.on_trial and rounds > 1 \
+                and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
+            self.cache = prefill(self.draft.runner, [r.context for r in requests])
+            self.offsets = [0] * len(requests)
+        else:
+            self.cache.keep_slots(kept, [r.context[-1] for r in requests])
+        return self.draft.shape(self, requests, expansion)
+
+    def forward(self, rows: int, feeds: dict[int, list[tuple[int, int, list[int]]]]
+                ) -> tuple[torch.Tensor, int]:
+        """One draft pass (``DraftPasses.forward``)."""
+        self.passes += 1
+        return self.draft.forward(self, rows, feeds)
+
+    def end_round(self) -> None:
+        """A shared cache drops the round's KV entries (the target writes its own for what it
+        accepts); an own cache keeps them for the next ``begin_round``."""
+        if self.draft.shares_cache:
+            self.cache.discard_round()
+        self.draft.end_round(self)
+
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Only the target's rows ``rows`` go on (the others finished): so do their drafts."""
         self.rows = [self.rows[b] for b in rows]
         self.offsets = [self.offsets[b] for b in rows]
-        if not self.shares_cache:
+        if self.draft.shares_cache:
+            self.roots = [self.roots[b] for b in rows]
+        else:
             self.cache.keep_rows(rows)
-
-
-class _SharedBatch(_Batch):
-    """Drafting on the target's own cache, in a round of its own dropped before the target
-    verifies: for drafts whose committed entries are the target's (an early exit, the target
-    itself), so nothing is prefilled or kept in step and no KV is stored twice.
-
-    An exit's layers are the target's first layers. A trained adapter's layer reads the
-    entries of the target's layer in its place, which its frozen key and value projections
-    (``exit_adapter``) make its own.
-    """
-
-    shares_cache = True
-
-    def __init__(self, runner: ModuleRunner, target: TargetView, rows: int,
-                 cost: float | None = None) -> None:
-        self.runner = runner
-        self.cache: TreeKVCache = target.cache
-        self.rows = [_Row() for _ in range(rows)]
-        self.offsets = [0] * rows
-        self.roots = [0] * rows  # each row's root position when it was last drafted for
-        self.cost = _weights(runner.module) / _weights(target.runner.module) \
-            if cost is None else cost
-
-    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
-                    ) -> Expansion | None:
-        """Learn what the target accepted of each row's last drafts."""
-        for b, (row, request) in enumerate(zip(self.rows, requests)):
-            accepted = row.accepted(request.context, self.roots[b])
-            self.record(b, len(row.tokens), len(accepted))
-            row.learn(accepted)
-            self.roots[b] = len(request.context) - 1
-        return expansion
-
-    def record(self, row: int, drafted: int, accepted: int) -> None:
-        """Row ``row`` kept ``accepted`` of the ``drafted`` tokens of its last round."""
-
-    def end_round(self) -> None:
-        """Drop the draft's KV entries: the target writes its own for what it accepts."""
-        self.cache.discard_round()
-
-    def keep_rows(self, rows: Sequence[int]) -> None:
-        super().keep_rows(rows)
-        self.roots = [self.roots[b] for b in rows]
+        self.draft.keep_rows(rows)
 
 
 class ModelDrafter(Drafter):
-    """What drafting with a model takes: per-batch draft caches, rounds, the tree's shape.
-    Subclasses say which forward passes draft (``draft_runner``)."""
+    """What drafting with a model takes: per-batch drafting state, rounds, the tree's shape.
+    Subclasses say which forward passes draft (``draft_passes``)."""
 
     def __init__(self, expansion: Expansion | None) -> None:
         self.expansion = expansion or Expansion()
-        self._batches: dict[int, _Batch] = {}  # per batch, from begin to end: id(target)
+        self._batches: dict[int, DraftBatch] = {}  # per batch, from begin to end: id(target)
         self._lock = threading.Lock()
 
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Stateless:
         return _Stateless()
 
-    def draft_runner(self, target: TargetView) -> ModuleRunner:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
+                     ) -> DraftPasses:
+        """The forward that drafts for a new batch of ``target`` (called under the lock)."""
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
@@ -247,7 +269,8 @@ class ModelDrafter(Drafter):
         with self._lock:  # made at the batch's first draft: it prefills every context
             batch = self._batches.get(id(target))
             if batch is None:
-                batch = self._batches[id(target)] = self.new_batch(target, requests)
+                batch = self._batches[id(target)] = DraftBatch(
+                    self.draft_passes(target, requests), target, requests)
         return _draft(batch, requests, self.expansion)
 
     def keep_rows(self, target: TargetView, rows: Sequence[int]) -> None:
@@ -259,10 +282,6 @@ class ModelDrafter(Drafter):
     def end(self, target: TargetView) -> None:
         with self._lock:
             self._batches.pop(id(target), None)
-
-    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
-        """The drafting state of a new batch: a draft cache prefilled with every context."""
-        return _Batch(self.draft_runner(target), target.runner, [r.context for r in requests])
 
 
 class DraftModelDrafter(ModelDrafter):
@@ -287,9 +306,12 @@ class DraftModelDrafter(ModelDrafter):
         self.draft_model = draft_model
         self.settings = RunnerSettings(onednn_linear=onednn_linear)
 
-    def draft_runner(self, target: TargetView) -> ModuleRunner:
-        """The forward passes that draft: the draft model's own fast path."""
-        return Runner.of(self.draft_model, self.settings)
+    def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
+                     ) -> DraftPasses:
+        """The draft model's own fast path, over a cache of its own."""
+        runner = Runner.of(self.draft_model, self.settings)
+        _check_vocabularies(runner.config, target.runner.config)
+        return DraftPasses(runner, _weights(runner.module) / _weights(target.runner.module))
 
 
 class EarlyExitDrafter(ModelDrafter):
@@ -328,9 +350,12 @@ class EarlyExitDrafter(ModelDrafter):
             view = self._views[target.runner] = ModuleRunner(module)
         return view
 
-    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
-        """Drafting on the target's own cache (its first layers' entries are the exit's)."""
-        return _SharedBatch(self.draft_runner(target), target, len(requests))
+    def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
+                     ) -> DraftPasses:
+        """The exit's passes on the target's own cache (its first layers' entries are the
+        exit's)."""
+        runner = self.draft_runner(target)
+        return SharedPasses(runner, _weights(runner.module) / _weights(target.runner.module))
 
 
 def first_layers(module: Any, count: int) -> Any:
@@ -388,7 +413,7 @@ def _check_vocabularies(draft: Any, target: Any) -> None:
 
 
 @torch.inference_mode()
-def _draft(batch: _Batch, requests: Sequence[DraftRequest], expansion: Expansion
+def _draft(batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expansion
            ) -> list[TokenTree]:
     """One round for every row: commit what the target accepted, feed the pending tokens, then
     one pass per depth."""

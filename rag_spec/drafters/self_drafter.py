@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
-from rag_spec.drafters.model_drafter import ModelDrafter, _Batch, _SharedBatch
+from rag_spec.drafters.model_drafter import DraftBatch, DraftPasses, ModelDrafter, SharedPasses
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.engine.cache.sink_window import SinkWindow
-from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.budget import Prober
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
@@ -67,19 +66,17 @@ class SelfSpecDrafter(ModelDrafter):
     # sizes at batch 16 x 4k: docs/concepts.md, "Why the defaults").
     capabilities = Capabilities(sizes_own_drafts=True)
 
-    def draft_runner(self, target: TargetView) -> ModuleRunner:
-        """The target's own fast path."""
-        return target.runner
-
-    def new_batch(self, target: TargetView, requests: Sequence[DraftRequest]) -> _Batch:
+    def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
+                     ) -> DraftPasses:
+        """The target's own fast path through a sparse view of its cache."""
         if target.cache.window is not None:
             msg = ("SelfSpecDrafter drafts through a sparse view of full attention; this model's "
                    "layers (all or some) attend within a sliding window. Use the default "
                    "drafter.")
             raise RagSpecError(msg)
-        batch = _SelfBatch(self, target, len(requests))
-        self.last = batch.stats
-        return batch
+        passes = _SelfView(self, target, len(requests))
+        self.last = passes.stats
+        return passes
 
 
 @dataclass
@@ -97,40 +94,41 @@ class SelfSpecStats:
                 "rounds_per_gamma": dict(sorted(self.gammas.items()))}
 
 
-class _SelfBatch(_SharedBatch):
-    """A batch's self-drafting state: its rows' acceptance, the measured costs, the view."""
+class _SelfView(SharedPasses):
+    """The target's own passes through a sink-and-window view of its cache, a chain of
+    ``gamma`` tokens a round, ``gamma`` chosen from this batch's measured costs."""
 
     def __init__(self, drafter: SelfSpecDrafter, target: TargetView, rows: int) -> None:
         # its passes are weighed by its own timed cost model (``_gamma``), so its trees carry
         # no cost for the decoder's budgets to weigh again (adaptive depth, which also reads
         # it, is off for its chains)
-        super().__init__(target.runner, target, rows, cost=0.0)
+        super().__init__(target.runner, cost=0.0)
         self.drafter = drafter
         self.costs: StepCosts = target.costs
         self.acceptance = [Acceptance() for _ in range(rows)]
         self.stats = SelfSpecStats(self.costs, self.acceptance)
-        self.prober = Prober(drafter.probe_every, drafter.probe_every)  # a steady pace
         self.started = 0.0
         self.gamma = 0
+        self.prober = Prober(drafter.probe_every, drafter.probe_every)  # a steady pace
         self.window: SinkWindow | None = None
 
-    def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
-                    ) -> Expansion | None:
-        """Learn from the last round's drafts what each row accepts, pick this round's gamma
-        (None: no draft this round), and select the slots the draft reads."""
-        super().begin_round(requests, expansion)
+    def shape(self, batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expansion
+              ) -> Expansion | None:
+        """Pick this round's gamma from each row's acceptance (None: no draft this round), and
+        select the slots the draft reads."""
         self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
         self.stats.gammas[self.gamma] += 1
         if self.gamma == 0:
             return None
+        cache = batch.cache
         if self.window is not None:
-            self.sparse = self.window.advance(self.cache)
-        elif bool((self.cache.valid.sum(dim=1) > self.drafter.budget).any()):
+            self.sparse = self.window.advance(cache)
+        elif bool((cache.valid.sum(dim=1) > self.drafter.budget).any()):
             # a row outgrew the budget: the view starts (before, the draft read everything)
-            self.window = SinkWindow(self.cache, self.drafter.sinks,
+            self.window = SinkWindow(cache, self.drafter.sinks,
                                      self.drafter.budget - self.drafter.sinks)
             self.sparse = self.window.view
-        self.started, self.passes = time.perf_counter(), 0
+        self.started, batch.passes = time.perf_counter(), 0
         return Expansion(widths=(1,), max_depth=self.gamma, adaptive_depth=False)
 
     def record(self, row: int, drafted: int, accepted: int) -> None:
@@ -138,17 +136,15 @@ class _SelfBatch(_SharedBatch):
             self.acceptance[row].record(drafted, accepted)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        super().keep_rows(rows)
         self.acceptance[:] = [self.acceptance[b] for b in rows]  # ``stats`` holds this list
         if self.window is not None:
             self.window.keep_rows(rows)
             self.sparse = self.window.view
 
-    def end_round(self) -> None:
-        """Drop the draft's KV entries and record what its passes cost."""
-        super().end_round()
+    def end_round(self, batch: DraftBatch) -> None:
+        """Record what the round's passes cost."""
         settle(self.runner.device)
-        self.costs.record_draft(time.perf_counter() - self.started, self.passes)
+        self.costs.record_draft(time.perf_counter() - self.started, batch.passes)
 
     def _gamma(self, acceptance: Sequence[Acceptance]) -> int:
         best = self.costs.best_gamma([a.alpha for a in acceptance], self.drafter.max_gamma)
