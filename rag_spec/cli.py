@@ -71,7 +71,8 @@ def _ask(args: argparse.Namespace) -> int:
     stats = answer.stats
     print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
-          f"forward pass); retrieval {answer.retrieval_seconds * 1000:.0f} ms")
+          f"forward pass, drafts: {stats['drafts'] or 'none'}); "
+          f"retrieval {answer.retrieval_seconds * 1000:.0f} ms")
     return 0
 
 

@@ -206,3 +206,58 @@ def test_compiled_steps_refuse_it_with_the_fix_where_logits_are_more_than_the_he
     assert not decoder.runner.compiled.features_split
     with pytest.raises(RagSpecError, match="compile=False"):
         decoder.generate(repetitive_prompt(0), 5)
+
+
+def test_a_published_head_is_the_default_drafter_for_its_model_only(target, head, tmp_path,
+                                                                    monkeypatch):
+    from rag_spec.drafters.draft_head import find_head, model_fingerprint, publish_head
+
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))  # this test's heads only
+    assert LookaheadDecoder(target).drafter.label == "trie"  # nothing trained yet
+    path = publish_head(target, head)
+    assert path is not None and path.stem == model_fingerprint(target)
+    decoder = LookaheadDecoder(target)
+    assert decoder.drafter.label == "draft head + trie"
+    prompt = repetitive_prompt(3)
+    result = decoder.generate(prompt, 24)
+    assert result.token_ids == hf_greedy(target, prompt, 24)
+    assert result.stats.drafts == "draft head + trie"
+    assert LookaheadDecoder(target, drafter=TrieDrafter()).drafter.label == "trie"  # as asked
+    # another model (other weights, same shape) finds none; so does this one fine-tuned
+    assert find_head(tiny_llama(seed=1, layers=4)) is None
+    tuned = tiny_llama(seed=0, layers=4)
+    with torch.no_grad():
+        tuned.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert LookaheadDecoder(tuned).drafter.label == "trie"
+
+
+def test_the_fingerprint_reads_a_model_alike_in_float32_and_bfloat16(target):
+    from rag_spec.drafters.draft_head import model_fingerprint
+
+    half = tiny_llama(seed=0, layers=4).to(torch.bfloat16)
+    assert model_fingerprint(half) == model_fingerprint(target)
+
+
+def test_a_damaged_or_foreign_head_leaves_the_trie_to_draft(target, head, tmp_path, monkeypatch,
+                                                             caplog):
+    from rag_spec.drafters.draft_head import model_fingerprint
+
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))
+    path = tmp_path / "heads" / f"{model_fingerprint(target)}.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(b"not a safetensors file")
+    assert LookaheadDecoder(target).drafter.label == "trie"
+    assert "could not be read" in caplog.text
+    other = tiny_llama(seed=2, layers=4)
+    save_head(train_head(other, sequences(12), vocabulary=48, epochs=1, progress=False), path)
+    with pytest.raises(RagSpecError, match="trained for another model"):
+        load_head(target, path)
+    assert LookaheadDecoder(target).drafter.label == "trie"
+
+
+def test_a_head_saved_in_half_precision_loads_into_the_models_dtype(target, head, tmp_path):
+    path = tmp_path / "half.safetensors"
+    save_head(head, path, dtype=torch.float16)
+    loaded = load_head(target, path)
+    assert loaded.fc.weight.dtype == target.dtype
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight, atol=1e-3, rtol=1e-3)

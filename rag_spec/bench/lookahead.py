@@ -51,6 +51,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     with compiled steps too."""
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.drafters.trie_drafter import TrieDrafter
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
     from rag_spec.training.train_head import cached_head
@@ -71,6 +72,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
                 "rag_spec_no_memory": LookaheadDecoder(lm.model, lm.tokenizer,
                                                        LookaheadConfig(memory_mb=0)),
                 ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)}
+    if decoder.drafter.label != TrieDrafter.label:  # the default drafts with a shipped head
+        decoders["rag_spec_trie"] = LookaheadDecoder(lm.model, lm.tokenizer,
+                                                     drafter=TrieDrafter())
     if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
         decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer,
                                                        LookaheadConfig(streamed_linear=False))
@@ -91,6 +95,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     systems = _systems(lm.model, decoders, max_new_tokens)
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,
+                              "default_drafts": decoder.drafter.label,
                               "max_new_tokens": max_new_tokens,
                               "warm_up_s": _warm_up(systems, rag[0]), "machine": machine()}
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
@@ -100,7 +105,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
         if name == "rag":
             report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
         report[name] = summary
-    report["trie_memory_nodes"] = decoder.drafter.memory.nodes
+    trie = decoder.drafter if isinstance(decoder.drafter, TrieDrafter) else \
+        decoders.get("rag_spec_trie", decoder).drafter
+    report["trie_memory_nodes"] = trie.memory.nodes
     report["onednn_copy_mb"] = round(decoder.runner.extra_bytes / 2**20, 1)
     publish(report, json_out, "lookahead", _plot, _print_table)
     return report

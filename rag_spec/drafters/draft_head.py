@@ -12,13 +12,17 @@ agrees on under 1%. Deeper drafts feed the head's own predicted state back in (l
 the target's state is known only for committed tokens).
 
 ``rag_spec.training.train_head`` trains it; ``rag-spec draft train --head`` shows progress and
-reports agreement before and after.
+reports agreement before and after. A trained head is found again by the model it was trained
+for (``model_fingerprint``): in rag-spec's cache, where training publishes it, or among the heads
+shipped in this package (``heads/``, the embedded model's: ``find_head``).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,13 @@ import torch
 from torch.nn.utils import skip_init
 
 from rag_spec.errors import RagSpecError
+
+log = logging.getLogger(__name__)
+
+SHIPPED = Path(__file__).parent / "heads"  # heads that ship with rag-spec, by fingerprint
+# the config fields that say what a model computes (not how it was loaded)
+_SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "rope_theta", "tie_word_embeddings")
 
 
 class SubsetHead(torch.nn.Module):
@@ -78,6 +89,7 @@ class DraftHead(torch.nn.Module):
         self.lm_head = SubsetHead(head[subset.to(head.device)], subset.to(head.device),
                                head.shape[0])
         self.agreement: dict[str, dict[str, float]] = {}  # held out, before and after training
+        self.trained_for = model_fingerprint(model)  # the model it drafts for
         self.to(device=head.device, dtype=head.dtype)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor
@@ -104,6 +116,65 @@ class DraftHead(torch.nn.Module):
         return {k: v.detach().cpu().clone() for k, v in {**state, "subset": self.subset}.items()}
 
 
+def model_fingerprint(model: Any) -> str:
+    """What a head was trained for: the model's shape and a sample of every weight, rounded to
+    bfloat16 first, so that the float32 and bfloat16 loads of one model agree (and a model
+    fine-tuned since does not)."""
+    digest = hashlib.blake2b(digest_size=12)
+    config = model.config
+    digest.update(json.dumps([getattr(config, key, None) for key in _SHAPE]).encode())
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            flat = weight.detach().reshape(-1)
+            sample = flat[::max(1, flat.numel() // 64)][:64]
+            digest.update(name.encode())
+            digest.update(sample.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def find_head(model: Any) -> DraftHead | None:
+    """The trained head for ``model`` if one exists: the user's (``rag-spec draft train
+    --head`` publishes it in rag-spec's cache), else one shipped with rag-spec; None where
+    neither is (or neither could be read: the trie drafts alone then)."""
+    fingerprint = model_fingerprint(model)
+    for folder in (_user_heads(), SHIPPED):
+        path = None if folder is None else folder / f"{fingerprint}.safetensors"
+        if path is None or not path.is_file():
+            continue
+        try:
+            return load_head(model, path)
+        except Exception as err:  # a damaged file must not stop answers: drafts are optional
+            log.warning("rag-spec: the draft head %s could not be read (%s: %s); drafting "
+                        "with the trie alone.", path, type(err).__name__, err)
+    return None
+
+
+def publish_head(model: Any, head: DraftHead) -> Path | None:
+    """Put ``head`` where ``find_head`` looks for ``model``'s (rag-spec's cache), so every
+    decoder on the model drafts with it by default; returns the file (None: no cache here)."""
+    folder = _user_heads()
+    if folder is None:
+        return None
+    from rag_spec.paths import atomic_file
+
+    path = folder / f"{model_fingerprint(model)}.safetensors"
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as scratch:
+        save_head(head, scratch)
+    return path
+
+
+def _user_heads() -> Path | None:
+    """Where heads the user trained are published; None without rag-spec's cache (the
+    decoder runs on machines with only torch and transformers: ``make gpu-check``)."""
+    try:
+        from rag_spec.paths import cache_dir
+
+        return cache_dir() / "heads"
+    except ImportError:
+        return None
+
+
 def load_head(model: Any, path: Path) -> DraftHead:
     """A head saved by ``cached_head`` for ``model``."""
     from safetensors import safe_open
@@ -112,15 +183,25 @@ def load_head(model: Any, path: Path) -> DraftHead:
         meta = file.metadata()
         tensors = {k: file.get_tensor(k) for k in file.keys()}  # noqa: SIM118
     head = DraftHead(model, tensors["subset"])
+    trained_for = meta.get("trained_for")
+    if trained_for is not None and trained_for != head.trained_for:
+        msg = (f"The draft head {path} was trained for another model (fingerprint "
+               f"{trained_for}, this one {head.trained_for}): train one for this model with "
+               "`rag-spec draft train --head`.")
+        raise RagSpecError(msg)
+    # (the LM head's rows are the model's); saved weights may be half precision
     head.load_state_dict({k: v for k, v in tensors.items() if k != "subset"}, strict=False)
-    # (the LM head's rows are the model's)
     head.agreement = json.loads(meta["agreement"])
     return head.eval().requires_grad_(False)
 
 
-def save_head(head: DraftHead, path: Path) -> None:
-    """What ``load_head`` reads: the trained weights, the subset and the agreement."""
+def save_head(head: DraftHead, path: Path, dtype: torch.dtype | None = None) -> None:
+    """What ``load_head`` reads: the trained weights (in ``dtype``, if given: a shipped head
+    is half precision), the subset, the agreement and the model it was trained for."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in head.trained_state().items()}, str(path),
-              metadata={"agreement": json.dumps(head.agreement)})
+    state = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+             for k, v in head.trained_state().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
+              metadata={"agreement": json.dumps(head.agreement),
+                        "trained_for": head.trained_for})

@@ -102,6 +102,7 @@ class Drafter(abc.ABC):
     """
 
     capabilities = Capabilities()
+    label = "custom drafts"  # what drafts, in the stats and the CLI's speed line
 
     @abc.abstractmethod
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()

@@ -85,6 +85,8 @@ class FeatureDrafter(ModelDrafter):
         >>> LookaheadDecoder(lm.model, lm.tokenizer, drafter=FeatureDrafter(head))  # doctest: +SKIP
     """
 
+    label = "draft head"
+
     # the decoder keeps the target's states before each root; its hits come about
     # independently step to step (budget.STEADY_SMOOTHING)
     capabilities = Capabilities(reads_features=True, steady=True)

@@ -122,6 +122,10 @@ class MergedDrafter(Drafter):
         self.learnt: AdaptiveBudget | None = None
 
     @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"{self.model.label} + {self.trie.label}"
+
+    @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         """The model's steadiness and features: a trained draft's hits are steady
         (``budget.STEADY_SMOOTHING``), and the trie's copies, verified for nothing beside them,

@@ -297,6 +297,8 @@ class DraftModelDrafter(ModelDrafter):
         >>> LookaheadDecoder(big.model, big.tokenizer, drafter=drafter)     # doctest: +SKIP
     """
 
+    label = "draft model"
+
     def __init__(self, draft_model: Any, *, expansion: Expansion | None = None,
                  onednn_linear: bool | Literal["auto"] = "auto") -> None:
         if getattr(draft_model, "config", None) is None or not callable(draft_model):
@@ -324,6 +326,8 @@ class EarlyExitDrafter(ModelDrafter):
     the budget throttles it while it keeps missing. ``adapter`` (``rag-spec draft train``, or
     ``exit_adapter.cached_exit``) adds a trained layer and a smaller head on the exit.
     """
+
+    label = "early exit"
 
     def __init__(self, layers: int, *, expansion: Expansion | None = None,
                  adapter: ExitAdapter | None = None) -> None:

@@ -46,6 +46,8 @@ class SelfSpecDrafter(ModelDrafter):
         >>> LookaheadDecoder(model, tok, drafter=drafter).generate(prompts)  # doctest: +SKIP
     """
 
+    label = "self-speculation"
+
     def __init__(self, budget: int = 256, sinks: int = 4, *, max_gamma: int = 6,
                  probe_every: int = 8) -> None:
         if not 0 <= sinks < budget:

@@ -47,6 +47,8 @@ class TrieDrafter(Drafter):
         memory_mb: bound on the output memory kept across requests.
     """
 
+    label = "trie"
+
     # its drafts are copied, not drawn from a distribution: sampled output does not depend on
     # them (sample-and-match), so a sampled batch sizes them as a greedy one does; a row's
     # state is its session, which finished rows drop

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from rag_spec.drafters.defaults import default_drafter
 from rag_spec.drafters.drafter import (
     Drafter,
     DraftRequest,
@@ -20,7 +21,7 @@ from rag_spec.drafters.drafter import (
     check_drafter,
     propose,
 )
-from rag_spec.drafters.trie_drafter import TrieConfig, TrieDrafter, TrieMode
+from rag_spec.drafters.trie_drafter import TrieConfig, TrieMode
 from rag_spec.engine.cache.kv_cache import attention_window, crop
 from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.cache.tree_cache import TreeKVCache
@@ -92,6 +93,7 @@ class LookaheadConfig:
 class DecodeStats:
     """Where a generation's steps and time went."""
 
+    drafts: str = ""  # what drafted (``Drafter.label``): "draft head + trie", "trie", ...
     steps: int = 0
     drafted: int = 0  # draft nodes verified, all steps
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
@@ -184,8 +186,10 @@ class LookaheadDecoder:
     """Speculative decoding for any transformers causal LM, with plain decoding's exact output.
 
     The model is only read: forward passes go through a ``Runner``, a private copy of its
-    module tree that shares the weights. Any ``Drafter`` can propose the trees (default: the
-    trie drafter configured by ``config``).
+    module tree that shares the weights. Any ``Drafter`` can propose the trees (default: a
+    trained draft head merged with the trie where one exists for the model, shipped or trained
+    with ``rag-spec draft train --head``; else the trie drafter configured by ``config``;
+    ``stats.drafts`` says which).
 
     Examples:
         >>> dec = LookaheadDecoder(lm.model, lm.tokenizer)               # doctest: +SKIP
@@ -201,7 +205,7 @@ class LookaheadDecoder:
         self.config = config or LookaheadConfig()
         if drafter is not None:
             check_drafter(drafter)
-        self.drafter: Drafter = drafter or TrieDrafter.from_config(self.config.trie)
+        self.drafter: Drafter = drafter or default_drafter(model, self.config.trie)
         Runner.of(model, self.config.runner)  # built now: the first generation stays fast
         self._window = attention_window(model.config)  # refuses attention it cannot mask
         self._tokens = serial(tokenizer)
@@ -328,6 +332,8 @@ class LookaheadDecoder:
                          RowSampler(params, None if seed is None else seed + b),
                          constraint=constraints[b])
                     for b, p in enumerate(prompts)]
+            for row in rows:
+                row.stats.drafts = self.drafter.label
             rules = [StopRule(self._tokens, self._eos_ids(), stop,
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None

@@ -84,7 +84,8 @@ class Completion:
     def speculation(self) -> dict[str, Any]:
         """How the tokens were produced: steps, drafts verified and kept, speed."""
         s = self.stats
-        return {"steps": s.steps, "drafted": s.drafted, "accepted": sum(s.accepted_per_step),
+        return {"drafts": s.drafts, "steps": s.steps, "drafted": s.drafted,
+                "accepted": sum(s.accepted_per_step),
                 "accepted_per_step": list(s.accepted_per_step),
                 "tokens_per_step": round(s.tokens_per_step, 3),
                 "tokens_per_second": round(self.tokens_per_second, 2)}

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.drafters.draft_head import DraftHead, load_head, save_head
+from rag_spec.drafters.draft_head import DraftHead, load_head, publish_head, save_head
 from rag_spec.progress import progress as progress_bar
 from rag_spec.training.data import (
     DraftRecipe,
@@ -44,10 +44,13 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
     key = f"{lm.name}|head|{fingerprint}|{texts}|{answers}|{written}|{epochs}|{_VERSION}"
     recipe = DraftRecipe("draft head", train_command(lm, sources, "--head"),
                          "about 25 minutes")
-    return cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
+    head = cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
                         (lambda: train_head(lm.model, sequences(), epochs=epochs,
                                             progress=progress)) if train else None,
                         save_head, recipe)
+    if train:  # every decoder on this model drafts with it by default from now on
+        publish_head(lm.model, head)
+    return head
 
 
 def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: int = 8192,
