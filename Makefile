@@ -28,7 +28,7 @@ demo: pull  ## answer a question about the standard library, citing the passages
 	$(BIN)/rag-spec ask "$(QUESTION)"
 
 test: pull  ## unit tests on tiny random models, then end-to-end tests on the real model
-	$(BIN)/ruff check rag_spec kernels integrations tests
+	$(BIN)/ruff check rag_spec kernels integrations lab tests
 	$(BIN)/python -m pytest -q
 
 docs: pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
@@ -45,7 +45,7 @@ bench-draft: pull  ## draft models and early exits vs transformers' assisted gen
 # sampling, speed and step costs on a random Llama-3-8B-shaped model (report: gpu-check.json).
 gpu-check:
 	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m pytest -q -p no:cacheprovider -k gpu tests/test_tree_mask_attention.py tests/test_model_families.py tests/test_compiled_step.py
-	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m rag_spec.bench.gpu_check --json gpu-check.json
+	PYTHONPATH=.:kernels:$$PYTHONPATH $(PYTHON) -m lab.gpu_check --json gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from rag_spec.bench import floor
-from rag_spec.bench.floor import (
+from lab import floor
+from lab.floor import (
     compiled_over_eager,
     linear_flops,
     matmul_peak,
@@ -134,11 +134,14 @@ def test_the_compiled_step_is_timed_beside_ours_and_leaves_the_model_alone():
     assert model.config.to_dict() == config
 
 
-def test_unknown_dtypes_are_refused(capsys):
+def test_unknown_dtypes_are_refused_and_the_lab_left_the_cli(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "floor", "--dtype", "int8"])
+        floor.main(["--dtype", "int8"])
     assert exit_info.value.code == 2
     assert "expected float32, bfloat16 or float16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a lab bench, not one a user runs on their model
+        main(["bench", "floor"])
+    assert "invalid choice: 'floor'" in capsys.readouterr().err
 
 
 def test_the_plot_takes_dtypes_timed_on_different_systems(tmp_path):

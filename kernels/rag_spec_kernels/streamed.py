@@ -5,7 +5,7 @@ of hiding it behind the read: through the default model's layers on two Zen 4 co
 took 20-22 ms where the weight read takes ~11 and the products in cache ~14. This kernel
 (``streamed_linear.cpp``) prefetches the weight ahead of the arithmetic: through the same
 layers, alternating with oneDNN in one process, 17 rows in 18.3 ms against 21.4 and one row in
-13.9 against 14.9 (``rag-spec bench floor`` times it in steps). It is built for this machine
+13.9 against 14.9 (``python -m lab.floor`` times it in steps). It is built for this machine
 on first use (``cpu_extension``); where the CPU lacks AVX-512 or the build fails,
 ``streamed_available`` says no and the runner keeps oneDNN's kernels.
 

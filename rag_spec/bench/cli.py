@@ -102,14 +102,6 @@ def add_bench_commands(commands: Any) -> None:
     batch.add_argument("--max-new-tokens", type=int, default=64)
     batch.add_argument("--json", dest="json_out", help="write the report here")
     batch.set_defaults(run=_batch)
-    floor = kinds.add_parser("floor", help="step costs against the memory-bandwidth floor")
-    floor.add_argument("--dtype", type=_dtypes, default=("float32", "bfloat16"),
-                       help="comma-separated (default float32,bfloat16)")
-    floor.add_argument("--json", dest="json_out", help="write the report here")
-    floor.add_argument("--compiled", action="store_true",
-                       help="also time a torch.compile'd step on a static cache against ours "
-                            "(compiles for minutes on a CPU)")
-    floor.set_defaults(run=_floor)
     for plugin in entry_points(group="rag_spec.benchmarks"):  # e.g. chain (the frameworks)
         plugin.load()(kinds)
 
@@ -123,22 +115,6 @@ def _sizes(text: str) -> tuple[int, ...]:
         msg = f"expected positive integers separated by commas (e.g. 1,4,16), got {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return sizes
-
-
-def _dtypes(text: str) -> tuple[str, ...]:
-    dtypes = tuple(part.strip() for part in text.split(","))
-    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
-    if bad or not dtypes:
-        msg = f"expected float32, bfloat16 or float16, comma-separated; got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return dtypes
-
-
-def _floor(args: argparse.Namespace) -> int:
-    from rag_spec.bench.floor import run
-
-    run(dtypes=args.dtype, json_out=args.json_out, compiled=args.compiled)
-    return 0
 
 
 def _longctx(args: argparse.Namespace) -> int:

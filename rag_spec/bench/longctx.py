@@ -9,13 +9,15 @@ apart from the prefill (ours: the decoder's own prefill time; generate: from its
 every row's tokens are compared with generate's, and the self-drafter's measured step costs,
 acceptance and chosen draft lengths are reported. The ``_sdpa`` systems are the kernel's
 ablation: the same decoder, without and with self-drafts, attending through SDPA's flash kernel
-instead of ours (``cpu_attention=False``), so the kernel's gain and speculation's are told apart.
+instead of ours (``LookaheadDecoder.ablated(cpu_attention=False)``), so the kernel's gain and
+speculation's are told apart.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,10 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
                 "rag_spec_trie": LookaheadDecoder(lm.model, lm.tokenizer,
                                                   LookaheadConfig(memory_mb=0)),
                 "rag_spec_no_drafts_sdpa": LookaheadDecoder(
-                    lm.model, lm.tokenizer, LookaheadConfig(budget=0, cpu_attention=False)),
+                    lm.model, lm.tokenizer, LookaheadConfig(budget=0)).ablated(
+                    cpu_attention=False),
                 "rag_spec_self_spec_sdpa": LookaheadDecoder(
-                    lm.model, lm.tokenizer, LookaheadConfig(cpu_attention=False),
-                    drafter=drafter_sdpa)}
+                    lm.model, lm.tokenizer, drafter=drafter_sdpa).ablated(cpu_attention=False)}
     report: dict[str, Any] = {"benchmark": "longctx", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "self_spec_budget": budget, "machine": machine(), "runs": []}
@@ -99,7 +101,7 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
     from rag_spec.engine.verify.tree import TokenTree
 
     runners = {"ours": Runner.of(model, LookaheadConfig().runner),
-               "sdpa": Runner.of(model, LookaheadConfig(cpu_attention=False).runner)}
+               "sdpa": Runner.of(model, replace(LookaheadConfig().runner, cpu_attention=False))}
     timings: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         cache = prefill(runners["ours"], prompts)

@@ -76,8 +76,8 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
         decoders["rag_spec_trie"] = LookaheadDecoder(lm.model, lm.tokenizer,
                                                      drafter=TrieDrafter())
     if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
-        decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer,
-                                                       LookaheadConfig(streamed_linear=False))
+        decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer).ablated(
+            streamed_linear=False)
     if compiled:
         decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
             lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))

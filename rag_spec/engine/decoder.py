@@ -21,7 +21,7 @@ from rag_spec.drafters.drafter import (
     check_drafter,
     propose,
 )
-from rag_spec.drafters.trie_drafter import TrieConfig, TrieMode
+from rag_spec.drafters.trie_drafter import TrieConfig
 from rag_spec.engine.cache.kv_cache import attention_window, crop
 from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.cache.tree_cache import TreeKVCache
@@ -45,25 +45,19 @@ from rag_spec.tokenizing import serial
 class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
-    Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``mode``,
-    ``memory_mb`` (``.trie``). Kernels: ``onednn_linear``, ``streamed_linear``,
-    ``cpu_attention``, ``exact``, ``compile`` (``.runner``).
+    Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``memory_mb``
+    (``.trie``). Kernels: ``onednn_linear``, ``exact``, ``compile`` (``.runner``). The kernels'
+    ablations (SDPA instead of rag-spec's CPU attention, oneDNN's products instead of the
+    streamed ones) are the benches' business: ``LookaheadDecoder.ablated``.
     """
 
     budget: int = 12  # most draft nodes verified per step
     branch_length: int = 8  # longest drafted continuation
-    mode: TrieMode = "tree"  # "tree" (hierarchical) or "chains" (parallel branches)
     adaptive: bool = True  # size trees by measured acceptance and step costs
     memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
     # CPU: oneDNN matrix products on a reordered weight copy (cheap tree steps). "auto": only
     # while the copy fits a quarter of the available memory; True forces it, False turns it off.
     onednn_linear: bool | Literal["auto"] = "auto"
-    # CPU, float32, AVX-512: that copy packed for rag-spec's kernel that streams the weight
-    # while it computes (built on first use, ~60 s once); False keeps oneDNN's kernels
-    streamed_linear: bool = True
-    # CPU, float32, AVX-512: steps attend through rag-spec's kernel, which reads the KV cache
-    # once for every query row (built with the one above); False: SDPA's flash kernel
-    cpu_attention: bool = True
     # every token of a step computed bit for bit as a one-token step, so output equals
     # ``generate``'s in half precision too (slower steps). "auto": for bfloat16 / float16
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
@@ -79,13 +73,11 @@ class LookaheadConfig:
 
     @property
     def trie(self) -> TrieConfig:
-        return TrieConfig(self.branch_length, self.mode, self.memory_mb)
+        return TrieConfig(self.branch_length, memory_mb=self.memory_mb)
 
     @property
     def runner(self) -> RunnerSettings:
-        return RunnerSettings(onednn_linear=self.onednn_linear,
-                              streamed_linear=self.streamed_linear,
-                              cpu_attention=self.cpu_attention, exact=self.exact,
+        return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact,
                               compile=self.compile)
 
 
@@ -206,7 +198,8 @@ class LookaheadDecoder:
         if drafter is not None:
             check_drafter(drafter)
         self.drafter: Drafter = drafter or default_drafter(model, self.config.trie)
-        Runner.of(model, self.config.runner)  # built now: the first generation stays fast
+        self._kernels = self.config.runner
+        Runner.of(model, self._kernels)  # built now: the first generation stays fast
         self._window = attention_window(model.config)  # refuses attention it cannot mask
         self._tokens = serial(tokenizer)
         self._pending = threading.local()  # add_context documents, per calling thread
@@ -217,7 +210,15 @@ class LookaheadDecoder:
     @property
     def runner(self) -> Runner:
         """The fast path over the model as it is now (rebuilt if its modules were replaced)."""
-        return Runner.of(self.model, self.config.runner)
+        return Runner.of(self.model, self._kernels)
+
+    def ablated(self, **kernels: Any) -> LookaheadDecoder:
+        """This decoder on other kernel settings (``RunnerSettings``: ``cpu_attention=False``,
+        ``streamed_linear=False``): the benches' hook for measuring what each kernel buys;
+        not a user's setting."""
+        self._kernels = replace(self._kernels, **kernels)
+        Runner.of(self.model, self._kernels)
+        return self
 
     def add_context(self, texts: Sequence[str]) -> None:
         """Documents the next ``generate`` call on this thread may copy from (e.g. retrieved

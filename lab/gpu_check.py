@@ -24,7 +24,7 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   pass through the sparse view.
 
 Random weights make near ties rarer than a trained model's; peaked logits (a large
-initializer) keep greedy decoding stable under bf16. Run ``python -m rag_spec.bench.gpu_check
+initializer) keep greedy decoding stable under bf16. Run ``python -m lab.gpu_check
 --tiny`` anywhere (the tests do, on the CPU) to check the script itself; ``--only`` runs some
 sections. A section that fails leaves its traceback in the report, the others still run, and
 the check exits non-zero.
@@ -395,7 +395,7 @@ def _race(systems: dict[str, Any], prompts: list[list[int]], new_tokens: int
 def _step_costs(target: Any, context: int) -> dict[str, float]:
     """Milliseconds of transformers' one-token step and of ours 1 to 32 tokens wide (also with
     exact numerics), after a ``context``-token prefill."""
-    from rag_spec.bench.floor import step_seconds
+    from lab.floor import step_seconds
 
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
     costs = step_seconds(target, prompt, (1, 8, 16, 32), repeats=5)
@@ -405,7 +405,7 @@ def _step_costs(target: Any, context: int) -> dict[str, float]:
 def _compiled_step(target: Any, context: int) -> dict[str, Any]:
     """A torch.compile'd step on a static cache against our eager one, 1 to 17 tokens wide,
     after a ``context``-token prefill (ratios, milliseconds, compile seconds, logit error)."""
-    from rag_spec.bench.floor import compiled_over_eager
+    from lab.floor import compiled_over_eager
 
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
     return compiled_over_eager(target, prompt, (1, 8, 17))

@@ -1,4 +1,4 @@
-"""``rag-spec bench floor``: how far a decoding step is from the memory-bandwidth floor.
+"""``python -m lab.floor``: how far a decoding step is from the memory-bandwidth floor.
 
 A step for one row reads every weight once (an untied input embedding excepted: a step reads
 only its rows). At this machine's read bandwidth that takes ``weight bytes / bandwidth``, the
@@ -380,3 +380,34 @@ def _print_table(report: dict[str, Any]) -> None:
                   f"{c['compiled_over_eager']} ({c['compiled_ms']} ms against {c['eager_ms']} "
                   f"ms; first passes {c['first_pass_s']} s); compiled tree/plain >= "
                   f"{c['tree_over_plain_bound']}x")
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    import argparse
+
+    dtypes = tuple(part.strip() for part in text.split(","))
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if bad or not dtypes:
+        msg = f"expected float32, bfloat16 or float16, comma-separated; got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return dtypes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab.floor``: the bench, with the options ``run`` takes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lab.floor", description=__doc__)
+    parser.add_argument("--dtype", type=_dtypes, default=("float32", "bfloat16"),
+                        help="comma-separated (default float32,bfloat16)")
+    parser.add_argument("--json", dest="json_out", help="write the report here")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time a torch.compile'd step on a static cache against ours "
+                             "(compiles for minutes on a CPU)")
+    args = parser.parse_args(argv)
+    run(dtypes=args.dtype, json_out=args.json_out, compiled=args.compiled)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
