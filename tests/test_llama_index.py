@@ -10,7 +10,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.embeddings.rag_spec import RagSpecEmbedding
 from llama_index.llms.rag_spec import LookaheadLLM
-from llama_index.retrievers.rag_spec import SpecRetriever
+from llama_index.retrievers.rag_spec import RagSpecRetriever
 
 from conftest import HashRetriever
 from rag_spec.models import load_model
@@ -63,7 +63,7 @@ def test_metadata_comes_from_the_model(llm, tiny_model_dir):
 
 
 def test_retriever_returns_scored_nodes():
-    nodes = SpecRetriever(HashRetriever(), similarity_top_k=2).retrieve("alpha beta")
+    nodes = RagSpecRetriever(HashRetriever(), similarity_top_k=2).retrieve("alpha beta")
     assert len(nodes) == 2
     assert nodes[0].score >= nodes[1].score
     assert nodes[0].node.metadata["title"].startswith("doc")
@@ -72,7 +72,7 @@ def test_retriever_returns_scored_nodes():
 @pytest.mark.e2e
 @pytest.mark.usefixtures("user_cache")
 def test_query_engine_answers_from_the_default_knowledge_base():
-    engine = RetrieverQueryEngine.from_args(SpecRetriever(similarity_top_k=2),
+    engine = RetrieverQueryEngine.from_args(RagSpecRetriever(similarity_top_k=2),
                                             llm=LookaheadLLM(max_new_tokens=48))
     response = engine.query("How do I join two path components with os.path?")
     assert "posixpath.join" in [n.node.metadata["title"] for n in response.source_nodes]
@@ -98,7 +98,7 @@ def test_an_empty_knowledge_base_is_searched_not_swapped_for_the_default():
             return 0
 
     source = Empty()
-    assert SpecRetriever(source).backend().retriever is source
+    assert RagSpecRetriever(source).backend().retriever is source
 
 
 def test_metadata_names_the_fix_when_the_window_is_unknown(llm, tiny_model_dir, monkeypatch):
@@ -134,7 +134,7 @@ def test_an_index_behind_spec_retriever_is_searched_with_prefetch_sized_calls(in
     from rag_spec.retrieval.scoring import VectorScorer
     from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
 
-    retriever = SpecRetriever(index, similarity_top_k=2)
+    retriever = RagSpecRetriever(index, similarity_top_k=2)
     nodes = retriever.retrieve("alpha beta gamma")
     assert len(nodes) == 2 and nodes[0].node.get_content() == "alpha beta gamma."
     source = retriever.backend().retriever
@@ -153,7 +153,7 @@ def test_speculative_ralm_over_an_index_equals_the_naive_loop(index):
     from rag_spec.serving.ralm import IterativeRaLM
 
     lm = char_lm(window=1024)
-    source = SpecRetriever(index).backend().retriever
+    source = RagSpecRetriever(index).backend().retriever
     question = "which word comes after alpha beta?"
     expected = IterativeRaLM(lm, source, stride=2, query_tokens=12).generate(question, 30)
     spec = IterativeRaLM(lm, SpeculativeSearch(DelayedRetriever(source, 5)), stride=2,
@@ -167,4 +167,13 @@ def test_something_else_is_refused_with_the_fix():
     from rag_spec.errors import RagSpecError
 
     with pytest.raises(RagSpecError, match="LlamaIndex index or retriever"):
-        SpecRetriever(3).retrieve("alpha")
+        RagSpecRetriever(3).retrieve("alpha")
+
+
+def test_the_retrievers_first_name_still_works_and_says_it_does_not_speculate():
+    from llama_index.retrievers.rag_spec import SpecRetriever
+
+    with pytest.warns(DeprecationWarning, match="RagSpecRetriever"):
+        retriever = SpecRetriever(HashRetriever(), similarity_top_k=2)
+    assert isinstance(retriever, RagSpecRetriever)
+    assert len(retriever.retrieve("alpha beta")) == 2

@@ -9,13 +9,13 @@ import time
 
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.llms.rag_spec import LookaheadLLM
-from llama_index.retrievers.rag_spec import SpecRetriever
+from llama_index.retrievers.rag_spec import RagSpecRetriever
 
 
 def main() -> None:
     question = sys.argv[1] if len(sys.argv) > 1 else "How do I read rows from a CSV file?"
     llm = LookaheadLLM(max_new_tokens=128)
-    engine = RetrieverQueryEngine.from_args(SpecRetriever(similarity_top_k=3), llm=llm,
+    engine = RetrieverQueryEngine.from_args(RagSpecRetriever(similarity_top_k=3), llm=llm,
                                             streaming=True)
     engine.query(question).get_response()  # warm-up: loads the model and the index once
 

@@ -119,7 +119,7 @@ def llamaindex_engines(lm: Any, kb: Any, max_new_tokens: int) -> dict[str, Any]:
     from llama_index.embeddings.rag_spec import RagSpecEmbedding
     from llama_index.llms.huggingface import HuggingFaceLLM
     from llama_index.llms.rag_spec import LookaheadLLM
-    from llama_index.retrievers.rag_spec import SpecRetriever
+    from llama_index.retrievers.rag_spec import RagSpecRetriever
     from llama_index.retrievers.rag_spec.base import passage_node
 
     vectors = kb.index.cpu_index.reconstruct_n(0, len(kb))
@@ -132,7 +132,7 @@ def llamaindex_engines(lm: Any, kb: Any, max_new_tokens: int) -> dict[str, Any]:
                                context_window=ours.metadata.context_window,
                                generate_kwargs={"do_sample": False})
     stock = index.as_query_engine(llm=stock_llm, similarity_top_k=K)
-    fast = RetrieverQueryEngine.from_args(SpecRetriever(kb, similarity_top_k=K), llm=ours)
+    fast = RetrieverQueryEngine.from_args(RagSpecRetriever(kb, similarity_top_k=K), llm=ours)
     return {"llamaindex_stock": lambda q: str(stock.query(q)),
             "llamaindex_rag_spec": lambda q: str(fast.query(q))}
 

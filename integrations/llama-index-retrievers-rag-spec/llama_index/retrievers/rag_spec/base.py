@@ -1,7 +1,12 @@
-"""``SpecRetriever``: a LlamaIndex retriever over a rag_spec knowledge base."""
+"""``RagSpecRetriever``: a LlamaIndex retriever over a rag_spec knowledge base.
+
+It searches; it does not speculate (LlamaIndex has no iterative-retrieval loop to speculate
+in): ``rag_spec.SpecRetriever`` and LangChain's ``SpecRetriever`` are the speculative ones.
+``SpecRetriever``, this class's first name, still works and warns."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -11,7 +16,7 @@ from llama_index.retrievers.rag_spec._sources import as_retriever
 from rag_spec import BatchingRetriever, Hit, KnowledgeBase, Retriever
 
 
-class SpecRetriever(BaseRetriever):
+class RagSpecRetriever(BaseRetriever):
     """Top ``similarity_top_k`` passages as ``NodeWithScore``; concurrent calls share a search.
 
     Args:
@@ -22,7 +27,7 @@ class SpecRetriever(BaseRetriever):
 
     Examples:
         >>> from llama_index.core.query_engine import RetrieverQueryEngine          # doctest: +SKIP
-        >>> RetrieverQueryEngine.from_args(SpecRetriever(), llm=LookaheadLLM())     # doctest: +SKIP
+        >>> RetrieverQueryEngine.from_args(RagSpecRetriever(), llm=LookaheadLLM())  # doctest: +SKIP
     """
 
     def __init__(self, knowledge_base: Retriever | None = None, *, kind: str = "flat",
@@ -47,6 +52,16 @@ class SpecRetriever(BaseRetriever):
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = await self.backend().asearch([query_bundle.query_str], self.similarity_top_k)
         return _scored(hits[0])
+
+
+class SpecRetriever(RagSpecRetriever):
+    """``RagSpecRetriever`` under its first name, which said speculation where there is none."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn("llama_index.retrievers.rag_spec.SpecRetriever is RagSpecRetriever: a "
+                      "plain retriever (rag_spec.SpecRetriever is the speculative one); "
+                      "import RagSpecRetriever instead.", DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)
 
 
 def _scored(hits: list[Hit]) -> list[NodeWithScore]:
