@@ -35,6 +35,7 @@ _EXPORTS = {
     "TargetView": "rag_spec.drafters.drafter",
     "SpecRetriever": "rag_spec.retrieval.spec_retriever",
     "IterativeRaLM": "rag_spec.serving.ralm",
+    "RaLMSpeculation": "rag_spec.serving.ralm",
     "LocalLM": "rag_spec.serving.local_lm",
     "GenerateOptions": "rag_spec.serving.local_lm",
     "KNNLM": "rag_spec.knnlm",

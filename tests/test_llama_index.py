@@ -150,14 +150,14 @@ def test_speculative_ralm_over_an_index_equals_the_naive_loop(index):
     from conftest import char_lm
     from rag_spec.bench.simulated import DelayedRetriever
     from rag_spec.retrieval.spec_retriever import SpecRetriever as SpeculativeSearch
-    from rag_spec.serving.ralm import IterativeRaLM
+    from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
 
     lm = char_lm(window=1024)
     source = RagSpecRetriever(index).backend().retriever
     question = "which word comes after alpha beta?"
     expected = IterativeRaLM(lm, source, stride=2, query_tokens=12).generate(question, 30)
     spec = IterativeRaLM(lm, SpeculativeSearch(DelayedRetriever(source, 5)), stride=2,
-                         query_tokens=12, os3=False, speculation_stride=3)
+                         query_tokens=12, speculation=RaLMSpeculation(os3=False, stride=3))
     result = spec.generate(question, 30)
     assert result.token_ids == expected.token_ids
     assert result.stats.kb_calls < expected.stats.kb_calls

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import WORDS, char_lm
-from rag_spec.bench.simulated import DelayedRetriever, SearchOnly
+from rag_spec.bench.simulated import SearchOnly
 from rag_spec.corpus import load_passages
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval import KnowledgeBase
@@ -20,7 +20,7 @@ from rag_spec.retrieval.milvus import MilvusKnowledgeBase, build, connect
 from rag_spec.retrieval.milvus_lite import LiteServer
 from rag_spec.retrieval.scoring import VectorScorer
 from rag_spec.retrieval.spec_retriever import SpecRetriever
-from rag_spec.serving.ralm import IterativeRaLM
+from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
 
 pytest.importorskip("milvus_lite")
 
@@ -116,13 +116,32 @@ def lm():
 QUESTION = "which word comes after alpha beta?"
 
 
+class UntilEmbedded:
+    """A store whose round trip lasts until the guess scorer has embedded every passage it
+    queued (the search runs on the I/O pool while the verifying thread embeds)."""
+
+    def __init__(self, retriever):
+        self.retriever = retriever
+        self.scorer = None
+
+    def search(self, queries, k=1):
+        while self.scorer is not None and getattr(self.scorer, "queued", 0):
+            time.sleep(0.001)  # waits for an event; asserts no duration
+        return self.retriever.search(queries, k)
+
+    def __getattr__(self, name):
+        return getattr(self.retriever, name)
+
+
 @pytest.mark.parametrize("wrap", [lambda kb: kb, SearchOnly], ids=["vectors", "search-only"])
 def test_speculative_ralm_on_milvus_equals_the_naive_loop(lm, kb, wrap):
     expected = IterativeRaLM(lm, kb, stride=2, query_tokens=12).generate(QUESTION, 30)
-    # a round trip long enough for a search-only client's passages to be embedded meanwhile
-    # (5 ms left them unembedded, so unguessed, when the suite kept the cores busy)
-    spec = IterativeRaLM(lm, SpecRetriever(DelayedRetriever(wrap(kb), 30)), stride=2,
-                         query_tokens=12, speculation_stride=3, os3=False)
+    # a round trip that lasts until a search-only client's passages are embedded meanwhile
+    # (event order: a fixed delay left them unembedded, so unguessed, on busy cores)
+    store = UntilEmbedded(wrap(kb))
+    spec = IterativeRaLM(lm, SpecRetriever(store), stride=2, query_tokens=12,
+                         speculation=RaLMSpeculation(stride=3, os3=False))
+    store.scorer = spec.retriever.scorer
     result = spec.generate(QUESTION, 30)
     assert result.token_ids == expected.token_ids
     assert result.stats.speculation_hits > 0
@@ -166,8 +185,8 @@ def requests_deadlines(kb, monkeypatch):
 
 def test_a_local_server_that_stops_mid_request_is_started_again(lm, kb, store):
     expected = IterativeRaLM(lm, kb, stride=1, query_tokens=12).generate(QUESTION, 20)
-    spec = IterativeRaLM(lm, SpecRetriever(StopsTheServer(kb, store)), stride=1,
-                         query_tokens=12, speculation_stride=2, os3=False)
+    spec = IterativeRaLM(lm, SpecRetriever(StopsTheServer(kb, store)), stride=1, query_tokens=12,
+                         speculation=RaLMSpeculation(stride=2, os3=False))
     assert spec.generate(QUESTION, 20).token_ids == expected.token_ids
     assert server(store).running()
 
@@ -178,7 +197,7 @@ def test_a_remote_server_that_stops_mid_request_is_a_clear_error_then_recovers(
                                       timeout=3)  # a server URI: rag-spec does not restart it
     expected = IterativeRaLM(lm, remote, stride=1, query_tokens=12).generate(QUESTION, 20)
     spec = IterativeRaLM(lm, SpecRetriever(StopsTheServer(remote, store)), stride=1,
-                         query_tokens=12, speculation_stride=2, os3=False)
+                         query_tokens=12, speculation=RaLMSpeculation(stride=2, os3=False))
     deadlines = requests_deadlines(remote, monkeypatch)
     with pytest.raises(RagSpecError, match="is the server running at http://127.0.0.1"):
         spec.generate(QUESTION, 20)

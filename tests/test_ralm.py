@@ -8,7 +8,7 @@ from conftest import HashRetriever, char_lm, tiny_llama
 from rag_spec.bench.simulated import DelayedRetriever
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.spec_retriever import SpecRetriever
-from rag_spec.serving.ralm import IterativeRaLM
+from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
 
 
 def service(retriever: HashRetriever, latency_ms: float = 3) -> DelayedRetriever:
@@ -37,7 +37,8 @@ def test_speculative_equals_naive(lm, asynchronous, os3, stride, spec_stride, k)
     kb = HashRetriever()
     expected = naive(lm, kb, stride=stride, k=k, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(service(kb)), stride=stride, k=k, query_tokens=12,
-                         os3=os3, asynchronous=asynchronous, speculation_stride=spec_stride)
+                         speculation=RaLMSpeculation(os3=os3, asynchronous=asynchronous,
+                                                     stride=spec_stride))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     assert [h.doc_id for h in result.passages] == [h.doc_id for h in expected.passages]
@@ -50,8 +51,9 @@ def test_a_cache_that_is_wrong_on_purpose_still_gives_identical_output(lm, async
                                                                        in_flight):
     expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(lying=True))), stride=2,
-                         query_tokens=12, os3=False, speculation_stride=3,
-                         asynchronous=asynchronous, max_in_flight=in_flight)
+                         query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=3, asynchronous=asynchronous,
+                                                     max_in_flight=in_flight))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     assert result.stats.rollbacks > 0
@@ -61,7 +63,7 @@ def test_fewer_knowledge_base_calls_in_batches(lm):
     kb_naive, kb_spec = HashRetriever(), HashRetriever()
     expected = naive(lm, kb_naive, stride=2, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(service(kb_spec)), stride=2, query_tokens=12,
-                         os3=False, speculation_stride=4, asynchronous=False)
+                         speculation=RaLMSpeculation(os3=False, stride=4, asynchronous=False))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     assert kb_spec.calls < kb_naive.calls
@@ -71,7 +73,7 @@ def test_fewer_knowledge_base_calls_in_batches(lm):
 def test_the_stride_scheduler_starts_warm_from_the_second_request(lm):
     expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
     spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(), latency_ms=20)), stride=2,
-                         query_tokens=12, asynchronous=False)
+                         query_tokens=12, speculation=RaLMSpeculation(asynchronous=False))
     first = spec.generate(QUESTION, max_new_tokens=40)
     second = spec.generate(QUESTION, max_new_tokens=40)
     assert first.token_ids == second.token_ids == expected.token_ids
@@ -113,8 +115,8 @@ def test_cheap_knowledge_base_is_asked_directly(lm):
     # A knowledge base cheaper than a cache guess: the loop stops guessing and asks it directly.
     kb = HashRetriever(score_ms=3)
     expected = naive(lm, HashRetriever(), stride=2, query_tokens=12)
-    spec = IterativeRaLM(lm, SpecRetriever(kb), stride=2, query_tokens=12, os3=False,
-                         speculation_stride=4, asynchronous=True)
+    spec = IterativeRaLM(lm, SpecRetriever(kb), stride=2, query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=4, asynchronous=True))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     # After the first few probes measure both costs, it stops guessing.
@@ -170,8 +172,8 @@ def test_asynchronous_verification_overlaps_generation():
     expected = naive(own, HashRetriever(stable=True), stride=2, query_tokens=12)
     clock = VirtualClock()
     service = WaitsForGeneration(HashRetriever(stable=True), own.model, clock)
-    spec = IterativeRaLM(own, SpecRetriever(service), stride=2, query_tokens=12, os3=False,
-                         speculation_stride=1, asynchronous=True)
+    spec = IterativeRaLM(own, SpecRetriever(service), stride=2, query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True))
     spec.clock = clock
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
@@ -208,8 +210,9 @@ def test_each_round_in_flight_is_timed_by_itself(lm, monkeypatch):
 
     monkeypatch.setattr(StrideScheduler, "record_verification", spy)
     service = Alternating()
-    spec = IterativeRaLM(lm, SpecRetriever(service), stride=1, query_tokens=12, os3=False,
-                         speculation_stride=1, asynchronous=True, max_in_flight=2)
+    spec = IterativeRaLM(lm, SpecRetriever(service), stride=1, query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True,
+                                                     max_in_flight=2))
     spec.clock = clock
     spec.generate(QUESTION, max_new_tokens=30)
     # Every guess is right (one stable passage), so rounds settle in call order, after the
@@ -259,8 +262,9 @@ class Concurrency:
 def test_rounds_in_flight_overlap_up_to_the_limit_with_identical_output(lm, in_flight):
     expected = naive(lm, HashRetriever(), stride=1, query_tokens=12)
     counted = Concurrency(DelayedRetriever(HashRetriever(), latency_ms=120))
-    spec = IterativeRaLM(lm, SpecRetriever(counted), stride=1, query_tokens=12, os3=False,
-                         speculation_stride=1, asynchronous=True, max_in_flight=in_flight)
+    spec = IterativeRaLM(lm, SpecRetriever(counted), stride=1, query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True,
+                                                     max_in_flight=in_flight))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
     # A call outlasts a one-token stride, so the pipeline fills to its limit and no further.
@@ -270,7 +274,8 @@ def test_rounds_in_flight_overlap_up_to_the_limit_with_identical_output(lm, in_f
 def test_a_retriever_that_raises_surfaces_and_leaves_no_thread(lm):
     before = {t.name for t in threading.enumerate()}
     spec = IterativeRaLM(lm, SpecRetriever(service(HashRetriever(raise_after=2))), stride=1,
-                         query_tokens=12, os3=False, speculation_stride=1, asynchronous=True)
+                         query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True))
     with pytest.raises(ConnectionError, match="down"):
         spec.generate(QUESTION, max_new_tokens=30)
     after = {t.name for t in threading.enumerate() if t.is_alive()}
@@ -304,3 +309,11 @@ def test_lookahead_decoding_inside_ralm_keeps_the_tokens(lm, speculative, stride
             QUESTION, max_new_tokens=40)
         assert result.token_ids == expected
     assert decoder.drafter.memory.nodes > 0
+
+
+def test_the_earlier_speculation_keywords_still_set_the_settings_object_and_warn(lm):
+    with pytest.warns(DeprecationWarning, match=r"RaLMSpeculation\(os3=False, stride=5\)"):
+        loop = IterativeRaLM(lm, SpecRetriever(HashRetriever()), os3=False, speculation_stride=5)
+    assert loop.speculation == RaLMSpeculation(os3=False, stride=5)
+    with pytest.raises(TypeError, match="strid"):
+        IterativeRaLM(lm, SpecRetriever(HashRetriever()), strid=5)

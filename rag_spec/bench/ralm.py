@@ -53,7 +53,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     from rag_spec.retrieval import KnowledgeBase
     from rag_spec.retrieval.milvus import MilvusKnowledgeBase
     from rag_spec.retrieval.spec_retriever import SpecRetriever
-    from rag_spec.serving.ralm import IterativeRaLM
+    from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
 
     questions = load_questions(questions_file) if questions_file else RAG_QUESTIONS
     questions = questions[:limit]
@@ -76,9 +76,11 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         # One loop per system, as an application keeps one: OS3 starts cold only once.
         retriever_ = base if settings is None else SpecRetriever(
             SearchOnly(base) if settings[4] else base, prefetch=settings[0])
-        ralm = IterativeRaLM(lm, retriever_, stride=stride, os3=bool(settings and settings[1]),
-                             asynchronous=bool(settings and settings[2]),
-                             lookahead=decoder if settings and settings[3] else None)
+        ralm = IterativeRaLM(lm, retriever_, stride=stride,
+                             lookahead=decoder if settings and settings[3] else None,
+                             speculation=RaLMSpeculation(
+                                 os3=bool(settings and settings[1]),
+                                 asynchronous=bool(settings and settings[2])))
 
         def one(question: str) -> Run:
             result = ralm.generate(question, max_new_tokens=max_new_tokens)

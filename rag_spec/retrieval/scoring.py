@@ -108,6 +108,12 @@ class VectorScorer:
                 self._queue.popitem(last=False)
         return fetched
 
+    @property
+    def queued(self) -> int:
+        """Passage texts waiting to be embedded."""
+        with self._lock:
+            return len(self._queue)
+
     def embed_pending(self) -> None:
         """Embed every queued text now (guesses then rank every cached passage as the store
         would)."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +33,34 @@ from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
 from rag_spec.threads import use_one_openmp_thread
 from rag_spec.tokenizing import serial
+
+
+@dataclass(frozen=True)
+class RaLMSpeculation:
+    """How speculative iterative RaLM guesses and verifies (used where the retriever is a
+    SpecRetriever; ``KNNSpeculation`` is kNN-LM's).
+
+    Args:
+        os3: pick each speculation stride with OS3 from measured stride, call and guess
+            latencies and the hit rate (else ``stride``).
+        asynchronous: verify on a worker thread while the next stride generates.
+        stride: retrieval points guessed per verification when ``os3`` is off.
+        max_stride: OS3's longest stride.
+        max_in_flight: rounds under asynchronous verification at once. Behind a service whose
+            calls mostly wait (a remote vector store), a second round in flight hides a call
+            that takes longer than a stride; 1 keeps one call at a time.
+    """
+
+    os3: bool = True
+    asynchronous: bool = True
+    stride: int = 3
+    max_stride: int = 8
+    max_in_flight: int = 2
+
+
+# the keywords IterativeRaLM took before RaLMSpeculation, and the fields they set
+_LEGACY = {"os3": "os3", "asynchronous": "asynchronous", "speculation_stride": "stride",
+           "max_speculation_stride": "max_stride", "max_in_flight": "max_in_flight"}
 
 
 @dataclass
@@ -79,11 +108,10 @@ class IterativeRaLM:
         stride: tokens generated between retrievals.
         query_tokens: how many of the latest question + output tokens form a query.
         k: passages per retrieval, all placed in the prompt.
-        os3: pick the speculation stride with OS3 (else ``speculation_stride``).
-        asynchronous: verify on a worker thread while the next stride generates.
-        max_in_flight: rounds under asynchronous verification at once. Behind a service whose
-            calls mostly wait (a remote vector store), a second round in flight hides a call
-            that takes longer than a stride; 1 keeps one call at a time.
+        speculation: how retrieval is speculated where ``retriever`` is a SpecRetriever
+            (``RaLMSpeculation``; the earlier keywords ``os3``, ``asynchronous``,
+            ``speculation_stride``, ``max_speculation_stride`` and ``max_in_flight`` still set
+            its fields, with a DeprecationWarning).
         lookahead: a LookaheadDecoder on the same model: each stride is decoded speculatively
             too, drafting from the question, the passages seen and the output (same tokens).
 
@@ -96,17 +124,17 @@ class IterativeRaLM:
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
-                 query_tokens: int = 32, k: int = 1, os3: bool = True,
-                 asynchronous: bool = True, speculation_stride: int = 3,
-                 max_speculation_stride: int = 8, max_in_flight: int = 2,
-                 lookahead: LookaheadDecoder | None = None) -> None:
+                 query_tokens: int = 32, k: int = 1,
+                 speculation: RaLMSpeculation = RaLMSpeculation(),  # noqa: B008 (frozen)
+                 lookahead: LookaheadDecoder | None = None, **legacy: Any) -> None:
+        speculation = _with_legacy(speculation, legacy)
         if lookahead is not None and lookahead.model is not lm.model:
             msg = ("IterativeRaLM(lookahead=...) needs a LookaheadDecoder on the loop's own model: "
                    "LookaheadDecoder(lm.model, lm.tokenizer).")
             raise RagSpecError(msg)
         for name, value in (("stride", stride), ("query_tokens", query_tokens), ("k", k),
-                            ("speculation_stride", speculation_stride),
-                            ("max_in_flight", max_in_flight)):
+                            ("speculation.stride", speculation.stride),
+                            ("speculation.max_in_flight", speculation.max_in_flight)):
             if value < 1:
                 msg = f"{name} must be at least 1 (got {value})."
                 raise RagSpecError(msg)
@@ -115,11 +143,7 @@ class IterativeRaLM:
         self.stride = stride
         self.query_tokens = query_tokens
         self.k = k
-        self.os3 = os3
-        self.asynchronous = asynchronous
-        self.speculation_stride = speculation_stride
-        self.max_speculation_stride = max_speculation_stride
-        self.max_in_flight = max_in_flight
+        self.speculation = speculation
         self.lookahead = lookahead
         self._tokens = serial(lm.tokenizer)  # guesses and verifications run on several threads
         self._learned: StrideScheduler | None = None  # the latest request's, finished
@@ -220,9 +244,9 @@ class IterativeRaLM:
 
     def _scheduler(self) -> StrideScheduler:
         """A scheduler with this loop's settings and the previous request's measurements."""
-        scheduler = StrideScheduler(os3=self.os3, fixed=self.speculation_stride,
-                                    asynchronous=self.asynchronous,
-                                    max_stride=self.max_speculation_stride)
+        spec = self.speculation
+        scheduler = StrideScheduler(os3=spec.os3, fixed=spec.stride,
+                                    asynchronous=spec.asynchronous, max_stride=spec.max_stride)
         with self._learned_lock:
             if self._learned is not None:
                 scheduler.resume(self._learned)
@@ -236,7 +260,8 @@ class IterativeRaLM:
         in_flight: deque[tuple[Future, list[_Pending]]] = deque()  # rounds under verification
         point = 0
         stride = scheduler.next_stride()
-        with ThreadPoolExecutor(max_workers=self.max_in_flight,
+        max_in_flight = self.speculation.max_in_flight
+        with ThreadPoolExecutor(max_workers=max_in_flight,
                                 thread_name_prefix="rag-spec-verify",
                                 initializer=use_one_openmp_thread) as pool:
             while True:
@@ -261,7 +286,7 @@ class IterativeRaLM:
                 # 2. The round is complete: settle the oldest rounds in flight while the
                 # pipeline is full (all of them once there is nothing left to speculate on).
                 resume = None
-                while in_flight and (settled or len(in_flight) >= self.max_in_flight):
+                while in_flight and (settled or len(in_flight) >= max_in_flight):
                     future, verified = in_flight.popleft()
                     waited = time.perf_counter()
                     truths, seconds = future.result()  # a retriever's error surfaces here
@@ -327,3 +352,17 @@ class IterativeRaLM:
         if scheduler is not None:
             scheduler.record_cpu_share(time.process_time() - cpu, seconds)
         return truths, seconds
+
+
+def _with_legacy(speculation: RaLMSpeculation, legacy: dict[str, Any]) -> RaLMSpeculation:
+    """``speculation`` with the fields IterativeRaLM's earlier keywords set (warned)."""
+    unknown = sorted(set(legacy) - set(_LEGACY))
+    if unknown:
+        msg = f"IterativeRaLM got unexpected keyword arguments: {', '.join(unknown)}."
+        raise TypeError(msg)
+    if not legacy:
+        return speculation
+    fields = ", ".join(f"{_LEGACY[name]}={value!r}" for name, value in legacy.items())
+    warnings.warn(f"IterativeRaLM's speculation settings are one object now: pass "
+                  f"speculation=RaLMSpeculation({fields}).", DeprecationWarning, stacklevel=3)
+    return replace(speculation, **{_LEGACY[name]: value for name, value in legacy.items()})
