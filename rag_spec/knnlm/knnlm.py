@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM
 from rag_spec.knnlm.neighbour_cache import NeighbourCache
 from rag_spec.retrieval.os3 import StrideScheduler
+from rag_spec.speculation import Speculation, SpeculationTally, speculate
 from rag_spec.threads import run_in_compute_thread
 
 
@@ -55,14 +57,13 @@ class KNNSpeculation:
 
 
 @dataclass
-class KNNStats:
-    """Where a request's time went and what the datastore was asked."""
+class KNNStats(SpeculationTally):
+    """Where a request's time went and what the datastore was asked (and, speculating, what
+    the loop guessed: ``SpeculationTally``; a hit is a guessed step whose token the
+    verification confirmed)."""
 
     kb_calls: int = 0
     queries_verified: int = 0
-    speculation_hits: int = 0  # guessed steps whose token the verification confirmed
-    rollbacks: int = 0
-    strides: list[int] = field(default_factory=list)
     retrieval_seconds: float = 0.0  # inside datastore searches
     generation_seconds: float = 0.0  # model forward passes
     guess_seconds: float = 0.0  # searching the cache
@@ -75,14 +76,18 @@ class KNNResult:
     stats: KNNStats
 
 
+Neighbours = tuple[np.ndarray, np.ndarray]  # (distances, datastore ids) of one step
+
+
 @dataclass
 class _Step:
-    """A decoded step: the model's view before it, and its token (guessed or verified)."""
+    """A step about to be decoded: the model's view before it, and its guessed neighbours."""
 
     position: int  # in the output
     logits: torch.Tensor
     key: np.ndarray
-    token: int
+    guess: Neighbours | None  # None: the cache had nothing to guess from
+    token: int | None = None  # chosen from the guess, once decoded on it
 
 
 class KNNLM:
@@ -148,7 +153,10 @@ class KNNLM:
             if self.speculation is None:
                 run.naive()
             else:
-                run.speculative(self._scheduler(self.speculation), self.speculation)
+                spec = self.speculation
+                speculate(_Guesses(run, NeighbourCache(self.datastore, spec.capacity,
+                                                       spec.successors)),
+                          self._scheduler(spec), run.stats)
         text = self.lm.tokenizer.decode(run.output, skip_special_tokens=True)
         return KNNResult(text, run.output, run.stats)
 
@@ -168,7 +176,9 @@ class KNNLM:
 
 
 class _Run:
-    """One request: the output so far and the model's KV cache over prompt + output."""
+    """One request: the output so far and the model's KV cache over prompt + output. The
+    newest token is fed lazily (``feed``), so decoding on a guess that turns out wrong never
+    pays a forward pass it does not need."""
 
     def __init__(self, knn: KNNLM, prompt_ids: list[int], limit: int, do_sample: bool,
                  seed: int) -> None:
@@ -180,69 +190,29 @@ class _Run:
         eos = knn.lm.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.output: list[int] = []
+        self.done = False
         self.stats = KNNStats()
         self.cache = new_cache()
         self.device = next(knn.lm.model.parameters()).device
+        self._fed = 0  # output tokens in the cache
         self.logits, self.key = self._forward(prompt_ids)
 
-    # -- the two loops -------------------------------------------------------------------------
-
     def naive(self) -> None:
-        while not self._searched_step()[1]:
-            pass
+        """A datastore search per token."""
+        while not self.done:
+            self.feed()
+            distances, ids = self.search(self.key[None])
+            self.emit(self.choose(len(self.output), self.logits, distances[0], ids[0]))
 
-    def speculative(self, scheduler: StrideScheduler, spec: KNNSpeculation) -> None:
-        cache = NeighbourCache(self.knn.datastore, spec.capacity, spec.successors)
-        while True:
-            if not len(cache):  # nothing to guess from yet: ask the datastore outright
-                ids, done = self._searched_step()
-                cache.add(ids)
-                if done:
-                    return
-                continue
-            # 1. Guess a stride of steps from the cache, decoding on each guess.
-            stride, steps, done = scheduler.next_stride(), [], False
-            while len(steps) < stride and not done:
-                started = time.perf_counter()
-                guessed = cache.search(self.key, self.knn.k)
-                cache.add(guessed[1])  # the guessed texts read on: so does the cache
-                self.stats.guess_seconds += time.perf_counter() - started
-                position = len(self.output)
-                step = _Step(position, self.logits, self.key,
-                             self._choose(position, self.logits, *guessed))
-                steps.append(step)
-                done = self._emit(step.token)
-                scheduler.record_speculation(time.perf_counter() - started)
-            # 2. Verify them with one search; roll back at the first wrong token.
-            started = time.perf_counter()
-            distances, ids = self._search(np.stack([s.key for s in steps]))
-            seconds = time.perf_counter() - started
-            cache.add(ids)
-            self.stats.strides.append(len(steps))
-            matched, truth = len(steps), None
-            for j, step in enumerate(steps):
-                truth = self._choose(step.position, step.logits, distances[j], ids[j])
-                if truth != step.token:
-                    matched = j
-                    break
-            scheduler.record_verification(seconds, len(steps), matched)
-            self.stats.speculation_hits += matched
-            if matched < len(steps) and truth is not None:
-                self.stats.rollbacks += 1
-                done = self._rollback(steps[matched].position, truth)
-            if done:
-                return
+    def feed(self) -> None:
+        """Run the model on the newest token, if not yet: ``logits`` and ``key`` are then the
+        next step's."""
+        if self._fed < len(self.output):
+            self.logits, self.key = self._forward(self.output[self._fed:])
+            self._fed = len(self.output)
 
-    # -- steps ---------------------------------------------------------------------------------
-
-    def _searched_step(self) -> tuple[np.ndarray, bool]:
-        """One step on the true neighbours: the datastore is searched for this step's key.
-        Returns the neighbours' ids and whether generation is over."""
-        distances, ids = self._search(self.key[None])
-        return ids, self._emit(self._choose(len(self.output), self.logits, distances[0], ids[0]))
-
-    def _choose(self, position: int, logits: torch.Tensor, distances: np.ndarray,
-                ids: np.ndarray) -> int:
+    def choose(self, position: int, logits: torch.Tensor, distances: np.ndarray,
+               ids: np.ndarray) -> int:
         """The token at output ``position``: greedy, or drawn with that position's own uniform
         (the same in every loop, whatever was guessed before)."""
         p = self.knn.distribution(logits, distances, ids)
@@ -253,21 +223,27 @@ class _Run:
         return int(min(torch.searchsorted(cumulative, u * cumulative[-1], right=True),
                         len(p) - 1))
 
-    def _emit(self, token: int) -> bool:
-        """Append ``token``; True when generation is over, else the next step is computed."""
+    def emit(self, token: int) -> None:
+        """Append ``token``; generation is over at an end token or the limit."""
         self.output.append(token)
-        if token in self.eos or len(self.output) >= self.limit:
-            return True
-        self.logits, self.key = self._forward([token])
-        return False
+        self.done = token in self.eos or len(self.output) >= self.limit
 
-    def _rollback(self, position: int, token: int) -> bool:
+    def rollback(self, position: int, token: int) -> None:
         """Replace the output from ``position`` on with ``token``."""
         del self.output[position:]
         surplus = self.cache.get_seq_length() - (self.prompt_length + position)
         if surplus > 0:
             self.cache.crop(-surplus)  # transformers 5: a negative count removes that many
-        return self._emit(token)
+        self._fed = min(self._fed, position)
+        self.emit(token)
+
+    def search(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        found = self.knn.datastore.search(keys, self.knn.k)
+        self.stats.retrieval_seconds += time.perf_counter() - started
+        self.stats.kb_calls += 1
+        self.stats.queries_verified += len(keys)
+        return found
 
     def _forward(self, ids: list[int]) -> tuple[torch.Tensor, np.ndarray]:
         started = time.perf_counter()
@@ -275,10 +251,55 @@ class _Run:
         self.stats.generation_seconds += time.perf_counter() - started
         return logits[0, -1].cpu(), keys[0, -1].cpu().numpy()
 
-    def _search(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+
+class _Guesses(Speculation[_Step, Neighbours]):
+    """kNN-LM on the speculation loop: a point is a step, its guess the neighbours the cache
+    of entries near verified ones ranks first. A step stands when the token its true
+    neighbours choose is the guessed step's (the neighbours may differ)."""
+
+    def __init__(self, run: _Run, cache: NeighbourCache) -> None:
+        self.run = run
+        self.cache = cache
+
+    def advance(self) -> tuple[_Step | None, bool]:
+        run = self.run
+        if run.done:
+            return None, True
+        run.feed()
+        guess = None
+        if len(self.cache):  # else nothing to guess from yet: the datastore is asked outright
+            started = time.perf_counter()
+            guess = self.cache.search(run.key, run.knn.k)
+            self.cache.add(guess[1])  # the guessed texts read on: so does the cache
+            run.stats.guess_seconds += time.perf_counter() - started
+        return _Step(len(run.output), run.logits, run.key, guess), False
+
+    def guessed(self, point: _Step) -> bool:
+        return point.guess is not None
+
+    def go_on(self, point: _Step, truth: Neighbours | None) -> None:
+        if truth is None:
+            assert point.guess is not None
+            point.token = self.run.choose(point.position, point.logits, *point.guess)
+            self.run.emit(point.token)
+        else:
+            self.run.emit(self.run.choose(point.position, point.logits, *truth))
+
+    def verify(self, points: Sequence[_Step], foreground: bool
+               ) -> tuple[list[Neighbours], float]:
         started = time.perf_counter()
-        found = self.knn.datastore.search(keys, self.knn.k)
-        self.stats.retrieval_seconds += time.perf_counter() - started
-        self.stats.kb_calls += 1
-        self.stats.queries_verified += len(keys)
-        return found
+        distances, ids = self.run.search(np.stack([p.key for p in points]))
+        seconds = time.perf_counter() - started
+        self.cache.add(ids)
+        return list(zip(distances, ids)), seconds
+
+    def right(self, point: _Step, truth: Neighbours) -> bool:
+        token = point.token
+        if token is None:  # the round's last step: verified before decoding on it
+            assert point.guess is not None
+            token = self.run.choose(point.position, point.logits, *point.guess)
+        return self.run.choose(point.position, point.logits, *truth) == token
+
+    def roll_back(self, point: _Step, truth: Neighbours) -> None:
+        self.run.rollback(point.position,
+                          self.run.choose(point.position, point.logits, *truth))

@@ -13,9 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +29,7 @@ from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
+from rag_spec.speculation import Speculation, SpeculationTally, speculate
 from rag_spec.threads import use_one_openmp_thread
 from rag_spec.tokenizing import serial
 
@@ -64,18 +63,15 @@ _LEGACY = {"os3": "os3", "asynchronous": "asynchronous", "speculation_stride": "
 
 
 @dataclass
-class RalmStats:
-    """What the knowledge base was asked and where the time went."""
+class RalmStats(SpeculationTally):
+    """What the knowledge base was asked and where the time went (and, speculating, what the
+    loop guessed: ``SpeculationTally``)."""
 
     kb_calls: int = 0
     queries_verified: int = 0
-    speculation_hits: int = 0
-    rollbacks: int = 0
-    strides: list[int] = field(default_factory=list)  # speculation stride of each round
     rollback_points: list[int] = field(default_factory=list)  # output length at each rollback
     retrieval_seconds: float = 0.0  # inside knowledge-base calls
     generation_seconds: float = 0.0  # prefills and decoding
-    waiting_seconds: float = 0.0  # blocked on an asynchronous verification
 
 
 @dataclass
@@ -256,91 +252,9 @@ class IterativeRaLM:
                    question_ids: list[int], limit: int, stats: RalmStats,
                    scheduler: StrideScheduler) -> None:
         state.use(self._verify(session, [question], stats, scheduler)[0][0], -1)
-        pending: list[_Pending] = []  # guessed points of the round being built
-        in_flight: deque[tuple[Future, list[_Pending]]] = deque()  # rounds under verification
-        point = 0
-        stride = scheduler.next_stride()
-        max_in_flight = self.speculation.max_in_flight
-        with ThreadPoolExecutor(max_workers=max_in_flight,
-                                thread_name_prefix="rag-spec-verify",
-                                initializer=use_one_openmp_thread) as pool:
-            while True:
-                # 1. Generate a stride under the current passages, then guess the next ones.
-                started = time.perf_counter()
-                self._generate(state, limit)
-                done = state.finished or len(state.output) >= limit
-                if not done:
-                    query = self._query(question_ids, state.output)
-                    guess = None  # no guess: asking the knowledge base costs no more
-                    if scheduler.worth_guessing():
-                        guessed = time.perf_counter()
-                        guess = session.guess(query, self.k)
-                        scheduler.record_guess(time.perf_counter() - guessed)
-                    pending.append(_Pending(point, len(state.output), query, guess))
-                    point += 1
-                scheduler.record_speculation(time.perf_counter() - started)
-                settled = done or pending[-1].guess is None  # nothing left to speculate on
-                if len(pending) < stride and not settled:
-                    state.use(pending[-1].guess, pending[-1].point)
-                    continue
-                # 2. The round is complete: settle the oldest rounds in flight while the
-                # pipeline is full (all of them once there is nothing left to speculate on).
-                resume = None
-                while in_flight and (settled or len(in_flight) >= max_in_flight):
-                    future, verified = in_flight.popleft()
-                    waited = time.perf_counter()
-                    truths, seconds = future.result()  # a retriever's error surfaces here
-                    stats.waiting_seconds += time.perf_counter() - waited
-                    resume = self._settle(state, verified, truths, seconds, scheduler, stats)
-                    if resume is not None:
-                        in_flight.clear()  # younger rounds speculated past the wrong guess
-                        break
-                if resume is not None:
-                    pending, point = [], resume
-                    stride = scheduler.next_stride()
-                    continue
-                if not pending:
-                    return
-                # 3. Verify this round: on a worker while the next round speculates, or now.
-                stats.strides.append(len(pending))
-                queries = [p.query for p in pending]
-                if scheduler.overlaps() and not settled:
-                    in_flight.append((pool.submit(self._verify, session, queries, stats),
-                                      pending))
-                    state.use(pending[-1].guess, pending[-1].point)
-                    pending = []  # the next stride generates on the guess while it is checked
-                    continue
-                truths, seconds = self._verify(session, queries, stats, scheduler)
-                resume = self._settle(state, pending, truths, seconds, scheduler, stats)
-                if resume is None:
-                    if done:
-                        return
-                    state.use(truths[-1], pending[-1].point)
-                else:
-                    point = resume
-                pending = []
-                stride = scheduler.next_stride()
-
-    @staticmethod
-    def _settle(state: RalmState, points: list[_Pending], truths: list[list[Hit]],
-                seconds: float, scheduler: StrideScheduler, stats: RalmStats) -> int | None:
-        """Check a round's guesses (verified by a call of ``seconds``); at the first wrong one,
-        roll back, use the truth and return the retrieval point to resume from (None: every
-        guess was right)."""
-        wrong = next((i for i, (p, t) in enumerate(zip(points, truths))
-                      if p.guess is not None and not same_passages(p.guess, t)), None)
-        matched = len(points) if wrong is None else wrong
-        guessed = sum(p.guess is not None for p in points[:matched])
-        stats.speculation_hits += guessed
-        scheduler.record_verification(seconds, len(points), matched)
-        if wrong is None:
-            state.forget_before(points[-1].point)
-            return None
-        stats.rollbacks += 1
-        stats.rollback_points.append(points[wrong].length)
-        state.rollback(points[wrong].point, points[wrong].length)
-        state.use(truths[wrong], points[wrong].point)
-        return points[wrong].point + 1
+        speculate(_Guesses(self, state, session, question_ids, limit, stats, scheduler),
+                  scheduler, stats, max_in_flight=self.speculation.max_in_flight,
+                  initializer=use_one_openmp_thread)
 
     def _verify(self, session: SpecSession, queries: list[str], stats: RalmStats,
                 scheduler: StrideScheduler | None = None) -> tuple[list[list[Hit]], float]:
@@ -366,3 +280,55 @@ def _with_legacy(speculation: RaLMSpeculation, legacy: dict[str, Any]) -> RaLMSp
     warnings.warn(f"IterativeRaLM's speculation settings are one object now: pass "
                   f"speculation=RaLMSpeculation({fields}).", DeprecationWarning, stacklevel=3)
     return replace(speculation, **{_LEGACY[name]: value for name, value in legacy.items()})
+
+
+class _Guesses(Speculation[_Pending, list[Hit]]):
+    """Iterative RaLM on the speculation loop: a point is a stride's end, its guess the
+    passages the session's cache ranks first for the query there."""
+
+    def __init__(self, loop: IterativeRaLM, state: RalmState, session: SpecSession,
+                 question_ids: list[int], limit: int, stats: RalmStats,
+                 scheduler: StrideScheduler) -> None:
+        self.loop, self.state, self.session = loop, state, session
+        self.question_ids, self.limit = question_ids, limit
+        self.stats, self.scheduler = stats, scheduler
+        self.point = 0  # the next retrieval point's number
+
+    def advance(self) -> tuple[_Pending | None, bool]:
+        state = self.state
+        self.loop._generate(state, self.limit)
+        if state.finished or len(state.output) >= self.limit:
+            return None, True
+        query = self.loop._query(self.question_ids, state.output)
+        guess = None  # no guess: asking the knowledge base costs no more
+        if self.scheduler.worth_guessing():
+            guessed = time.perf_counter()
+            guess = self.session.guess(query, self.loop.k)
+            self.scheduler.record_guess(time.perf_counter() - guessed)
+        self.point += 1
+        return _Pending(self.point - 1, len(state.output), query, guess), False
+
+    def guessed(self, point: _Pending) -> bool:
+        return point.guess is not None
+
+    def go_on(self, point: _Pending, truth: list[Hit] | None) -> None:
+        passages = truth if truth is not None else point.guess
+        assert passages is not None
+        self.state.use(passages, point.point)
+
+    def verify(self, points: Sequence[_Pending], foreground: bool
+               ) -> tuple[list[list[Hit]], float]:
+        return self.loop._verify(self.session, [p.query for p in points], self.stats,
+                                 self.scheduler if foreground else None)
+
+    def right(self, point: _Pending, truth: list[Hit]) -> bool:
+        return point.guess is not None and same_passages(point.guess, truth)
+
+    def roll_back(self, point: _Pending, truth: list[Hit]) -> None:
+        self.stats.rollback_points.append(point.length)
+        self.state.rollback(point.point, point.length)
+        self.state.use(truth, point.point)
+        self.point = point.point + 1
+
+    def confirmed(self, points: Sequence[_Pending]) -> None:
+        self.state.forget_before(points[-1].point)
