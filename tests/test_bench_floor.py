@@ -177,3 +177,21 @@ def test_longctx_step_costs_time_both_attentions_and_leave_the_prefill_as_it_was
     assert set(costs) == {"ours", "sdpa"}
     assert all(set(c) == {1, 4} and min(c.values()) > 0 for c in costs.values())
     assert len(lengths) == 3 * 2 * 2 and len(set(lengths)) == 1  # every pass on the prompts
+
+
+def test_the_gpu_projection_divides_tokens_per_pass_by_the_tree_steps_measured_cost(tmp_path):
+    import json
+
+    from rag_spec.bench.report import gpu_projection
+
+    report = tmp_path / "gpu.json"
+    report.write_text(json.dumps({"step_ms": {"hf_1": 70.0, "rag_spec_1": 40.0,
+                                              "rag_spec_8": 44.0, "rag_spec_16": 50.0,
+                                              "rag_spec_exact_16": 90.0}}))
+    projection = gpu_projection(3.0, 13, report)  # a 13-token step: the 16-token one's cost
+    assert projection["width"] == 16 and projection["step_cost"] == 1.25
+    assert projection["speedup_vs_no_drafts"] == 2.4
+    assert gpu_projection(3.0, 5, report)["step_cost"] == 1.1
+    report.write_text(json.dumps({"step_ms": {"rag_spec_1": 40.0, "rag_spec_16": 30.0}}))
+    assert gpu_projection(3.0, 13, report)["speedup_vs_no_drafts"] == 3.0  # never below plain
+    assert gpu_projection(3.0, 13, tmp_path / "none.json") is None

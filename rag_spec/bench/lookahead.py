@@ -28,6 +28,7 @@ from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
     figure,
+    gpu_projection,
     interleaved,
     machine,
     median,
@@ -162,7 +163,10 @@ def _warm_up(systems: dict[str, Any], prompt: list[int]) -> dict[str, float]:
 def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Run]]
                ) -> dict[str, Any]:
     """Each system against transformers greedy, and the ceiling of copying (``copy_ceiling``,
-    drafts as long as the default trie's) on the baseline's answers."""
+    drafts as long as the default trie's) on the baseline's answers; with tokens per pass,
+    what a GPU user would keep (``gpu_projection``)."""
+    from rag_spec.engine.decoder import LookaheadConfig
+
     baseline = runs["hf"]
     systems: dict[str, Any] = {}
     for name, system_runs in runs.items():
@@ -183,6 +187,9 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
         steps = [r.extra["tokens_per_step"] for r in system_runs if "tokens_per_step" in r.extra]
         if steps:
             entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
+            projection = gpu_projection(entry["tokens_per_step"], 1 + LookaheadConfig.budget)
+            if projection is not None:
+                entry["gpu_projection"] = projection
         systems[name] = entry
     drafts_gain = [a / b for a, b in zip(systems["rag_spec"]["per_prompt_speedup"],
                                          systems["rag_spec_no_drafts"]["per_prompt_speedup"])]
@@ -227,8 +234,12 @@ def _print_table(report: dict[str, Any]) -> None:
               f"most {report[name]['copy_ceiling_tokens_per_step']:.2f} tokens per step (the "
               "trie's memory of earlier answers can add to that)")
         print(f"{'system':22} {'tok/s':>7} {'speedup':>8} {'min':>6} {'identical':>10} "
-              f"{'peak RSS':>9}")
+              f"{'peak RSS':>9} {'tok/pass':>9} {'GPU proj.':>10}")
         for system, s in report[name]["systems"].items():
+            projection = s.get("gpu_projection")
             print(f"{system:22} {s['tok_per_s']:7.1f} {s['speedup_vs_hf']:7.2f}x "
                   f"{s['min_speedup_vs_hf']:5.2f}x {s['identical_to_hf']:>5}/{n} "
-                  f"{s['peak_rss_mb'] / 1024:8.2f}G")
+                  f"{s['peak_rss_mb'] / 1024:8.2f}G {s.get('tokens_per_step', 1.0):9.2f} "
+                  + (f"{projection['speedup_vs_no_drafts']:9.2f}x" if projection else ""))
+        print("GPU proj.: tokens per pass over a tree step's cost against a plain step on a GPU "
+              "(make gpu-check's report): the speedup over our no-draft decoder a GPU user keeps")

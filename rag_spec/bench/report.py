@@ -43,6 +43,29 @@ def interleaved(systems: dict[str, Callable[[Any], Run]], items: Sequence[Any],
     return runs
 
 
+# tree steps' costs by width on a GPU, as ``make gpu-check`` measured them (an 8B-shaped model)
+GPU_STEPS = REPORT_DIR / "gpu_check_h100_32_layers.json"
+
+
+def gpu_projection(tokens_per_step: float, width: int, report: Path = GPU_STEPS
+                   ) -> dict[str, Any] | None:
+    """What a GPU user keeps of a CPU run's tokens per forward pass: its speedup over our own
+    no-draft decoder there is the tokens per pass over what a step ``width`` tokens wide costs
+    against a one-token step (``step_ms`` of ``make gpu-check``'s report, at the nearest
+    measured width at or above ``width``; never below a plain step). None without a report
+    (``rag-spec bench`` run outside the repository)."""
+    if not report.is_file():
+        return None
+    steps = json.loads(report.read_text())["step_ms"]
+    plain = steps["rag_spec_1"]
+    widths = sorted(int(k.rsplit("_", 1)[1]) for k in steps
+                    if k.startswith("rag_spec_") and k.rsplit("_", 1)[1].isdigit())
+    wide = next((w for w in widths if w >= width), widths[-1])
+    cost = max(steps[f"rag_spec_{wide}"], plain) / plain
+    return {"speedup_vs_no_drafts": round(tokens_per_step / cost, 2),
+            "step_cost": round(cost, 3), "width": wide, "device": report.stem}
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
