@@ -261,3 +261,16 @@ def test_a_head_saved_in_half_precision_loads_into_the_models_dtype(target, head
     loaded = load_head(target, path)
     assert loaded.fc.weight.dtype == target.dtype
     torch.testing.assert_close(loaded.fc.weight, head.fc.weight, atol=1e-3, rtol=1e-3)
+
+
+def test_every_shipped_head_is_small_and_names_the_model_it_was_trained_for():
+    from safetensors import safe_open
+
+    from rag_spec.drafters.draft_head import SHIPPED
+
+    shipped = sorted(SHIPPED.glob("*.safetensors"))
+    assert shipped  # the embedded model's (python -m lab.ship_head)
+    for path in shipped:
+        assert path.stat().st_size < 10 * 2**20
+        with safe_open(str(path), framework="pt") as file:
+            assert file.metadata()["trained_for"] == path.stem

@@ -43,6 +43,18 @@ def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
         result = decoder.generate(prompt, max_new_tokens=48)
         assert result.token_ids == expected
         assert result.stats.tokens_per_step > 1.0  # the passages were copied from
+        # the embedded model ships its trained head: the default drafts with it and the trie
+        assert result.stats.drafts == "draft head + trie"
+
+
+def test_the_shipped_head_is_the_embedded_models_and_drafts_by_default(lm):
+    from rag_spec.drafters.draft_head import SHIPPED, find_head, model_fingerprint
+
+    shipped = SHIPPED / f"{model_fingerprint(lm.model)}.safetensors"
+    assert shipped.is_file()  # the weights match the model (its fingerprint names them)
+    head = find_head(lm.model)
+    assert head is not None and head.trained_for == shipped.stem
+    assert head.agreement["trained"]["top1"] > 0.25  # it learnt: held-out agreement
 
 
 def test_ask_command_answers_and_cites(user_cache, lm, kb, capsys):
@@ -51,6 +63,7 @@ def test_ask_command_answers_and_cites(user_cache, lm, kb, capsys):
     assert "Sources:" in out
     assert "posixpath.join" in out
     assert "tok/s" in out
+    assert "drafts: draft head + trie" in out
 
 
 def test_knnlm_over_a_folder_is_identical_speculated(user_cache, lm, tmp_path):
