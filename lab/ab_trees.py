@@ -1,0 +1,121 @@
+"""``python -m lab.ab_trees OLD_CHECKOUT``: the decoder of another checkout against this one's,
+interleaved on the same prompts in two persistent processes (the redesign's speed check).
+
+Rows: no drafts, the trie, and the draft head merged with the trie (``AB_HEAD``: a head file
+both checkouts can load). Per prompt set, the median of per-prompt time ratios new/old, each
+tree against ``generate``, tokens per pass, and whether every output is ``generate``'s.
+Environment: ``AB_LIMIT`` prompts per set (default 6), ``AB_N`` new tokens (96), ``AB_OUT``
+the JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROWS = ("no_drafts", "trie", "head_trie")
+
+
+def worker() -> None:
+    """One checkout's decoders, answering JSON jobs from stdin (imports whichever rag_spec
+    ``PYTHONPATH`` names first)."""
+    import torch
+
+    import rag_spec
+    from rag_spec import (
+        FeatureDrafter,
+        LookaheadConfig,
+        LookaheadDecoder,
+        MergedDrafter,
+        TrieDrafter,
+    )
+    from rag_spec.models import load_model
+
+    lm = load_model("smollm2-135m-instruct")
+    decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
+                                              LookaheadConfig(budget=0), drafter=TrieDrafter()),
+                "trie": LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter())}
+    if os.environ.get("AB_HEAD"):
+        try:
+            from rag_spec.drafters.draft_head import load_head
+        except ImportError:  # a checkout from before the redesign
+            from rag_spec.decoding.draft_head import load_head  # type: ignore[no-redef]
+        head = load_head(lm.model, Path(os.environ["AB_HEAD"]))
+        decoders["head_trie"] = LookaheadDecoder(lm.model, lm.tokenizer,
+                                                 drafter=MergedDrafter(FeatureDrafter(head)))
+    print(json.dumps({"ready": rag_spec.__file__}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        started = time.perf_counter()
+        if job["system"] == "hf":
+            ids = torch.tensor([job["prompt"]])
+            out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=job["n"])
+            tokens, per_pass = out[0, ids.shape[1]:].tolist(), 1.0
+        else:
+            result = decoders[job["system"]].generate(job["prompt"], max_new_tokens=job["n"])
+            tokens, per_pass = result.token_ids, result.stats.tokens_per_step
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - started,
+                          "per_pass": per_pass}), flush=True)
+
+
+def main(old: str) -> None:
+    from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.models import load_model
+
+    limit, n = int(os.environ.get("AB_LIMIT", 6)), int(os.environ.get("AB_N", 96))
+    rag, open_ended = prompt_sets(load_model("smollm2-135m-instruct").tokenizer,
+                                  RAG_QUESTIONS[:limit], limit)
+    here = str(Path(__file__).resolve().parents[1])
+    procs = {}
+    for tree, root in (("old", old), ("new", here)):
+        env = dict(os.environ, PYTHONPATH=f"{root}:{root}/kernels:{here}")
+        procs[tree] = subprocess.Popen([sys.executable, "-m", "lab.ab_trees", "--worker"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env=env, cwd=here)
+        print(tree, procs[tree].stdout.readline().strip(), file=sys.stderr)
+    rows = [r for r in ROWS if r != "head_trie" or os.environ.get("AB_HEAD")]
+    systems = [("new", "hf")] + [(tree, row) for row in rows for tree in ("old", "new")]
+
+    def ask(tree: str, system: str, prompt: list[int]) -> dict:
+        proc = procs[tree]
+        proc.stdin.write(json.dumps({"system": system, "prompt": prompt, "n": n}) + "\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    for tree, system in systems:
+        ask(tree, system, rag[0][:64])  # warm-up
+    report = {}
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+        runs: dict[tuple[str, str], list[dict]] = {s: [] for s in systems}
+        for i, prompt in enumerate(prompts):
+            for s in systems[i % len(systems):] + systems[:i % len(systems)]:
+                runs[s].append(ask(*s, prompt))
+        hf = runs[("new", "hf")]
+        report[name] = {row: {
+            "new_over_old": round(statistics.median(
+                o["seconds"] / w["seconds"] for o, w in zip(runs[("old", row)],
+                                                            runs[("new", row)])), 3),
+            **{f"{tree}_vs_generate": round(statistics.median(
+                h["seconds"] / r["seconds"] for h, r in zip(hf, runs[(tree, row)])), 3)
+               for tree in ("old", "new")},
+            **{f"{tree}_tokens_per_pass": round(statistics.mean(
+                r["per_pass"] for r in runs[(tree, row)]), 3) for tree in ("old", "new")},
+            "identical_to_generate": sum(o["tokens"] == h["tokens"] == w["tokens"] for o, w, h in
+                                         zip(runs[("old", row)], runs[("new", row)], hf)),
+            "prompts": len(prompts)} for row in rows}
+        print(name, json.dumps(report[name], indent=1), flush=True)
+    Path(os.environ.get("AB_OUT", "ab_trees.json")).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        worker()
+    else:
+        main(*sys.argv[1:])
