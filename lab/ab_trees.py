@@ -5,7 +5,8 @@ Rows: no drafts, the trie, and the draft head merged with the trie (``AB_HEAD``:
 both checkouts can load). Per prompt set, the median of per-prompt time ratios new/old, each
 tree against ``generate``, tokens per pass, and whether every output is ``generate``'s.
 Environment: ``AB_LIMIT`` prompts per set (default 6), ``AB_N`` new tokens (96), ``AB_OUT``
-the JSON report.
+the JSON report, ``AB_ROWS`` / ``AB_SETS`` some rows / prompt sets only (comma-separated),
+``AB_REPEAT`` each prompt set that many times over (a row's noise shrinks).
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def main(old: str) -> None:
     procs = {}
     for tree, root in (("old", old), ("new", here)):
         env = dict(os.environ, PYTHONPATH=f"{root}:{root}/kernels:{here}")
-        procs[tree] = subprocess.Popen([sys.executable, "-m", "lab.ab_trees", "--worker"],
+        # run as a script from the checkout: ``-m`` would put this checkout first on the path
+        procs[tree] = subprocess.Popen([sys.executable, __file__, "--worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       env=env, cwd=here)
+                                       env=env, cwd=root)
         print(tree, procs[tree].stdout.readline().strip(), file=sys.stderr)
-    rows = [r for r in ROWS if r != "head_trie" or os.environ.get("AB_HEAD")]
+    rows = [r for r in os.environ.get("AB_ROWS", ",".join(ROWS)).split(",")
+            if r != "head_trie" or os.environ.get("AB_HEAD")]
+    sets = os.environ.get("AB_SETS", "rag,open_ended").split(",")
+    repeat = int(os.environ.get("AB_REPEAT", 1))
     systems = [("new", "hf")] + [(tree, row) for row in rows for tree in ("old", "new")]
 
     def ask(tree: str, system: str, prompt: list[int]) -> dict:
@@ -92,7 +97,9 @@ def main(old: str) -> None:
     for tree, system in systems:
         ask(tree, system, rag[0][:64])  # warm-up
     report = {}
-    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+    for name, prompts in (("rag", rag * repeat), ("open_ended", open_ended * repeat)):
+        if name not in sets:
+            continue
         runs: dict[tuple[str, str], list[dict]] = {s: [] for s in systems}
         for i, prompt in enumerate(prompts):
             for s in systems[i % len(systems):] + systems[:i % len(systems)]:
@@ -111,7 +118,22 @@ def main(old: str) -> None:
                                          zip(runs[("old", row)], runs[("new", row)], hf)),
             "prompts": len(prompts)} for row in rows}
         print(name, json.dumps(report[name], indent=1), flush=True)
-    Path(os.environ.get("AB_OUT", "ab_trees.json")).write_text(json.dumps(report, indent=1))
+    out = Path(os.environ.get("AB_OUT", "ab_trees.json"))
+    out.write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each row's new/old ratio per prompt set, beside the 0.97 the redesign had to keep."""
+    from rag_spec.bench.report import figure, save_figure
+
+    fig, axes = figure(len(report), (5 * len(report), 4), sharey=True, squeeze=False)
+    for ax, (name, rows) in zip(axes[0], report.items()):
+        ax.bar(list(rows), [r["new_over_old"] for r in rows.values()])
+        ax.axhline(0.97, color="red", lw=0.8, ls="--")
+        ax.set_title(f"{name}: {next(iter(rows.values()))['prompts']} prompts")
+        ax.set_ylabel("new / old speed (median of per-prompt ratios)")
+    save_figure(fig, path, "the redesigned tree against the old one")
 
 
 if __name__ == "__main__":
