@@ -23,6 +23,7 @@ _EXPORTS = {
     "GenerationResult": "rag_spec.engine.decoder",
     "TokenTree": "rag_spec.engine.verify.tree",
     "TrieDrafter": "rag_spec.drafters.trie_drafter",
+    "SuffixIndex": "rag_spec.drafters.suffix_index",
     "DraftModelDrafter": "rag_spec.drafters.model_drafter",
     "EarlyExitDrafter": "rag_spec.drafters.model_drafter",
     "FeatureDrafter": "rag_spec.drafters.feature_drafter",

@@ -1,5 +1,6 @@
 """Lookahead's trie drafter: continuations seen in the prompt, the retrieved documents, the
-output so far, and (decayed) earlier outputs, looked up by the last 1-3 committed tokens.
+output so far, and (decayed) earlier outputs, looked up by the last 1-3 committed tokens; with a
+corpus's suffix index, also what followed the context's longest match anywhere in the corpus.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from rag_spec.drafters.drafter import (
 from rag_spec.drafters.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
 from rag_spec.engine.verify.tree import TokenTree
 
-if TYPE_CHECKING:  # the cache is only named here; a trie needs none of it
-    pass
+if TYPE_CHECKING:
+    from rag_spec.drafters.suffix_index import SuffixIndex
 
 TrieMode = Literal["tree", "chains"]
 
 # How much a continuation seen in this request counts against one remembered from earlier ones.
 REQUEST_WEIGHT, MEMORY_WEIGHT = 4.0, 1.0
+# What a corpus continuation that followed every occurrence of the match counts (a share of
+# the occurrences, so a frequent match does not drown the request's own n-grams).
+CORPUS_WEIGHT = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,14 @@ class TrieDrafter(Drafter):
         mode: ``"tree"`` takes the most frequent nodes (shared prefixes, hierarchical);
             ``"chains"`` takes whole most-frequent branches side by side (parallel).
         memory_mb: bound on the output memory kept across requests.
-    """
+        corpus: a suffix index over the knowledge base's passages (``SuffixIndex``): drafts
+            also copy what followed the context anywhere in it.
 
-    label = "trie"
+    Examples:
+        >>> texts = [p.text for p in kb.passages]                          # doctest: +SKIP
+        >>> index = SuffixIndex.from_texts(texts, tokenizer)                # doctest: +SKIP
+        >>> LookaheadDecoder(model, tokenizer, drafter=TrieDrafter(corpus=index))  # doctest: +SKIP
+    """
 
     # its drafts are copied, not drawn from a distribution: sampled output does not depend on
     # them (sample-and-match), so a sampled batch sizes them as a greedy one does; a row's
@@ -55,8 +64,10 @@ class TrieDrafter(Drafter):
     capabilities = Capabilities(draws_drafts=False)
 
     def __init__(self, *, branch_length: int = 8, mode: TrieMode = "tree",
-                 memory_mb: float = 64.0, max_key: int = 3) -> None:
+                 memory_mb: float = 64.0, max_key: int = 3,
+                 corpus: SuffixIndex | None = None) -> None:
         self.branch_length = branch_length
+        self.corpus = corpus
         self.mode = mode
         self.max_key = max_key
         max_nodes = int(memory_mb * 2**20 / BYTES_PER_NODE)
@@ -64,10 +75,14 @@ class TrieDrafter(Drafter):
                                 max_nodes=max_nodes)
         self._lock = threading.Lock()  # guards ``memory``: remembered into, read by proposals
 
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return "trie" if self.corpus is None else "trie + corpus"
+
     @classmethod
-    def from_config(cls, config: TrieConfig) -> TrieDrafter:
+    def from_config(cls, config: TrieConfig, corpus: SuffixIndex | None = None) -> TrieDrafter:
         return cls(branch_length=config.branch_length, mode=config.mode,
-                   memory_mb=config.memory_mb)
+                   memory_mb=config.memory_mb, corpus=corpus)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
@@ -106,6 +121,11 @@ class TrieSession:
                 found = trie.continuations(context)
                 if found:
                     tries.append((found, weight))
+            if self.drafter.corpus is not None:
+                found, _ = self.drafter.corpus.continuations(context, self.drafter.branch_length)
+                if found:
+                    seen = sum(count for count, _ in found.values())
+                    tries.append((found, CORPUS_WEIGHT / seen))
             if not tries:
                 return TokenTree.empty()
             depth = self.drafter.branch_length

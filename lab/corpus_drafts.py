@@ -1,0 +1,150 @@
+"""``python -m lab.corpus_drafts``: each draft source alone and merged, interleaved on the same
+prompts (issue 54's "measure each source alone and merged").
+
+Sources: the trie (prompt, passages, answer so far, earlier answers), the corpus's suffix index
+(every passage of the default knowledge base), and the shipped draft head. Rows: generate, our
+decoder without drafts (the ablation), each source alone, and their merges. Per prompt set:
+medians of per-prompt speedups over ``generate`` and over no drafts, tokens per pass, outputs
+identical to ``generate``. Environment: ``CD_LIMIT`` prompts per set (default 8), ``CD_N`` new
+tokens (96), ``CD_ROWS`` some rows only (comma-separated; no drafts always runs); writes
+docs/benchmarks/corpus_drafts.json and .png.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rag_spec.bench.lookahead import prompt_sets
+from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.report import (
+    Run,
+    figure,
+    interleaved,
+    machine,
+    median,
+    publish,
+    save_figure,
+    setting,
+)
+from rag_spec.drafters.trie import NGramTrie
+from rag_spec.drafters.trie_drafter import TrieDrafter, TrieSession
+
+
+class CorpusOnly(TrieDrafter):
+    """The suffix index alone: no n-grams of the prompt, the answer or earlier answers."""
+
+    def __init__(self, corpus: Any) -> None:
+        super().__init__(memory_mb=0, corpus=corpus)
+
+    def session(self, prompt: Any, extra_context: Any = ()) -> TrieSession:
+        blind = NGramTrie(branch_length=self.branch_length, max_key=self.max_key, max_nodes=0)
+        return TrieSession(self, blind, len(prompt))
+
+
+def main() -> None:
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec.drafters.draft_head import find_head
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.merged_drafter import MergedDrafter
+    from rag_spec.drafters.suffix_index import SuffixIndex
+    from rag_spec.models import load_model
+    from rag_spec.retrieval import KnowledgeBase
+
+    limit, n = int(os.environ.get("CD_LIMIT", 8)), int(os.environ.get("CD_N", 96))
+    lm = load_model("smollm2-135m-instruct")
+    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    kb = KnowledgeBase.load_default("flat")
+    started = time.perf_counter()
+    index = SuffixIndex.from_texts([p.text for p in kb.passages], lm.tokenizer, progress=True)
+    built_s = time.perf_counter() - started
+    head = find_head(lm.model)
+    if head is None:
+        msg = "no draft head for the embedded model (rag-spec draft train --head)"
+        raise SystemExit(msg)
+
+    def decoder(drafter: Any, **config: Any) -> Any:
+        return LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(**config),
+                                drafter=drafter)
+
+    decoders = {
+        "no_drafts": decoder(TrieDrafter(), budget=0),
+        "trie": decoder(TrieDrafter()),
+        "corpus": decoder(CorpusOnly(index)),
+        "trie_corpus": decoder(TrieDrafter(corpus=index)),
+        "head": decoder(FeatureDrafter(head)),
+        "head_trie": decoder(MergedDrafter(FeatureDrafter(head))),
+        "head_trie_corpus": decoder(MergedDrafter(FeatureDrafter(head),
+                                                  TrieDrafter(corpus=index))),
+    }
+
+    def hf(prompt: list[int]) -> Run:
+        ids = torch.tensor([prompt])
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=n)
+        return Run(0.0, out[0, len(prompt):].tolist())
+
+    def ours(d: Any, prompt: list[int]) -> Run:
+        result = d.generate(prompt, max_new_tokens=n)
+        return Run(0.0, result.token_ids, {"per_pass": result.stats.tokens_per_step})
+
+    rows = os.environ.get("CD_ROWS")
+    if rows:
+        decoders = {k: v for k, v in decoders.items()
+                    if k == "no_drafts" or k in rows.split(",")}
+    systems: dict[str, Any] = {"hf": hf}
+    systems.update({name: (lambda p, d=d: ours(d, p)) for name, d in decoders.items()})
+    for system in systems.values():
+        system(rag[0][:64])  # warm-up
+    report: dict[str, Any] = {
+        "benchmark": "corpus_drafts", "model": "smollm2-135m-instruct", "dtype": "float32",
+        "max_new_tokens": n, "machine": machine(),
+        "corpus": {"passages": len(kb.passages), "tokens": len(index),
+                   "build_s": round(built_s, 2), "mb": round(index.nbytes / 2**20, 1)}}
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+        runs = interleaved(systems, prompts)
+        base, plain = runs["hf"], runs["no_drafts"]
+        report[name] = {"prompts": len(prompts), "systems": {s: {
+            "speedup_vs_hf": round(median([b.seconds / r.seconds for b, r in
+                                           zip(base, runs[s])]), 3),
+            "over_no_drafts": round(median([p.seconds / r.seconds for p, r in
+                                            zip(plain, runs[s])]), 3),
+            "tokens_per_pass": round(median([r.extra["per_pass"] for r in runs[s]]), 3),
+            "identical_to_hf": sum(r.tokens == b.tokens for b, r in zip(base, runs[s])),
+            "per_prompt_speedup": [round(b.seconds / r.seconds, 3)
+                                   for b, r in zip(base, runs[s])],
+        } for s in decoders}}
+    publish(report, None, "corpus_drafts", _plot, _table)
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    fig, axes = figure(2, (12, 4.5), sharey=True)
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        data = report[name]["systems"]
+        ax.bar(list(data), [s["speedup_vs_hf"] for s in data.values()])
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.tick_params(axis="x", rotation=45)
+        ax.set_title(f"{name}: {report[name]['prompts']} prompts")
+        ax.set_ylabel("median speedup vs transformers greedy")
+    save_figure(fig, path, f"{setting(report)}, {report['max_new_tokens']} new tokens")
+
+
+def _table(report: dict[str, Any]) -> None:
+    corpus = report["corpus"]
+    print(f"suffix index: {corpus['passages']} passages, {corpus['tokens']} tokens, "
+          f"built in {corpus['build_s']} s, {corpus['mb']} MB")
+    for name in ("rag", "open_ended"):
+        print(f"\n{name} ({report[name]['prompts']} prompts)")
+        print(f"{'drafts':18} {'vs generate':>12} {'vs no drafts':>13} {'tok/pass':>9} "
+              f"{'identical':>10}")
+        for system, s in report[name]["systems"].items():
+            print(f"{system:18} {s['speedup_vs_hf']:11.2f}x {s['over_no_drafts']:12.2f}x "
+                  f"{s['tokens_per_pass']:9.2f} {s['identical_to_hf']:>10}")
+
+
+if __name__ == "__main__":
+    main()
