@@ -68,7 +68,9 @@ class DraftHead(torch.nn.Module):
     from the target's last layer and norm; the LM head's rows for ``subset`` (frozen, the
     target's own). Embeddings are looked up in the target's table (passed in, not copied)."""
 
-    def __init__(self, model: Any, subset: torch.Tensor) -> None:
+    def __init__(self, model: Any, subset: torch.Tensor, trained_for: str | None = None) -> None:
+        """``trained_for``: ``model``'s fingerprint where the caller has it (it reads every
+        weight)."""
         super().__init__()
         decoder = model.get_decoder()
         last = decoder.layers[-1]
@@ -89,7 +91,7 @@ class DraftHead(torch.nn.Module):
         self.lm_head = SubsetHead(head[subset.to(head.device)], subset.to(head.device),
                                head.shape[0])
         self.agreement: dict[str, dict[str, float]] = {}  # held out, before and after training
-        self.trained_for = model_fingerprint(model)  # the model it drafts for
+        self.trained_for = trained_for or model_fingerprint(model)  # the model it drafts for
         self.to(device=head.device, dtype=head.dtype)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor
@@ -142,7 +144,7 @@ def find_head(model: Any) -> DraftHead | None:
         if path is None or not path.is_file():
             continue
         try:
-            return load_head(model, path)
+            return load_head(model, path, fingerprint)
         except Exception as err:  # a damaged file must not stop answers: drafts are optional
             log.warning("rag-spec: the draft head %s could not be read (%s: %s); drafting "
                         "with the trie alone.", path, type(err).__name__, err)
@@ -175,14 +177,15 @@ def _user_heads() -> Path | None:
         return None
 
 
-def load_head(model: Any, path: Path) -> DraftHead:
-    """A head saved by ``cached_head`` for ``model``."""
+def load_head(model: Any, path: Path, fingerprint: str | None = None) -> DraftHead:
+    """A head saved by ``cached_head`` for ``model`` (``fingerprint``: the model's, where the
+    caller has it)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as file:
         meta = file.metadata()
         tensors = {k: file.get_tensor(k) for k in file.keys()}  # noqa: SIM118
-    head = DraftHead(model, tensors["subset"])
+    head = DraftHead(model, tensors["subset"], fingerprint)
     trained_for = meta.get("trained_for")
     if trained_for is not None and trained_for != head.trained_for:
         msg = (f"The draft head {path} was trained for another model (fingerprint "
