@@ -177,3 +177,32 @@ def test_the_retrievers_first_name_still_works_and_says_it_does_not_speculate():
         retriever = SpecRetriever(HashRetriever(), similarity_top_k=2)
     assert isinstance(retriever, RagSpecRetriever)
     assert len(retriever.retrieve("alpha beta")) == 2
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers and return the sum."""
+    return a + b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers and return the product."""
+    return a * b
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+async def test_a_function_agent_completes_a_two_tool_task_on_the_embedded_model():
+    from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
+
+    agent = FunctionAgent(tools=[add, multiply], llm=LookaheadLLM(max_new_tokens=96),
+                          initial_tool_choice="required", allow_parallel_tool_calls=True,
+                          system_prompt="Compute with the tools: add and multiply.")
+    handler = agent.run("Call add with a=3, b=4 and call multiply with a=5, b=6.",
+                        max_iterations=4)
+    calls = [(event.tool_name, event.tool_kwargs, event.tool_output.raw_output)
+             async for event in handler.stream_events() if isinstance(event, ToolCallResult)]
+    answer = str(await handler)
+    # both calls in the first step (forced, parallel), then an answer from their results
+    # (the 135M model says them in the results' own format, tags included)
+    assert calls == [("add", {"a": 3, "b": 4}, 7), ("multiply", {"a": 5, "b": 6}, 30)]
+    assert "7" in answer and "30" in answer

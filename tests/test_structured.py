@@ -474,3 +474,37 @@ def test_lookahead_llm_calls_tools_and_predicts_structures(printable_dir):
         assert "tool call" in str(err) or "Expected" in str(err)
     else:
         assert isinstance(item, Item) and isinstance(item.n, int)
+
+
+def test_results_come_back_as_the_users_turn_named_after_their_tool_without_a_tools_section():
+    from rag_spec.serving.tools import Tool, tool_messages
+
+    tool = Tool("add", "Add.", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    messages = tool_messages([{"role": "user", "content": "3 + 4?"},
+                              {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                              {"role": "tool", "content": "7", "name": "add"},
+                              {"role": "tool", "content": "9"}], [tool])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "user"]
+    assert messages[3]["content"] == "<tool_response>add: 7</tool_response>"
+    assert messages[4]["content"] == "<tool_response>9</tool_response>"
+    assert "<tool_response>" in messages[0]["content"]
+
+
+def test_both_adapters_name_a_results_turn_after_the_call_it_answers():
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.rag_spec.base import _chat as llama_index_chat
+
+    from langchain_rag_spec.chat_models import _chat as langchain_chat
+
+    call = {"id": "c1", "name": "add", "arguments": {"a": 3}}
+    asked = AIMessage("", tool_calls=[{"id": "c1", "name": "add", "args": {"a": 3}}])
+    turns = langchain_chat([HumanMessage("3?"), asked,
+                            ToolMessage("7", tool_call_id="c1")])
+    assert turns[2] == {"role": "tool", "content": "7", "name": "add"}
+    turns = llama_index_chat([ChatMessage(role="user", content="3?"),
+                              ChatMessage(role="assistant", content="",
+                                          additional_kwargs={"tool_calls": [call]}),
+                              ChatMessage(role="tool", content="7",
+                                          additional_kwargs={"tool_call_id": "c1"})])
+    assert turns[2] == {"role": "tool", "content": "7", "name": "add"}

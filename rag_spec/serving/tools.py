@@ -23,6 +23,7 @@ from typing import Any
 from rag_spec.errors import RagSpecError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _CALLS = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
@@ -170,12 +171,21 @@ def tool_messages(messages: Sequence[Mapping[str, str]], tools: Sequence[Tool]
     lines = "\n".join(json.dumps(t.openai()["function"]) for t in tools)
     system = (f"You can call tools. To call one, write {OPEN}{{\"name\": <tool name>, "
               f"\"arguments\": <its arguments as JSON>}}{CLOSE}; write several blocks to call "
-              f"several. Tools:\n{lines}")
-    rest = [dict(m) for m in messages]
+              f"several. Their results come back as {RESULT_OPEN}...{RESULT_CLOSE}: then "
+              f"answer with them. Tools:\n{lines}")
+    # results as the user's turn: a template without a tools section knows no tool role
+    rest = [{"role": "user", "content": _result(m)} if m.get("role") == "tool" else dict(m)
+            for m in messages]
     if rest and rest[0].get("role") == "system":
         rest[0]["content"] = f"{rest[0]['content']}\n\n{system}"
         return rest
     return [{"role": "system", "content": system}, *rest]
+
+
+def _result(message: Mapping[str, str]) -> str:
+    """A tool's result as the user's turn says it: the tool's name where the turn has one."""
+    name = f"{message['name']}: " if message.get("name") else ""
+    return f"{RESULT_OPEN}{name}{message['content']}{RESULT_CLOSE}"
 
 
 def template_has_tools(tokenizer: Any) -> bool:

@@ -10,7 +10,13 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    ToolMessage,
+)
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import (
     JsonOutputKeyToolsParser,
@@ -183,9 +189,18 @@ def _with_calls(chunks: Any, chunk: Any) -> Iterator[ChatGenerationChunk]:
 
 def _chat(messages: list[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as role/content dicts for the chat template; an AI message's tool
-    calls are written as the model writes them, a tool's result is a ``tool`` turn."""
-    return [{"role": m.role if isinstance(m, ChatMessage) else _ROLES.get(m.type, "user"),
-             "content": _content(m)} for m in messages]
+    calls are written as the model writes them, a tool's result is a ``tool`` turn named after
+    its tool (the message's name, else the name its call had)."""
+    names = {c["id"]: c["name"] for m in messages if isinstance(m, AIMessage)
+             for c in m.tool_calls if c.get("id")}
+    chat = []
+    for m in messages:
+        turn = {"role": m.role if isinstance(m, ChatMessage) else _ROLES.get(m.type, "user"),
+                "content": _content(m)}
+        if isinstance(m, ToolMessage) and (m.name or names.get(m.tool_call_id)):
+            turn["name"] = m.name or names[m.tool_call_id]
+        chat.append(turn)
+    return chat
 
 
 def _content(message: BaseMessage) -> str:

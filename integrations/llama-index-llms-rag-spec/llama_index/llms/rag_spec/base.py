@@ -179,8 +179,19 @@ class LookaheadLLM(FunctionCallingLLM):
 
 def _chat(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     """Messages for the chat template: an assistant's tool calls written as the model writes
-    them, a tool's result as a ``tool`` turn."""
-    return [{"role": m.role.value, "content": _content(m)} for m in messages]
+    them, a tool's result as a ``tool`` turn named after the tool its call named."""
+    names: dict[str, str] = {}  # a call's id -> its tool's name, for the result's turn
+    chat = []
+    for m in messages:
+        for call in m.additional_kwargs.get("tool_calls") or []:
+            if isinstance(call, dict) and "id" in call and "name" in call:
+                names[call["id"]] = call["name"]
+        turn = {"role": m.role.value, "content": _content(m)}
+        name = names.get(m.additional_kwargs.get("tool_call_id", ""))
+        if m.role.value == "tool" and name:
+            turn["name"] = name
+        chat.append(turn)
+    return chat
 
 
 def _content(message: ChatMessage) -> str:
