@@ -114,3 +114,20 @@ output = llm.predict_and_call([docs_tool], user_msg="Find how to join paths.",
                               tool_required=True)
 print(output.sources[0].tool_name, output.sources[0].raw_input)
 print(str(output)[:300])
+
+# %% [markdown]
+# An agent: LlamaIndex's `FunctionAgent` runs on it. Its first step must call a tool
+# (`initial_tool_choice`); the next one answers from the result (or calls again). The
+# template of SmolLM2 has no tools section, so results come back as
+# `<tool_response>name: result</tool_response>` in the user's turn.
+
+# %%
+from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult  # noqa: E402
+
+agent = FunctionAgent(tools=[docs_tool], llm=llm, initial_tool_choice="search_docs",
+                      system_prompt="Answer questions about Python from its documentation.")
+handler = agent.run("How do I copy a whole directory tree?", max_iterations=6)
+async for event in handler.stream_events():
+    if isinstance(event, ToolCallResult):
+        print("called", event.tool_name, event.tool_kwargs)
+print(str(await handler)[:300])
