@@ -91,3 +91,19 @@ def test_corpus_drafts_keep_greedy_tokens_and_are_accepted(model):
     with_corpus, without = (d.generate(prompt, max_new_tokens=40) for d in (corpus, alone))
     assert with_corpus.token_ids == without.token_ids == expected
     assert with_corpus.stats.tokens_per_step > without.stats.tokens_per_step
+
+
+def test_sampling_with_corpus_drafts_keeps_plain_samplings_distribution(model):
+    from lab.corpus_drafts import CorpusOnly
+    from test_sampling import KNOBS, PROMPT, N, assert_plain_sampling
+
+    knobs = KNOBS["top_p"]
+    greedy = LookaheadDecoder(model).generate(PROMPT, max_new_tokens=3).token_ids
+    # the corpus alone drafts (no n-grams of the prompt or the answer, no memory): the greedy
+    # path, which the samples often take
+    index = SuffixIndex([PROMPT + greedy], min_match=2)
+    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
+                               drafter=CorpusOnly(index))
+    results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=7, **knobs)
+    assert sum(sum(r.stats.accepted_per_step) for r in results) > N // 10  # drafts were kept
+    assert_plain_sampling(model, results, knobs)
