@@ -90,7 +90,14 @@ def test_streamed_products_run_the_models_own_layers_in_order(monkeypatch):
 
     monkeypatch.setattr(rag_spec_kernels, "onednn_available", lambda model: False)
     monkeypatch.setattr(torch.nn.functional, "linear", recorded)
-    assert streamed_product_seconds(model, 17, repeats=3) > 0
+    timed = iter([3.0, 1.0, 2.0])  # an injected clock: each timed pass's seconds
+
+    def clock(call, device=None):
+        call()
+        return next(timed)
+
+    monkeypatch.setattr(floor, "_seconds", clock)
+    assert streamed_product_seconds(model, 17, repeats=3) == 2.0  # the median
     # one untimed pass, then three timed ones, each through every layer once, in order
     assert seen == 4 * [(17, w.data_ptr()) for w in linears]
 

@@ -51,7 +51,6 @@ class SuffixIndex:
         parts = [np.append(np.asarray(d, dtype=np.int32), np.int32(_SEPARATOR))
                  for d in documents if len(d)]
         self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        self.documents = len(parts)
         self.suffixes = divsufsort(self.tokens) if len(self.tokens) else \
             np.zeros(0, dtype=np.int32)
         self.max_match = max_match
@@ -99,28 +98,33 @@ class SuffixIndex:
         return first, lo
 
     def longest_match(self, context: Sequence[int]) -> tuple[int, int]:
-        """(length, occurrences) of the longest suffix of ``context`` found (0 tokens: none).
-        A longer suffix occurs only where every shorter one does, so lengths are bisected."""
-        found, count = 0, 0
+        """(length, occurrences) of the longest suffix of ``context`` found (0 tokens: none)."""
+        length, first, last = self._longest(context)
+        return length, last - first
+
+    def _longest(self, context: Sequence[int]) -> tuple[int, int, int]:
+        """(length, first, last): the longest suffix of ``context`` found and its suffixes'
+        range. A longer suffix occurs only where every shorter one does, so lengths are
+        bisected."""
+        found = first = last = 0
         lo, hi = 1, min(self.max_match, len(context))
         while lo <= hi:
             k = (lo + hi) // 2
-            first, last = self._range([int(t) for t in context[-k:]])
-            if last > first:
-                found, count, lo = k, last - first, k + 1
+            start, end = self._range([int(t) for t in context[-k:]])
+            if end > start:
+                found, first, last, lo = k, start, end, k + 1
             else:
                 hi = k - 1
-        return found, count
+        return found, first, last
 
     def continuations(self, context: Sequence[int], depth: int
                       ) -> tuple[Children | None, int]:
         """What followed the longest suffix of ``context`` found, as a continuation trie of at
         most ``min(depth, 2 x its length)`` tokens, and that length (0: nothing found; no trie
         below ``min_match``)."""
-        length, _ = self.longest_match(context)
+        length, first, last = self._longest(context)
         if length < max(1, self.min_match):
             return None, length
-        first, last = self._range([int(t) for t in context[-length:]])
         starts = self.suffixes[first:last]
         if len(starts) > self.max_occurrences:  # evenly over the range: sorted by what follows
             starts = starts[np.linspace(0, len(starts) - 1, self.max_occurrences).astype(int)]

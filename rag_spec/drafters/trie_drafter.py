@@ -80,9 +80,9 @@ class TrieDrafter(Drafter):
         return "trie" if self.corpus is None else "trie + corpus"
 
     @classmethod
-    def from_config(cls, config: TrieConfig, corpus: SuffixIndex | None = None) -> TrieDrafter:
+    def from_config(cls, config: TrieConfig) -> TrieDrafter:
         return cls(branch_length=config.branch_length, mode=config.mode,
-                   memory_mb=config.memory_mb, corpus=corpus)
+                   memory_mb=config.memory_mb)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
@@ -114,6 +114,11 @@ class TrieSession:
     def propose(self, context: Sequence[int], budget: int) -> TokenTree:
         if budget <= 0:
             return TokenTree.empty()
+        corpus: list[tuple[Children, float]] = []
+        if self.drafter.corpus is not None:  # read only: looked up outside the memory's lock
+            found, _ = self.drafter.corpus.continuations(context, self.drafter.branch_length)
+            if found:
+                corpus.append((found, CORPUS_WEIGHT / sum(count for count, _ in found.values())))
         with self.drafter._lock:  # the shared memory must not change while it is walked
             tries: list[tuple[Children, float]] = []
             for trie, weight in ((self.request, REQUEST_WEIGHT),
@@ -121,11 +126,7 @@ class TrieSession:
                 found = trie.continuations(context)
                 if found:
                     tries.append((found, weight))
-            if self.drafter.corpus is not None:
-                found, _ = self.drafter.corpus.continuations(context, self.drafter.branch_length)
-                if found:
-                    seen = sum(count for count, _ in found.values())
-                    tries.append((found, CORPUS_WEIGHT / seen))
+            tries += corpus
             if not tries:
                 return TokenTree.empty()
             depth = self.drafter.branch_length
