@@ -57,8 +57,8 @@ _EXPORTS = {
     "Tool": "rag_spec.serving.tools",
     "ToolCall": "rag_spec.serving.tools",
     "call_grammar": "rag_spec.serving.tools",
-    "parse_calls": "rag_spec.serving.tools",
-    "render_call": "rag_spec.serving.tools",
+    "CallFormat": "rag_spec.serving.tools",
+    "call_format": "rag_spec.serving.tools",
     "tool_options": "rag_spec.serving.tools",
 }
 

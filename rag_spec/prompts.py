@@ -21,18 +21,24 @@ def rag_messages(question: str, hits: Sequence[Hit]) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def merge_turns(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    """Join consecutive messages of one role: many chat templates insist that roles alternate."""
-    merged: list[dict[str, str]] = []
+def merge_turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Join consecutive messages of one role: many chat templates insist that roles alternate.
+    Tool results and turns carrying tool calls stay whole (each answers or names one call)."""
+    merged: list[dict[str, Any]] = []
     for message in messages:
-        if merged and merged[-1]["role"] == message["role"]:
+        if merged and _plain(merged[-1]) and _plain(message) and \
+                merged[-1]["role"] == message["role"]:
             merged[-1]["content"] += "\n\n" + message["content"]
         else:
-            merged.append({"role": message["role"], "content": message["content"]})
+            merged.append(dict(message))
     return merged
 
 
-def chat_input_ids(tokenizer: Any, messages: Sequence[dict[str, str]],
+def _plain(message: Mapping[str, Any]) -> bool:
+    return message["role"] != "tool" and set(message) == {"role", "content"}
+
+
+def chat_input_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``messages`` with the generation prompt appended (``tools``: for a chat
     template with a tools section)."""

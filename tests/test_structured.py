@@ -135,7 +135,8 @@ def test_each_nodes_logits_are_masked_along_its_own_path(lm, tok):
     constraint = Constraint(compiled, lm.get_input_embeddings().num_embeddings, tok)
     a, b, c, d = (tok.convert_tokens_to_ids(x) for x in "abcd")
     tree = TokenTree.from_paths([[a], [c]])
-    masked = constraint.apply(torch.zeros(3, lm.get_input_embeddings().num_embeddings), tree)
+    masked = constraint.apply(torch.zeros(3, lm.get_input_embeddings().num_embeddings),
+                              constraint.masks(tree))
     allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in masked]
     assert allowed == [{a, c}, {b}, {d}]
 
@@ -181,7 +182,7 @@ def constrained_marginals(lm, tok, ids, regex, knobs):
         constraint.advance(context[len(ids):])
         with torch.no_grad():
             logits = lm(torch.tensor([context])).logits[:, -1].float()
-        logits = constraint.apply(logits, TokenTree.empty())
+        logits = constraint.apply(logits, constraint.masks(TokenTree.empty()))
         logits = TemperatureLogitsWarper(knobs["temperature"])(None, logits)
         if "top_k" in knobs:
             logits = TopKLogitsWarper(knobs["top_k"])(None, logits)
@@ -426,15 +427,6 @@ def test_bad_tools_are_refused_when_bound(printable_dir, tools, choice, match):
         ChatLookahead(model=printable_dir).bind_tools(tools, tool_choice=choice)
 
 
-def test_calls_parse_out_of_text_and_back():
-    from rag_spec.serving.tools import ToolCall, parse_calls, render_call
-
-    call = ToolCall("f", {"x": [1, 2]}, id="call_1")
-    text, calls = parse_calls(f"before {render_call(call)} after <tool_call>oops</tool_call>")
-    assert text == "before  after <tool_call>oops</tool_call>"
-    assert [(c.name, c.arguments) for c in calls] == [("f", {"x": [1, 2]})]
-
-
 # -- LlamaIndex: a function-calling LLM ----------------------------------------------------------
 
 def test_lookahead_llm_calls_tools_and_predicts_structures(printable_dir):
@@ -477,34 +469,60 @@ def test_lookahead_llm_calls_tools_and_predicts_structures(printable_dir):
 
 
 def test_results_come_back_as_the_users_turn_named_after_their_tool_without_a_tools_section():
-    from rag_spec.serving.tools import Tool, tool_messages
+    from rag_spec.serving.tools import GENERIC, Tool, ToolCall, chat_messages
 
     tool = Tool("add", "Add.", {"type": "object", "properties": {"a": {"type": "integer"}}})
-    messages = tool_messages([{"role": "user", "content": "3 + 4?"},
-                              {"role": "assistant", "content": "<tool_call>...</tool_call>"},
-                              {"role": "tool", "content": "7", "name": "add"},
-                              {"role": "tool", "content": "9"}], [tool])
+    asked = [ToolCall("add", {"a": 3}, id="c1"), ToolCall("add", {"a": 5}, id="c2")]
+    messages = chat_messages([{"role": "user", "content": "3 + 4?"},
+                              {"role": "assistant", "content": "", "tool_calls": asked},
+                              {"role": "tool", "content": "7", "tool_call_id": "c1"},
+                              {"role": "tool", "content": "9"}], [tool], form=GENERIC,
+                             native=False)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "user"]
+    assert messages[2]["content"] == GENERIC.render(asked)  # as the model wrote them
     assert messages[3]["content"] == "<tool_response>add: 7</tool_response>"
     assert messages[4]["content"] == "<tool_response>9</tool_response>"
     assert "<tool_response>" in messages[0]["content"]
 
 
-def test_both_adapters_name_a_results_turn_after_the_call_it_answers():
+def test_both_adapters_hand_on_calls_and_the_id_a_result_answers():
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.rag_spec.base import _chat as llama_index_chat
 
     from langchain_rag_spec.chat_models import _chat as langchain_chat
+    from rag_spec.serving.tools import ToolCall
 
-    call = {"id": "c1", "name": "add", "arguments": {"a": 3}}
+    call = ToolCall("add", {"a": 3}, id="c1")
     asked = AIMessage("", tool_calls=[{"id": "c1", "name": "add", "args": {"a": 3}}])
-    turns = langchain_chat([HumanMessage("3?"), asked,
-                            ToolMessage("7", tool_call_id="c1")])
-    assert turns[2] == {"role": "tool", "content": "7", "name": "add"}
+    turns = langchain_chat([HumanMessage("3?"), asked, ToolMessage("7", tool_call_id="c1")])
+    assert turns[1]["tool_calls"] == [call]
+    assert turns[2] == {"role": "tool", "content": "7", "tool_call_id": "c1"}
     turns = llama_index_chat([ChatMessage(role="user", content="3?"),
-                              ChatMessage(role="assistant", content="",
-                                          additional_kwargs={"tool_calls": [call]}),
+                              ChatMessage(role="assistant", content="", additional_kwargs={
+                                  "tool_calls": [{"id": "c1", "name": "add",
+                                                  "arguments": {"a": 3}}]}),
                               ChatMessage(role="tool", content="7",
                                           additional_kwargs={"tool_call_id": "c1"})])
-    assert turns[2] == {"role": "tool", "content": "7", "name": "add"}
+    assert turns[1]["tool_calls"] == [call]
+    assert turns[2] == {"role": "tool", "content": "7", "tool_call_id": "c1"}
+
+
+def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
+    """On an accelerator a forward call returns before the pass ends: each step fills its
+    grammar's masks between the launch and the wait for the pass (as vLLM fills its
+    bitmasks), so a constrained step costs the longer of the two, not their sum."""
+    import rag_spec.engine.decoder as decoder_module
+    from rag_spec.engine.forward.runner import Runner
+
+    events = []
+    forward, masks = Runner.forward, Constraint.masks
+    monkeypatch.setattr(Runner, "forward", lambda self, *a, **k: events.append("launch")
+                        or forward(self, *a, **k))
+    monkeypatch.setattr(Constraint, "masks", lambda self, tree: events.append("masks")
+                        or masks(self, tree))
+    monkeypatch.setattr(decoder_module, "settle", lambda device: events.append("wait"))
+    result = LookaheadDecoder(lm, tok).generate(prompt(tok), 24, json_schema=SCHEMA)
+    steps = [events[i:i + 3] for i, e in enumerate(events) if e == "launch"]
+    assert len(steps) >= result.stats.steps > 1
+    assert steps[-result.stats.steps:] == [["launch", "masks", "wait"]] * result.stats.steps

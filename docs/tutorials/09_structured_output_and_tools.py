@@ -72,9 +72,11 @@ print(f"identical; generate + xgrammar {peer:.1f} s, ours {ours:.1f} s "
 # %% [markdown]
 # ## LangChain: the knowledge base as a tool
 #
-# `bind_tools` offers the tools through the chat template (or, for SmolLM2, whose template has
-# no tools section, a system message in the `<tool_call>` format); the call is decoded under
-# a grammar of the tools' schemas, so it always parses into `AIMessage.tool_calls`.
+# `bind_tools` offers the tools through the chat template, and the model calls them in its
+# family's own format, read from the template (Qwen's `<tool_call>` blocks, Llama 3.x's bare
+# JSON, Mistral's `[TOOL_CALLS]`); SmolLM2's template has no tools section, so a system
+# message teaches it the `<tool_call>` format. The call is decoded under a grammar of the
+# tools' schemas, so it always parses into `AIMessage.tool_calls`.
 
 # %%
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402

@@ -513,13 +513,15 @@ class LookaheadDecoder:
         target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
         logits = runner.forward(cache, tree_step(cache, trees, runner.dtype),
                                 features=self.drafter.capabilities.reads_features)
+        # the grammars' masks are filled on the CPU while an accelerator runs the pass
+        masks = [_masks(row, tree) for row, tree in zip(rows, trees)]
         settle(runner.device)  # the cost model needs the pass's time, not its launch's
         t2 = time.perf_counter()
         target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
         # 3. Verify: each row's accepted path and the target's next token after it.
-        verdicts = [verify(self._allowed(row, logits[b, :1 + len(tree)], tree), tree,
+        verdicts = [verify(_allowed(row, logits[b, :1 + len(tree)], mask), tree,
                            row.sampler, row.context, len(row.output))
-                    for b, (row, tree) in enumerate(zip(rows, trees))]
+                    for b, (row, tree, mask) in enumerate(zip(rows, trees, masks))]
         for row, rule, tree, proposal, verdict, on in zip(rows, rules, trees, proposals,
                                                            verdicts, active):
             if on:
@@ -538,18 +540,11 @@ class LookaheadDecoder:
         """Commit each row's first token, chosen from the logits after its whole prompt; it
         becomes the row's root."""
         empty = TokenTree.empty()
-        verdicts = [verify(self._allowed(row, logits[b:b + 1], empty), empty, row.sampler,
-                           row.context, 0) for b, row in enumerate(rows)]
+        verdicts = [verify(_allowed(row, logits[b:b + 1], _masks(row, empty)), empty,
+                           row.sampler, row.context, 0) for b, row in enumerate(rows)]
         for row, rule, verdict in zip(rows, rules, verdicts):
             self._commit(row, rule, verdict.tokens, 0, empty)
         cache.roots = [v.next_token for v in verdicts]
-
-    @staticmethod
-    def _allowed(row: _Row, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
-        """A row's logits [1 + n, vocab], masked by its grammar along each node's path."""
-        if row.constraint is None or row.finish_reason is not None:
-            return logits
-        return row.constraint.apply(logits, tree)
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
                 proposal: TokenTree) -> None:
@@ -611,6 +606,19 @@ class LookaheadDecoder:
         if self.tokenizer is None:
             msg = f"{what} needs a tokenizer: LookaheadDecoder(model, tokenizer)."
             raise RagSpecError(msg)
+
+
+def _masks(row: _Row, tree: TokenTree) -> torch.Tensor | None:
+    """A row's grammar's bitmask over ``tree`` (None: no grammar, or the row has finished)."""
+    if row.constraint is None or row.finish_reason is not None:
+        return None
+    return row.constraint.masks(tree)
+
+
+def _allowed(row: _Row, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A row's logits [1 + n, vocab], masked by its grammar along each node's path."""
+    return logits if row.constraint is None or mask is None else \
+        row.constraint.apply(logits, mask)
 
 
 def _learn(row: _Row) -> None:

@@ -24,11 +24,19 @@ from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.prompts import chat_input_ids, merge_turns
 from rag_spec.serving.drafts import draft_key, drafter_for
-from rag_spec.serving.tools import Tool, template_has_tools, tool_messages
+from rag_spec.serving.tools import (
+    CallFormat,
+    Tool,
+    ToolCall,
+    call_format,
+    chat_messages,
+    options_grammar,
+    template_has_tools,
+)
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
 
-Messages = Sequence[Mapping[str, str]]  # [{"role": ..., "content": ...}, ...]
+Messages = Sequence[Mapping[str, Any]]  # [{"role": ..., "content": ...}, ...] (see encode)
 Prompt = str | Messages  # text is completed as is; messages get the chat template
 
 
@@ -44,8 +52,11 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     json_schema: str | None = None  # the JSON schema the output follows, as JSON text
-    grammar: str | None = None  # or the EBNF grammar it follows (tool calls: ``tools``)
-    tools: str | None = None  # the tools the prompt offers, as JSON (``serving.tools``)
+    grammar: str | None = None  # or the EBNF grammar it follows
+    # tools the prompt offers, as JSON, and how they are called: ``serving.tools.tool_options``
+    tools: str | None = None
+    tool_choice: str = "auto"  # or "any" (a call is made), or a tool's name
+    parallel_tool_calls: bool = False  # a forced answer may hold several calls
 
     def decoder_kwargs(self) -> dict[str, Any]:
         sample = self.temperature > 0
@@ -65,6 +76,8 @@ class Completion:
     prompt_tokens: int
     finish_reason: str  # "eos", "stop" or "length"
     stats: DecodeStats
+    content: str  # the text outside tool calls (the text, where no tools were offered)
+    calls: tuple[ToolCall, ...] = ()  # the calls it made, parsed (a cut-off call is text)
 
     @property
     def seconds(self) -> float:
@@ -156,19 +169,24 @@ class LocalLM:
     def encode(self, prompt: Prompt, tools: str | None = None) -> list[int]:
         """Token ids of a text prompt, or of chat messages with the generation prompt added
         (and ``tools``, JSON of ``serving.tools.Tool.openai`` entries, offered: through the
-        chat template's tools section, else in a system message)."""
+        chat template's tools section, else in a system message). An assistant message may
+        carry ``tool_calls`` (``ToolCall``s), a ``tool`` message ``tool_call_id`` and
+        ``name``: see ``serving.tools.chat_messages``."""
         if isinstance(prompt, str):
             return list(self._tokens(prompt)["input_ids"])
         if not prompt:
             msg = "No messages to answer; pass at least one user message."
             raise RagSpecError(msg)
-        if not tools:
-            return chat_input_ids(self._tokens, merge_turns(prompt))
-        offered = [Tool.from_openai(spec) for spec in json.loads(tools)]
-        if self._template_has_tools:
-            return chat_input_ids(self._tokens, merge_turns(prompt),
-                                  tools=[t.openai() for t in offered])
-        return chat_input_ids(self._tokens, merge_turns(tool_messages(prompt, offered)))
+        offered = [Tool.from_openai(spec) for spec in json.loads(tools)] if tools else []
+        native = self._template_has_tools
+        messages = chat_messages(prompt, offered, form=self.call_format, native=native)
+        return chat_input_ids(self._tokens, merge_turns(messages),
+                              tools=[t.openai() for t in offered] if native else None)
+
+    @functools.cached_property
+    def call_format(self) -> CallFormat:
+        """How this model writes tool calls (read from its chat template)."""
+        return call_format(self._tokens)
 
     @functools.cached_property
     def _template_has_tools(self) -> bool:
@@ -195,12 +213,12 @@ class LocalLM:
         options = _checked(options)
         ids = self.encode(prompt, options.tools)
         with self._batcher.exclusive():
-            stream = self.decoder.stream(ids, context=tuple(context), **options.decoder_kwargs())
+            stream = self.decoder.stream(ids, context=tuple(context),
+                                         **self._decoder_kwargs(options))
             for piece in stream:
                 yield Chunk(piece)
             result = stream.result
-        yield Chunk("", Completion(result.text, result.token_ids, len(ids), result.finish_reason,
-                                   result.stats))
+        yield Chunk("", self._completion(result, len(ids), options))
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,
                       context: Sequence[str] = ()) -> AsyncIterator[Chunk]:
@@ -240,9 +258,23 @@ class LocalLM:
         """Decode one batch of same-option requests (on the leading caller's thread)."""
         options, context = key
         results = self.decoder.generate(list(prompts), context=context,
-                                        **options.decoder_kwargs())
-        return [Completion(r.text, r.token_ids, len(p), r.finish_reason, r.stats)
-                for r, p in zip(results, prompts)]
+                                        **self._decoder_kwargs(options))
+        return [self._completion(r, len(p), options) for r, p in zip(results, prompts)]
+
+    def _decoder_kwargs(self, options: GenerateOptions) -> dict[str, Any]:
+        """The decoder's settings; with tools, the grammar of calls in this model's format."""
+        kwargs = options.decoder_kwargs()
+        if options.tools:
+            kwargs["grammar"] = options_grammar(self.call_format, options.tools,
+                                                options.tool_choice, options.parallel_tool_calls)
+        return kwargs
+
+    def _completion(self, result: Any, prompt_tokens: int,
+                    options: GenerateOptions) -> Completion:
+        content, calls = self.call_format.parse(result.text) if options.tools else \
+            (result.text, [])
+        return Completion(result.text, result.token_ids, prompt_tokens, result.finish_reason,
+                          result.stats, content, tuple(calls))
 
 
 def _checked(options: GenerateOptions | None) -> GenerateOptions:

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from pydantic.v1 import BaseModel as BaseModelV1
 
 from langchain_rag_spec._settings import LookaheadSettings, response_metadata, usage
-from rag_spec import Chunk, Completion, Tool, ToolCall, call_grammar, parse_calls, render_call
+from rag_spec import Chunk, Completion, Tool, ToolCall, call_grammar
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
 
@@ -56,7 +56,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         lm = self.local_lm()
         options = self.options(stop, kwargs)
         completion = lm.generate([_chat(messages)], options, kwargs.get("context", ()))[0]
-        return self._result(completion, calls=options.tools is not None)
+        return self._result(completion)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -64,7 +64,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         lm = self.local_lm()
         options = self.options(stop, kwargs)
         completions = await lm.agenerate([_chat(messages)], options, kwargs.get("context", ()))
-        return self._result(completions[0], calls=options.tools is not None)
+        return self._result(completions[0])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
@@ -131,9 +131,10 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
                    parallel_tool_calls: bool = False, **kwargs: Any) -> Runnable:
         """Offer ``tools`` (LangChain tools, Pydantic classes, functions or OpenAI tool dicts):
-        through the chat template's tools section where it has one, else a system message
-        in the ``<tool_call>`` format (``rag_spec.serving.tools``). Calls are decoded under a
-        grammar of the tools' schemas, so each parses into ``AIMessage.tool_calls``;
+        through the chat template's tools section where it has one, in the model family's
+        call format, else a system message in the ``<tool_call>`` format
+        (``rag_spec.serving.tools``). Calls are decoded under a grammar of the tools'
+        schemas, so each parses into ``AIMessage.tool_calls``;
         ``tool_choice``: "auto" (default), "any" / "required" (a call is made), a tool's
         name (that tool), or "none"; ``parallel_tool_calls``: a forced answer may hold several
         calls (one per line)."""
@@ -142,11 +143,10 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         return self.bind(tools=formatted, tool_choice=tool_choice,
                          parallel_tool_calls=parallel_tool_calls, **kwargs)
 
-    def _result(self, completion: Completion, calls: bool = False) -> ChatResult:
-        text, made = parse_calls(completion.text) if calls else (completion.text, [])
-        message = AIMessage(content=text, usage_metadata=usage(completion),
+    def _result(self, completion: Completion) -> ChatResult:
+        message = AIMessage(content=completion.content, usage_metadata=usage(completion),
                             tool_calls=[{"name": c.name, "args": c.arguments, "id": c.id,
-                                         "type": "tool_call"} for c in made],
+                                         "type": "tool_call"} for c in completion.calls],
                             response_metadata=response_metadata(completion, self.model))
         return ChatResult(generations=[ChatGeneration(
             message=message, generation_info={"finish_reason": completion.finish_reason})])
@@ -176,37 +176,30 @@ def _with_calls(chunks: Any, chunk: Any) -> Iterator[ChatGenerationChunk]:
     ``tool_call_chunks`` entry, in the last chunk (a call is yielded only once it parses)."""
     pieces = list(chunks)
     last = chunk(pieces[-1])
-    text, made = parse_calls("".join(p.text for p in pieces))
+    done = pieces[-1].completion
     yield ChatGenerationChunk(
         message=AIMessageChunk(
-            content=text, chunk_position="last", usage_metadata=last.message.usage_metadata,
+            content=done.content, chunk_position="last", usage_metadata=last.message.usage_metadata,
             response_metadata=last.message.response_metadata,
             tool_call_chunks=[{"name": c.name, "args": json.dumps(c.arguments), "id": c.id,
                                "index": i, "type": "tool_call_chunk"}
-                              for i, c in enumerate(made)]),
+                              for i, c in enumerate(done.calls)]),
         generation_info=last.generation_info)
 
 
-def _chat(messages: list[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as role/content dicts for the chat template; an AI message's tool
-    calls are written as the model writes them, a tool's result is a ``tool`` turn named after
-    its tool (the message's name, else the name its call had)."""
-    names = {c["id"]: c["name"] for m in messages if isinstance(m, AIMessage)
-             for c in m.tool_calls if c.get("id")}
+def _chat(messages: list[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as rag_spec's chat turns: an AI message's tool calls as
+    ``ToolCall``s, a tool's result with the id of the call it answers (and its name where
+    the message has one)."""
     chat = []
     for m in messages:
-        turn = {"role": m.role if isinstance(m, ChatMessage) else _ROLES.get(m.type, "user"),
-                "content": _content(m)}
-        if isinstance(m, ToolMessage) and (m.name or names.get(m.tool_call_id)):
-            turn["name"] = m.name or names[m.tool_call_id]
+        turn: dict[str, Any] = {
+            "role": m.role if isinstance(m, ChatMessage) else _ROLES.get(m.type, "user"),
+            "content": m.text}
+        if isinstance(m, AIMessage) and m.tool_calls:
+            turn["tool_calls"] = [ToolCall(c["name"], c["args"], c.get("id") or "")
+                                  for c in m.tool_calls]
+        if isinstance(m, ToolMessage):
+            turn.update({"tool_call_id": m.tool_call_id, **({"name": m.name} if m.name else {})})
         chat.append(turn)
     return chat
-
-
-def _content(message: BaseMessage) -> str:
-    calls = getattr(message, "tool_calls", None) if isinstance(message, AIMessage) else None
-    if not calls:
-        return message.text
-    written = "\n".join(render_call(ToolCall(c["name"], c["args"], c.get("id") or ""))
-                        for c in calls)
-    return f"{message.text}\n{written}".strip()

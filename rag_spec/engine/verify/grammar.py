@@ -200,10 +200,10 @@ class Constraint:
         visit(-1)
         return bitmask
 
-    def apply(self, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
-        """``logits`` [1 + n, vocab] with what the grammar forbids at each row set to -inf."""
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """``logits`` [1 + n, vocab] with what the grammar forbids at each row set to -inf
+        (``bitmask``: ``masks`` of the tree the logits verify)."""
         masked = logits.float().clone()
-        bitmask = self.masks(tree)
         vocab = min(masked.shape[-1], self.vocab_size)
         self._xgr.apply_token_bitmask_inplace(masked[:, :vocab], bitmask.to(masked.device),
                                               vocab_size=vocab)

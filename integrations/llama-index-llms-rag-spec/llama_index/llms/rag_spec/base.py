@@ -23,6 +23,7 @@ from llama_index.core.llms.llm import ToolSelection
 
 from rag_spec import (
     DEFAULT_MODEL,
+    CallFormat,
     Completion,
     GenerateOptions,
     LocalLM,
@@ -30,8 +31,6 @@ from rag_spec import (
     Prompt,
     RagSpecError,
     ToolCall,
-    parse_calls,
-    render_call,
     tool_options,
 )
 
@@ -112,8 +111,7 @@ class LookaheadLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(self._generate(_chat(messages), kwargs),
-                              calls=bool(kwargs.get("tools")))
+        return _chat_response(self._generate(_chat(messages), kwargs))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -122,8 +120,8 @@ class LookaheadLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         chunks = self._lm().stream(_chat(messages), self._options(kwargs))
-        calls = bool(kwargs.get("tools"))
-        return (_chat_response(c, text, c.text, calls) for c, text in _accumulate(chunks))
+        form = self._lm().call_format if kwargs.get("tools") else None
+        return (_chat_response(c, text, c.text, form) for c, text in _accumulate(chunks))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
@@ -133,8 +131,7 @@ class LookaheadLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(await self._agenerate(_chat(messages), kwargs),
-                              calls=bool(kwargs.get("tools")))
+        return _chat_response(await self._agenerate(_chat(messages), kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False,
@@ -145,9 +142,8 @@ class LookaheadLLM(FunctionCallingLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
         chunks = self._lm().astream(_chat(messages), self._options(kwargs))
-        calls = bool(kwargs.get("tools"))
-        return (_chat_response(c, text, c.text, calls)
-                async for c, text in _aaccumulate(chunks))
+        form = self._lm().call_format if kwargs.get("tools") else None
+        return (_chat_response(c, text, c.text, form) async for c, text in _aaccumulate(chunks))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -177,30 +173,22 @@ class LookaheadLLM(FunctionCallingLLM):
         return (await self._lm().agenerate([prompt], self._options(overrides)))[0]
 
 
-def _chat(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages for the chat template: an assistant's tool calls written as the model writes
-    them, a tool's result as a ``tool`` turn named after the tool its call named."""
-    names: dict[str, str] = {}  # a call's id -> its tool's name, for the result's turn
+def _chat(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex messages as rag_spec's chat turns: an assistant's tool calls as
+    ``ToolCall``s, a tool's result with the id of the call it answers."""
     chat = []
     for m in messages:
-        for call in m.additional_kwargs.get("tool_calls") or []:
-            if isinstance(call, dict) and "id" in call and "name" in call:
-                names[call["id"]] = call["name"]
-        turn = {"role": m.role.value, "content": _content(m)}
-        name = names.get(m.additional_kwargs.get("tool_call_id", ""))
-        if m.role.value == "tool" and name:
-            turn["name"] = name
+        turn: dict[str, Any] = {"role": m.role.value, "content": m.content or ""}
+        calls = [ToolCall(c["name"], c["arguments"], c.get("id", ""))
+                 for c in m.additional_kwargs.get("tool_calls") or []
+                 if isinstance(c, dict) and "name" in c and "arguments" in c]
+        if calls:
+            turn["tool_calls"] = calls
+        if m.role.value == "tool":
+            turn.update({k: m.additional_kwargs[k] for k in ("tool_call_id", "name")
+                         if m.additional_kwargs.get(k)})
         chat.append(turn)
     return chat
-
-
-def _content(message: ChatMessage) -> str:
-    calls = message.additional_kwargs.get("tool_calls") or []
-    written = [render_call(ToolCall(c["name"], c["arguments"], c.get("id", ""))) for c in calls
-               if isinstance(c, dict) and "name" in c and "arguments" in c]
-    if not written:  # the text as it is: a prompt's own whitespace is the caller's
-        return message.content or ""
-    return "\n".join([message.content or "", *written]).strip()
 
 
 def _accumulate(chunks: Any) -> Any:
@@ -234,11 +222,14 @@ def _completion_response(result: Any, text: str | None = None,
 
 
 def _chat_response(result: Any, text: str | None = None, delta: str | None = None,
-                   calls: bool = False) -> ChatResponse:
-    """A response; with tools offered (``calls``), the calls move from the text into the
-    message's ``additional_kwargs["tool_calls"]`` (id, name, arguments)."""
+                   form: CallFormat | None = None) -> ChatResponse:
+    """A response; with tools offered, the calls move from the text into the message's
+    ``additional_kwargs["tool_calls"]`` (id, name, arguments): a finished answer's as its
+    Completion parsed them, a stream's so far as ``form`` reads them."""
     reply = _completion_response(result, text, delta)
-    content, made = parse_calls(reply.text) if calls else (reply.text, [])
+    completion = result if isinstance(result, Completion) else result.completion
+    content, made = (completion.content, completion.calls) if completion is not None else \
+        form.parse(reply.text) if form is not None else (reply.text, [])
     extra = {"tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments}
                             for c in made]} if made else {}
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
