@@ -17,6 +17,10 @@ Machines with a GPU here reach no model hub, so the check builds a Llama of Llam
   exact numerics) at a long context;
 - a compiled step (``torch.compile`` over a static cache) against our eager one, 1 to 17 tokens
   wide, at that context, with its logits' error against the model's own;
+- constrained decoding (xgrammar, a JSON schema over a character tokenizer built here): greedy
+  identity with ``generate`` + xgrammar's logits processor, and what the grammar adds to a
+  step without drafts and with a 16-node tree (its masks are filled while the pass runs);
+  skipped, saying how, where xgrammar is not installed (its wheel travels in the tree);
 - the tree-attention kernel (Triton) against its torch reference, transformers' attention (KV
   heads repeated, a dense mask) and torch's flex attention (with its block mask) at batch 16
   and a long context, chains of 1 to 8 tokens and a StreamingLLM selection; and
@@ -47,8 +51,8 @@ from rag_spec.bench.report import figure, machine, save_figure
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 SECTIONS = ("greedy_identical", "sampling", "sampled_drafters", "trained_exit", "trained_head",
-            "speed", "compiled_speed", "step_ms", "compiled_step", "attention_kernel",
-            "long_context_batch")
+            "speed", "compiled_speed", "step_ms", "compiled_step", "structured",
+            "attention_kernel", "long_context_batch")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 96}
 
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compiled_speed": lambda: _compiled_speed(target, race, 24 if args.tiny else 128),
         "step_ms": lambda: _step_costs(target, 64 if args.tiny else args.context),
         "compiled_step": lambda: _compiled_step(target, 64 if args.tiny else args.context),
+        "structured": lambda: _structured(target, 24 if args.tiny else 64),
         "attention_kernel": lambda: _attention_kernel(target, 16, 64 if args.tiny else 4096),
         "long_context_batch": lambda: _long_batch(target, 4 if args.tiny else 16,
                                                   64 if args.tiny else args.context)}
@@ -409,6 +414,76 @@ def _compiled_step(target: Any, context: int) -> dict[str, Any]:
 
     prompt = torch.randint(3, target.config.vocab_size, (context,)).tolist()
     return compiled_over_eager(target, prompt, (1, 8, 17))
+
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"},
+    "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "n", "ok", "tags"]}
+
+
+def _char_tokenizer() -> Any:
+    """A character-level tokenizer of what JSON needs (ids 0-2 special), small enough for the
+    tiny model's vocabulary: the grammar engine reads it as it reads any."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_lowercase + string.digits + '{}[]":,. -\n'
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def _structured(target: Any, new_tokens: int) -> dict[str, Any]:
+    """Constrained greedy decoding against ``generate`` with xgrammar's logits processor (the
+    same grammar), and milliseconds per step with and without the grammar, interleaved, at no
+    drafts and at a 16-node tree (the masks cover every node)."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return {"skipped": "needs xgrammar: here `pip download xgrammar --no-deps -d wheels`, "
+                           "there `pip install --no-index wheels/xgrammar-*.whl`"}
+    from rag_spec.bench.report import median
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.verify.grammar import GrammarRequest, Grammars
+
+    tok = _char_tokenizer()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, len(tok), (48,), generator=generator).tolist()
+               for _ in range(4)]
+    compiled = Grammars.of(tok, target.config.vocab_size, [2]).compile(
+        GrammarRequest(json_schema=STRUCTURED_SCHEMA))
+    report: dict[str, Any] = {"prompts": len(prompts) - 1, "new_tokens": new_tokens}
+    expected = [_hf_greedy(target, p, new_tokens,
+                           logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+                for p in prompts]
+    expected = [e[:e.index(2) + 1] if 2 in e else e for e in expected]
+    for budget in (0, 16):
+        decoder = LookaheadDecoder(target, tok, LookaheadConfig(budget=budget))
+        kinds = {"free": {}, "json_schema": {"json_schema": STRUCTURED_SCHEMA}}
+        ms: dict[str, list[float]] = {kind: [] for kind in kinds}
+        identical = 0
+        for i, prompt in enumerate(prompts):  # the first warms up (the grammar compiles)
+            for kind in (list(kinds) if i % 2 else list(kinds)[::-1]):
+                _sync(target)
+                started = time.perf_counter()
+                result = decoder.generate(prompt, new_tokens, **kinds[kind])
+                _sync(target)
+                if i:
+                    ms[kind].append(1000 * (time.perf_counter() - started) / result.stats.steps)
+                if kind == "json_schema":
+                    identical += result.token_ids == expected[i]
+        report[f"budget_{budget}"] = {
+            "identical_to_hf": identical, "of": len(prompts),
+            "ms_per_step": {k: round(median(v), 2) for k, v in ms.items()},
+            "constrained_over_free": round(median([c / f for c, f in zip(ms["json_schema"],
+                                                                          ms["free"])]), 3)}
+    return report
 
 
 def _sync(model: Any) -> None:

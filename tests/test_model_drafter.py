@@ -304,6 +304,8 @@ def test_the_gpu_check_runs_on_a_tiny_model():
                  "rag_spec_merged", "rag_spec_draft_head"):
         assert speed[name]["identical_to_hf"] == speed["prompts"], name
     assert "skipped" in report["attention_kernel"]  # Triton needs a GPU here
+    for budget in ("budget_0", "budget_16"):  # constrained greedy as generate + xgrammar
+        assert report["structured"][budget]["identical_to_hf"] == 4, budget
     for name, counts in report["sampled_drafters"].items():
         assert counts["reproducible"] == counts["of"] and counts["tokens"] > 0, name
     for trained in (report["trained_exit"], report["trained_head"],

@@ -164,6 +164,9 @@ class Constraint:
     def __init__(self, compiled: Any, vocab_size: int, tokenizer: Any) -> None:
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
+        # ids no grammar takes (special tokens, padded rows): refused here, not by a matcher
+        # that logs a warning for each (drafts copy them from the prompt)
+        self._never = frozenset(compiled.tokenizer_info.special_token_ids)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self._xgr = xgr
@@ -193,7 +196,7 @@ class Constraint:
                 return
             self.matcher.fill_next_token_bitmask(bitmask, node + 1)
             for child in children[node]:
-                if self.matcher.accept_token(tree.tokens[child]):
+                if self._takes(tree.tokens[child]):
                     visit(child)
                     self.matcher.rollback(1)
 
@@ -226,6 +229,10 @@ class Constraint:
                        f"token its mask forbade. Please report this.")
                 raise RuntimeError(msg)
 
+    def _takes(self, token: int) -> bool:
+        """Whether the matcher takes ``token`` next (it does: roll it back after)."""
+        return token not in self._never and self.matcher.accept_token(token)
+
     def _allowed(self, tree: TokenTree) -> TokenTree:
         """The nodes whose token the grammar accepts after their path, with their parents."""
         children = _children(tree)
@@ -235,7 +242,7 @@ class Constraint:
             if self.matcher.is_terminated():
                 return
             for child in children[node]:
-                if self.matcher.accept_token(tree.tokens[child]):
+                if self._takes(tree.tokens[child]):
                     kept.append(child)
                     visit(child)
                     self.matcher.rollback(1)
