@@ -7,7 +7,8 @@ the assistant's calls and the tools' results itself, and the model writes calls 
 was trained to (``call_format`` reads which from the template: Hermes / Qwen's
 ``<tool_call>`` blocks, Llama 3.x's bare JSON with ``"parameters"``, Mistral's
 ``[TOOL_CALLS]`` array). A template without one (the embedded SmolLM2) gets a system message
-that describes the tools and the Hermes format, and results as the user's turn. Either way
+that describes the tools and the generic format (Hermes' blocks, one line each), and results
+as the user's turn. Either way
 the answer is decoded under a grammar built from the tools' JSON schemas with xgrammar's
 structural tags: with ``tool_choice`` "auto" the model writes text and any call it opens
 must be valid; "any" (or "required") makes it call, a tool's name call that tool. So every
@@ -169,7 +170,7 @@ class CallFormat:
             return call_id
         return hashlib.sha256(call_id.encode()).hexdigest()[:self.id_length]
 
-    def new_call(self, name: str, arguments: dict[str, Any]) -> ToolCall:
+    def _new_call(self, name: str, arguments: dict[str, Any]) -> ToolCall:
         return ToolCall(name, arguments, id=self.call_id(f"call_{uuid.uuid4().hex[:24]}"))
 
     def _block(self, text: str, at: int) -> tuple[list[ToolCall], int]:
@@ -185,7 +186,7 @@ class CallFormat:
                 return [], at
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 return [], at
-            calls.append(self.new_call(name, arguments))
+            calls.append(self._new_call(name, arguments))
             at = _skip(text, at, self.call_close)
             if at < 0:
                 return [], at
@@ -217,7 +218,6 @@ LLAMA3_JSON = CallFormat("llama3_json", trigger='{"name": ', open="", call_open=
 MISTRAL = CallFormat("mistral", trigger="[TOOL_CALLS]", open="[TOOL_CALLS] [", call_open="",
                      key="arguments", call_close="", sep=", ", close="]", parallel=True,
                      reads=r'(?:\[TOOL_CALLS\])?\s*\[\s*(?=\{\s*"name")', id_length=9)
-FORMATS = {f.name: f for f in (HERMES, GENERIC, LLAMA3_JSON, MISTRAL)}
 
 
 def call_format(tokenizer: Any) -> CallFormat:
