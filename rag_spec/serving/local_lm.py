@@ -25,13 +25,13 @@ from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.prompts import chat_input_ids, merge_turns
 from rag_spec.serving.drafts import draft_key, drafter_for
 from rag_spec.serving.tools import (
+    GENERIC,
     CallFormat,
     Tool,
     ToolCall,
     call_format,
     chat_messages,
     options_grammar,
-    template_has_tools,
 )
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
@@ -178,7 +178,7 @@ class LocalLM:
             msg = "No messages to answer; pass at least one user message."
             raise RagSpecError(msg)
         offered = [Tool.from_openai(spec) for spec in json.loads(tools)] if tools else []
-        native = self._template_has_tools
+        native = self.call_format is not GENERIC  # the template has a tools section
         messages = chat_messages(prompt, offered, form=self.call_format, native=native)
         return chat_input_ids(self._tokens, merge_turns(messages),
                               tools=[t.openai() for t in offered] if native else None)
@@ -187,10 +187,6 @@ class LocalLM:
     def call_format(self) -> CallFormat:
         """How this model writes tool calls (read from its chat template)."""
         return call_format(self._tokens)
-
-    @functools.cached_property
-    def _template_has_tools(self) -> bool:
-        return template_has_tools(self._tokens)
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:
