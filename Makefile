@@ -10,7 +10,7 @@ PARTNERS := langchain-rag-spec llama-index-llms-rag-spec llama-index-retrievers-
 	llama-index-embeddings-rag-spec rag-spec-chain-bench
 QUESTION ?= How do I join two path components with os.path?
 
-.PHONY: install pull demo test docs bench bench-draft gpu-check clean
+.PHONY: install pull compile demo test docs bench bench-draft gpu-check clean
 
 $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
@@ -22,19 +22,22 @@ $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.tom
 install: $(STAMP)
 
 pull: install  ## fetch and convert the embedded model, build the CPU kernel (once; cached)
-	$(BIN)/rag-spec models pull
+	$(BIN)/rag-spec models pull --no-compile
+
+compile: pull  ## compile the embedded model's decoding steps ahead of time (~4 min, once per machine)
+	$(BIN)/rag-spec models compile
 
 demo: pull  ## answer a question about the standard library, citing the passages used
 	$(BIN)/rag-spec ask "$(QUESTION)"
 
-test: pull  ## unit tests on tiny random models, then end-to-end tests on the real model
+test: compile  ## unit tests on tiny random models, then end-to-end tests on the real model
 	$(BIN)/ruff check rag_spec kernels integrations lab tests
 	$(BIN)/python -m pytest -q
 
 docs: pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
 	$(BIN)/mkdocs build --strict
 
-bench: pull
+bench: compile  ## the headline bench: the default decoder (steps compiled ahead of time) and its ablations
 	$(BIN)/rag-spec bench lookahead --json docs/benchmarks/lookahead.json
 
 bench-draft: pull  ## draft models and early exits vs transformers' assisted generation

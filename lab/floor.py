@@ -221,8 +221,7 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
     def compiled(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                  ) -> torch.Tensor:
         rewind(cache, length)  # each pass rewrites the same slots
-        return step(input_ids=ids, position_ids=positions, attention_mask=mask,
-                    **cache_argument(step.module, cache))
+        return step(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache)
 
     found = CompiledSteps({}, {}, {}, {})
     for width in widths:

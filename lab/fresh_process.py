@@ -1,7 +1,8 @@
 """``python -m lab.fresh_process [trie]``: a fresh process's one-time costs with the default
-decoder (head + trie; ``trie``: the trie alone): importing, loading the model, building the
-decoder (runner, head lookup and load), then two answers to different prompts (64 tokens):
-the first answer's extra over the second is what first use costs."""
+decoder (head + trie; ``trie``: the trie alone; its steps compiled ahead of time where
+this machine holds them: ``rag-spec models compile``): importing, loading the model, building
+the decoder (runner, package and head lookup and load), then two answers to different prompts
+(64 tokens): the first answer's extra over the second is what first use costs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def main(drafts: str = "default") -> None:
     extra = {"drafter": TrieDrafter()} if drafts == "trie" else {}
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, **extra)
     built = time.perf_counter()
-    report = {"drafts": decoder.drafter.label, "import_s": round(imported - started, 2),
+    report = {"drafts": decoder.drafter.label,
+              "passes": "eager" if decoder.runner.compiled is None else "compiled ahead of time",
+              "import_s": round(imported - started, 2),
               "load_model_s": round(loaded - imported, 2),
               "decoder_s": round(built - loaded, 2)}
     for which, question in (("first", "Explain recursion."), ("second", "Explain a hash table.")):

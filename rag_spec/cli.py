@@ -71,7 +71,7 @@ def _ask(args: argparse.Namespace) -> int:
     stats = answer.stats
     print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
-          f"forward pass, drafts: {stats['drafts'] or 'none'}); "
+          f"forward pass, drafts: {stats['drafts'] or 'none'}, {stats['passes']} steps); "
           f"retrieval {answer.retrieval_seconds * 1000:.0f} ms")
     return 0
 
@@ -160,6 +160,18 @@ def _models_pull(args: argparse.Namespace) -> int:
     # the CPU kernels built now where this CPU takes them, not in a first answer
     streamed_available(torch.float32)
     cpu_attention_available()
+    return 0 if args.no_compile else _models_compile(args)
+
+
+def _models_compile(args: argparse.Namespace) -> int:
+    from rag_spec.engine.decoder import LookaheadDecoder
+    from rag_spec.models import load_model
+
+    lm = load_model(args.name)
+    started = time.perf_counter()
+    folder = LookaheadDecoder(lm.model, lm.tokenizer).package_steps()
+    print(f"{args.name}: compiled decoding steps in {folder} "
+          f"({time.perf_counter() - started:.0f} s; every later process loads them)")
     return 0
 
 
@@ -248,7 +260,14 @@ def _parser() -> argparse.ArgumentParser:
     pull = model_commands.add_parser("pull", help="fetch and convert an embedded model")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
     pull.add_argument("--force", action="store_true", help="convert again")
+    pull.add_argument("--no-compile", action="store_true",
+                      help="skip compiling its decoding steps ahead of time (~3 min on two "
+                           "cores, once per machine; without them answers decode eagerly)")
     pull.set_defaults(run=_models_pull)
+    compiling = model_commands.add_parser(
+        "compile", help="compile a model's decoding steps ahead of time (once per machine)")
+    compiling.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    compiling.set_defaults(run=_models_compile)
     listing = model_commands.add_parser("list", help="list embedded models")
     listing.set_defaults(run=_models_list)
 

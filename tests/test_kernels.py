@@ -1,5 +1,6 @@
 """The CPU kernels: oneDNN linear layers agree with F.linear and follow weight updates."""
 
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +16,7 @@ from rag_spec_kernels import (
     onednn_available,
     onednn_ops_available,
     pack_weight,
+    stack_table,
 )
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
@@ -39,14 +41,17 @@ class Tiny(torch.nn.Module):
 
 def private_copy(model, traced=False):
     """``model`` with its linear layers replaced by oneDNN ones, in a copy (as the runner does);
-    ``traced``: the layers ``torch.compile`` traces."""
+    ``traced``: the layers ``torch.compile`` traces, and the copy's ``stacks`` (the table its
+    passes run under, ``stack_table``)."""
     twin = copy.deepcopy(model)
     twin.load_state_dict(model.state_dict())
     own = {id(m) for m in twin.modules()}
-    siblings = {}
+    siblings, twin.stacks = {}, []
     for parent, name, stack, index in linear_stacks(twin, own):
         if index == 0:
-            siblings[id(stack)] = stack.traced_modules() if traced else stack.modules()
+            siblings[id(stack)] = (stack.traced_modules(len(twin.stacks)) if traced
+                                   else stack.modules())
+            twin.stacks.append(stack)
         parent._modules[name] = siblings[id(stack)][index]
     return twin
 
@@ -97,7 +102,7 @@ def test_onednn_linear_follows_weight_updates(traced):
     # a compiled layer holds the stack's packed tensors: refreshed in place, they stay its own
     layer = torch.compile(stack.traced_modules()[0], dynamic=True) if traced else \
         stack.modules()[0]
-    with torch.inference_mode():
+    with torch.inference_mode(), stack_table([stack]):
         layer(x)
         model.proj.weight.mul_(2)  # an in-place change must invalidate the reordered copy
         model.proj.bias.add_(1)
@@ -229,11 +234,13 @@ def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared,
     traced = private_copy(model, traced=True)
     assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
     forward = torch.compile(traced, dynamic=True) if compiled else traced
-    if streamed:  # the kernel's own operator, called from the graph: never the Python one
-        monkeypatch.setattr(kernel, "_TRACED", {})
+    # the streamed kernel's own operator, called from the graph: never the Python one, which
+    # refuses to run outside a table
+    table = contextlib.nullcontext() if streamed else stack_table(traced.stacks)
     x = torch.randn(shape)
-    _, _, calls = products_run(forward, model, x, None if shared else torch.randn(shape),
-                               monkeypatch)
+    with table:
+        _, _, calls = products_run(forward, model, x, None if shared else torch.randn(shape),
+                                   monkeypatch)
     if x.numel() == x.shape[-1]:  # a single row: reductions over the weights, no products
         assert not calls
         return

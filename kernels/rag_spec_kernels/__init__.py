@@ -29,6 +29,7 @@ from rag_spec_kernels.onednn_linear import (
     onednn_packs,
     pack_weight,
     packed_linear,
+    stack_table,
 )
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 from rag_spec_kernels.tree_attention import (
@@ -44,4 +45,5 @@ __all__ = ["EXACT_TREE_ATTENTION", "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "Lin
            "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
            "onednn_available", "onednn_ops_available", "onednn_packs", "pack_streamed",
            "pack_weight", "packed_linear", "reference_attention", "register_tree_attention",
-           "streamed_available", "streamed_linear", "tree_attention", "tree_pass", "whole_rows"]
+           "stack_table", "streamed_available", "streamed_linear", "tree_attention", "tree_pass",
+           "whole_rows"]

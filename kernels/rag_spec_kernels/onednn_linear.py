@@ -24,10 +24,10 @@ cannot lower, so its products go through a Python operator (``rag_spec::stack_pr
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import itertools
 import threading
-import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -139,7 +139,6 @@ class LinearStack:
         self._pending = threading.local()  # index -> (input, output), per thread
         self._lock = threading.Lock()
         self._version: tuple = ()
-        self._key: int | None = None  # oneDNN stacks: in ``_TRACED`` once traced modules exist
         self.streamed = streamed and streamed_available(linears[0].weight.dtype)
         self.refresh()
         self.one_row_packed = one_row_packed(linears[0].weight.dtype)
@@ -155,14 +154,12 @@ class LinearStack:
         """One module per layer, to put in place of the layers in a private module tree."""
         return [OneDNNLinear(self, i) for i in range(len(self.linears))]
 
-    def traced_modules(self) -> list[TracedLinear]:
-        """One module per layer for a module tree that ``torch.compile`` traces."""
-        with self._lock:
-            if self._key is None and not self.streamed:  # oneDNN's: the Python operator's name
-                self._key = next(_KEYS)
-                _TRACED[self._key] = self
+    def traced_modules(self, key: int = 0) -> list[TracedLinear]:
+        """One module per layer for a module tree that ``torch.compile`` traces; ``key``: this
+        stack's place in the ``stack_table`` its passes run under (oneDNN's products)."""
         shared = _Shared()
-        return [TracedLinear(linear, self, i, shared) for i, linear in enumerate(self.linears)]
+        return [TracedLinear(linear, self, i, shared, key)
+                for i, linear in enumerate(self.linears)]
 
     def refresh(self) -> None:
         """Reorder the weights again if one of them changed (in place or replaced) since."""
@@ -263,22 +260,38 @@ def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True
     return found
 
 
-# Stacks that traced modules name by key: an operator's arguments are tensors and numbers, not
-# objects. Held weakly: the traced modules hold their stack.
-_TRACED: weakref.WeakValueDictionary[int, LinearStack] = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+# The stacks traced layers name by key (their place in this table), set per thread around a
+# compiled pass (``stack_table``): an operator's arguments are tensors and numbers, not
+# objects, and a key that is a place in the runner's own table means the same in a later
+# process, so a step compiled ahead of time calls this process's stacks.
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def stack_table(stacks: Sequence[LinearStack]) -> Iterator[None]:
+    """Let traced layers on this thread find their stacks in ``stacks`` (by key) meanwhile."""
+    previous = getattr(_ACTIVE, "stacks", None)
+    _ACTIVE.stacks = stacks
+    try:
+        yield
+    finally:
+        _ACTIVE.stacks = previous
 
 
 @torch.library.custom_op("rag_spec::stack_product", mutates_args=())
-def stack_product(x: torch.Tensor, key: int) -> torch.Tensor:
-    """``LinearStack.product`` of the stack ``key`` names, as an operator ``torch.compile``
-    calls without tracing into it."""
-    return _TRACED[key].product(x)
+def stack_product(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """``LinearStack.product`` of the stack ``key`` names in the thread's ``stack_table``, as
+    an operator ``torch.compile`` and AOTInductor call without tracing into it."""
+    stacks = getattr(_ACTIVE, "stacks", None)
+    if stacks is None:
+        msg = "rag_spec::stack_product runs inside stack_table(...) only (a compiled pass)"
+        raise RuntimeError(msg)
+    return stacks[key].product(x)
 
 
 @stack_product.register_fake
-def _stack_product_shape(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _TRACED[key].out_features)
+def _stack_product_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class _Shared:
@@ -308,11 +321,11 @@ class TracedLinear(_StandIn):
     """
 
     def __init__(self, linear: torch.nn.Linear, stack: LinearStack | None = None,
-                 index: int = 0, shared: _Shared | None = None) -> None:
+                 index: int = 0, shared: _Shared | None = None, key: int = 0) -> None:
         super().__init__(linear)
         self.stack = stack
         if stack is not None:
-            self.key = stack._key
+            self.key = key
             self.start = sum(stack.sizes[:index])
             self.first_sibling, self.last_sibling = index == 0, index == len(stack.sizes) - 1
             self.shared = shared
@@ -329,7 +342,8 @@ class TracedLinear(_StandIn):
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
             product = (self.stack.product(x, (self.packed, self.packed_bias))  # an operator
-                       if self.stack.streamed else stack_product(x, self.key))
+                       if self.stack.streamed
+                       else stack_product(x, self.key, self.stack.out_features))
             held = (x, product)
         self.shared.last = None if self.last_sibling else held
         return held[1].narrow(-1, self.start, self.out_features)

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -63,13 +64,15 @@ class LookaheadConfig:
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
     # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
-    # steps through torch.compile on a static KV cache (gpt-fast style; prompts of one length,
-    # full attention). On a CPU every step, its products oneDNN's (one-token steps only where
-    # oneDNN is off: inductor's own products over trees lose to the eager fast path); on a GPU
-    # every step, as CUDA graphs. Compiling takes a minute or two at first use (inductor
-    # caches it across processes); its rounding is inductor's, so half precision needs
-    # exact=False
-    compile: bool = False
+    # steps compiled on a static KV cache (gpt-fast style; prompts of one length, full
+    # attention). On a CPU every step, its products oneDNN's (one-token steps only where oneDNN
+    # is off); on a GPU every step, as CUDA graphs. "auto": on a CPU, where this machine holds
+    # the model's steps compiled ahead of time (``package_steps()``, ``rag-spec models
+    # compile``; loaded in about a second), else eager: never compiles. True: that package, or
+    # torch.compile at first use (minutes on a CPU; a GPU's CUDA graphs). Its rounding is
+    # inductor's, so half precision keeps exact numerics under "auto" and needs exact=False
+    # under True
+    compile: bool | Literal["auto"] = "auto"
 
     @property
     def trie(self) -> TrieConfig:
@@ -86,6 +89,9 @@ class DecodeStats:
     """Where a generation's steps and time went."""
 
     drafts: str = ""  # what drafted (``Drafter.label``): "draft head + trie", "trie", ...
+    # how the steps' passes ran: "compiled ahead of time" (a package this machine holds),
+    # "compiled" (torch.compile in this process), "eager"
+    passes: str = ""
     steps: int = 0
     drafted: int = 0  # draft nodes verified, all steps
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
@@ -358,9 +364,10 @@ class LookaheadDecoder:
 
     def warm_up(self, max_new_tokens: int = 16, *, progress: bool = True) -> float:
         """Pay a first request's one-time costs now, before a service takes traffic: with
-        ``compile=True`` the compilation of its steps (a minute or two on a CPU, about 45 s
-        once inductor's disk cache holds them), otherwise the kernels' first-use set-up.
-        Returns the seconds it took.
+        ``compile=True`` and no package of steps compiled ahead of time, the steps'
+        compilation (minutes on a CPU, where ``package_steps`` compiles them once per machine
+        instead; a GPU's CUDA graphs), otherwise the kernels' first-use set-up. Returns the
+        seconds it took.
 
         Made-up prompts run through this decoder's runner twice, drafting nothing (prefill and
         one-token passes) and then drafting from the prompt (tree passes), on a private trie:
@@ -380,6 +387,14 @@ class LookaheadDecoder:
                 if decoder.generate(prompt, max_new_tokens).finish_reason == "length":
                     break
         return time.perf_counter() - started
+
+    def package_steps(self, *, progress: bool = True) -> Path:
+        """Compile this decoder's steps ahead of time, once per model architecture, dtype and
+        machine (~3 minutes on two cores for the embedded model), and decode through them from
+        now on; returns the package's folder. Every later process loads it in about a second
+        (``compile="auto"``, the default). Not in the background, as ``warm_up``."""
+        with self._lock:
+            return self.runner.package_steps(progress)
 
     def extend(self, cache: Any, context: list[int], max_new_tokens: int, session: DraftSession,
                budget: AdaptiveBudget) -> GenerationResult:
@@ -417,16 +432,21 @@ class LookaheadDecoder:
     def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None,
                 started: float) -> Iterator[None]:
         runner = self.runner
+        passes = "eager"
         with torch.inference_mode():  # entered per step: a stream's caller runs in between
             if runner.exact:  # generate's prefill, which gives the first token too
                 cache, logits = prefill_whole(runner, [r.prompt for r in rows])
                 self._first_tokens(rows, rules, cache, logits)
             else:
-                cache = prefill(runner, [r.prompt for r in rows],
-                                self._capacity(runner, rows, rules))
+                capacity = self._capacity(runner, rows, rules)
+                cache = prefill(runner, [r.prompt for r in rows], capacity)
+                if capacity is not None and runner.compiled is not None:  # compiled steps
+                    passes = ("compiled ahead of time" if runner.compiled.package is not None
+                              else "compiled")
         target = TargetView(runner, cache, StepCosts(rows=len(rows)))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
+            r.stats.passes = passes
         if runner.exact:
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from rag_spec.engine.cache.kv_cache import cache_argument
+from rag_spec_kernels import LinearStack, stack_table
 
 
 class CompiledStep:
@@ -32,30 +36,22 @@ class CompiledStep:
     dense mask over the cache's slots; returns the logits, or with ``features=True`` the logits
     and the last hidden states (what the LM head read: ``features_split`` says whether this
     model's logits are just that). ``wide``: ``module`` multiplies through oneDNN
-    (``TracedLinear``), so tree passes pay compiled too. One call at a time: compiling is not
-    thread-safe, and on a CPU two passes at once slow each other anyway."""
+    (``TracedLinear``; ``stacks``: the table their keys index), so tree passes pay compiled
+    too. Passes run through ``package`` where one is loaded (compiled ahead of time:
+    ``step_package``), else through ``torch.compile`` at first use. One call at a time:
+    compiling is not thread-safe, and on a CPU two passes at once slow each other anyway."""
 
-    def __init__(self, module: torch.nn.Module, wide: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, wide: bool = False,
+                 stacks: Sequence[LinearStack] = ()) -> None:
         self.module = module
+        self.stacks = tuple(stacks)
         self.graphs = next(module.parameters()).device.type == "cuda"
         self._wide = wide
-        self._compiled = torch.compile(self._forward, dynamic=True,
+        self.package: Any = None  # a ``step_package.LoadedPackage``, set by the runner
+        self._compiled = torch.compile(functools.partial(step_forward, module), dynamic=True,
                                        mode="reduce-overhead" if self.graphs else None)
         self._lock = threading.Lock()
         self._spare: tuple[tuple[int, int], Any] | None = None  # (batch, slots), a cache
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, features: bool = False, **cache: Any
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A pass; ``cache``: the static cache under the keyword the model takes it by. Its
-        hidden states come from the decoder and its LM head in turn (transformers records them
-        with hooks and context variables, which the compiler cannot trace)."""
-        inputs = {"input_ids": input_ids, "position_ids": position_ids,
-                  "attention_mask": attention_mask, "use_cache": True, **cache}
-        if not features:
-            return self.module(**inputs).logits
-        hidden = self.module.get_decoder()(**inputs).last_hidden_state
-        return self.module.get_output_embeddings()(hidden), hidden
 
     @functools.cached_property
     def features_split(self) -> bool:
@@ -66,7 +62,7 @@ class CompiledStep:
             return False
         device = next(self.module.parameters()).device
         probe = torch.arange(1, 4, device=device)[None]
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), stack_table(self.stacks):
             logits = self.module(input_ids=probe, use_cache=False).logits
             split = head(decoder(input_ids=probe, use_cache=False).last_hidden_state)
         return torch.equal(logits, split)
@@ -87,8 +83,14 @@ class CompiledStep:
             return width
         return 1 << (width - 1).bit_length() if width <= 8 else -(-width // 8) * 8
 
-    def __call__(self, **inputs: Any) -> Any:
-        with self._lock, torch.inference_mode():
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, cache: Any, features: bool = False) -> Any:
+        with self._lock, torch.inference_mode(), stack_table(self.stacks):
+            if self.package is not None:
+                return self.package(input_ids, position_ids, attention_mask, cache, features)
+            inputs = {"input_ids": input_ids, "position_ids": position_ids,
+                      "attention_mask": attention_mask, "features": features,
+                      **cache_argument(self.module, cache)}
             if not self.graphs:
                 return self._compiled(**inputs)
             torch.compiler.cudagraph_mark_step_begin()
@@ -115,6 +117,21 @@ class CompiledStep:
         kept at most, so memory stays one cache above what is in use."""
         with self._lock:
             self._spare = ((batch, capacity), cache)
+
+
+def step_forward(module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, features: bool = False, **cache: Any
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A pass of ``module`` as compilers trace it; ``cache``: the static cache under the
+    keyword the model takes it by. Its hidden states come from the decoder and its LM
+    head in turn (transformers records them with hooks and context variables, which the
+    compiler cannot trace)."""
+    inputs = {"input_ids": input_ids, "position_ids": position_ids,
+              "attention_mask": attention_mask, "use_cache": True, **cache}
+    if not features:
+        return module(**inputs).logits
+    hidden = module.get_decoder()(**inputs).last_hidden_state
+    return module.get_output_embeddings()(hidden), hidden
 
 
 def static_cache(config: Any, capacity: int) -> Any:

@@ -120,7 +120,7 @@ class ModuleRunner:
         rewind(cache.cache, end - batch.input_ids.shape[1])
         mask = additive(batch.mask.over_cache(cache.length), self.dtype, cache.capacity)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-                  "attention_mask": mask, **cache_argument(self, cache.cache)}
+                  "attention_mask": mask}
         step = self.compiled
         if features and step is not None and not step.features_split:
             msg = (f"{type(self.module).__name__} turns its last hidden states into logits "
@@ -133,11 +133,11 @@ class ModuleRunner:
             padded = step.bucket(width)
             if end - width + padded > cache.capacity:  # no slots for the padding: as it is
                 padded = width
-            out = step(**padded_inputs(inputs, padded), features=features)
+            out = step(**padded_inputs(inputs, padded), cache=cache.cache, features=features)
             logits, features_out = out if features else (out, None)
             cache.step_features = None if features_out is None else features_out[:, :width]
             return logits[:, :width]
-        return self._eager(cache, features, **inputs)
+        return self._eager(cache, features, **inputs, **cache_argument(self, cache.cache))
 
 
 def padded_inputs(inputs: dict[str, Any], width: int) -> dict[str, Any]:

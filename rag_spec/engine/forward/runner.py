@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 
+from rag_spec.engine.forward import step_package
 from rag_spec.engine.forward.compiled_step import CompiledStep
 from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
@@ -77,9 +78,11 @@ class RunnerSettings:
     # stock linear kernels, no oneDNN copy). "auto": for half-precision models that run SDPA
     # attention (CPU or GPU), where rounding differences change greedy tokens
     exact: bool | Literal["auto"] = False
-    # steps through torch.compile on a static cache (not with exact numerics): every step on a
-    # CPU with oneDNN products (one-token steps only without), as CUDA graphs on a GPU
-    compile: bool = False
+    # steps compiled on a static cache (not with exact numerics): every step on a CPU with
+    # oneDNN products (one-token steps only without), as CUDA graphs on a GPU. "auto": on a
+    # CPU, where this machine holds the model's package of steps compiled ahead of time
+    # (``step_package``), never compiling; True: the package, else torch.compile at first use
+    compile: bool | Literal["auto"] = "auto"
 
 
 class Runner(ModuleRunner):
@@ -111,11 +114,34 @@ class Runner(ModuleRunner):
                 if index == 0:
                     self.stacks.append(stack)
                     self.extra_bytes += stack.nbytes
-        if settings.compile:
+        self._step: CompiledStep | None = None  # also where a package may be built
+        if settings.compile is True or settings.compile == "auto" and not self.exact and (
+                self.device.type == "cpu"):
             compiled, compiled_own = _private_tree(model, False, settings.cpu_attention)
-            if self.device.type == "cpu":
-                _traced_linears(compiled, compiled_own, self.module)
-            self.compiled = CompiledStep(compiled, wide=bool(self.stacks))
+            stacks = (_traced_linears(compiled, compiled_own, self.module)
+                      if self.device.type == "cpu" else [])
+            self._step = CompiledStep(compiled, wide=bool(self.stacks), stacks=stacks)
+            self._step.package = step_package.load(self._step)
+            if settings.compile is True or self._step.package is not None:
+                self.compiled = self._step
+
+    def package_steps(self, progress: bool = True) -> Any:
+        """Compile this runner's steps ahead of time into a package this machine keeps
+        (minutes; once per model architecture, dtype and machine), and run them from now on;
+        returns its folder. Later processes load it (``compile="auto"``, the default)."""
+        if self._step is None or self.device.type != "cpu":
+            msg = ("Steps are packaged ahead of time on a CPU, without exact numerics "
+                   "(LookaheadConfig(exact=False)); on a GPU, compile=True compiles them as "
+                   "CUDA graphs at first use.")
+            raise RagSpecError(msg)
+        if self._step.package is None:
+            from rag_spec.progress import progress as progress_bar
+
+            step_package.build(self._step, lambda graphs: progress_bar(
+                graphs, "compiling decoding steps ahead of time", "graph", enabled=progress))
+            self._step.package = step_package.load(self._step)
+        self.compiled = self._step
+        return step_package.package_dir(self._step)
 
     @classmethod
     def of(cls, model: Any, settings: RunnerSettings | None = None) -> Runner:
@@ -184,13 +210,17 @@ def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, se
     return clone(model), own
 
 
-def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Module) -> None:
+def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Module
+                    ) -> list[LinearStack]:
     """Put ``TracedLinear`` layers in place of the plain linear layers of ``compiled`` (a CPU
     model's private tree; ``own``: its copied modules): on the oneDNN products of ``eager``'s
-    layers where it has them, on the same reordered weights, else on the stock ones."""
+    layers where it has them, on the same reordered weights, else on the stock ones. Returns
+    the stacks in the order their keys number them (the tree's order: the same in every
+    process, so a step compiled ahead of time calls the right ones)."""
     stacked = {path: module for path, module in eager.named_modules()
                if isinstance(module, OneDNNLinear)}
     siblings: dict[int, list[TracedLinear]] = {}
+    stacks: list[LinearStack] = []
     owned = [(path, parent) for path, parent in compiled.named_modules() if id(parent) in own]
     for path, parent in owned:
         for name, child in list(parent._modules.items()):
@@ -202,8 +232,10 @@ def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Mo
                 continue
             stack = eager_layer.stack
             if id(stack) not in siblings:
-                siblings[id(stack)] = stack.traced_modules()
+                siblings[id(stack)] = stack.traced_modules(len(stacks))
+                stacks.append(stack)
             parent._modules[name] = siblings[id(stack)][eager_layer.index]
+    return stacks
 
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
@@ -211,14 +243,14 @@ def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
     set to another attention cannot have them, and one-token steps, which a compiled step's
     fused kernels do not."""
     implementation = getattr(model.config, "_attn_implementation", None)
-    if settings.compile and settings.exact is True:
+    if settings.compile is True and settings.exact is True:
         msg = ("A compiled step fuses operations and rounds differently from transformers' "
                "one-token step, so it cannot have exact numerics: use "
                "LookaheadConfig(compile=True, exact=False), or compile=False.")
         raise RagSpecError(msg)
     if settings.exact == "auto":
         return (model.dtype in (torch.bfloat16, torch.float16) and implementation == "sdpa"
-                and not settings.compile)
+                and settings.compile is not True)
     if settings.exact and implementation != "sdpa":
         msg = (f"Exact numerics reproduce transformers' SDPA attention, but this model runs "
                f"{implementation!r} attention: load it with attn_implementation='sdpa', or use "

@@ -1,0 +1,218 @@
+"""Compiled steps built once per model architecture, dtype and machine, and loaded by every
+later process in about a second: AOTInductor packages of the compiled step.
+
+``torch.compile`` traces the model again in each new process, minutes on two cores even with
+inductor's caches warm (docs/benchmarks/README.md, "Compiled steps in a fresh process"). A
+package holds the step's graphs compiled into shared libraries: the one-token pass of one row
+(its products as reductions) and the pass of any other shape (batch, width and cache capacity
+dynamic; products through the runner's stacks). It holds no weights: the loaded graphs read the
+private copy's own tensors (user-managed constants), so a package depends on the architecture,
+not the weights, and takes a few MB.
+
+A package's folder is named by a digest of everything its graphs depend on: the model's class
+and config, dtype, the kernel each layer takes, the sources of the kernels and of this step,
+torch's and transformers' versions, the CPU's instruction sets. A package that fails to load
+is removed and the step runs eager (a warning names the command that builds it again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import platform
+import shutil
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rag_spec_kernels
+from rag_spec.engine.cache.kv_cache import cache_argument
+from rag_spec.engine.forward.compiled_step import CompiledStep, static_cache, step_forward
+from rag_spec_kernels import TracedLinear, stack_table
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # of the folder's layout; part of the digest
+GRAPHS = ("one", "wide")  # one row of one token; any other shape
+_INDUCTOR = {"aot_inductor.package_constants_in_so": False}  # weights come from the model
+
+
+class _Pass(torch.nn.Module):
+    """The step as ``torch.export`` takes it: the static cache as flat tensors (each layer's
+    keys, values and write position), written in place by the pass."""
+
+    def __init__(self, module: torch.nn.Module, features: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.features = features
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], lengths: list[torch.Tensor]) -> Any:
+        cache = static_cache(self.module.config, keys[0].shape[2])
+        for layer, key, value, length in zip(cache.layers, keys, values, lengths, strict=True):
+            layer.keys, layer.values, layer.cumulative_length = key, value, length
+            layer.device, layer.is_initialized = key.device, True
+        return step_forward(self.module, input_ids, position_ids, attention_mask,
+                            self.features, **cache_argument(self.module, cache))
+
+
+def _flat(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    layers = cache.layers
+    return ([layer.keys for layer in layers], [layer.values for layer in layers],
+            [layer.cumulative_length for layer in layers])
+
+
+class LoadedPackage:
+    """A package's graphs bound to one compiled step's tensors; call it as the step."""
+
+    def __init__(self, graphs: dict[str, Any], features: bool) -> None:
+        self.graphs = graphs
+        self.features = features  # the graphs return the last hidden states too
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, cache: Any, features: bool) -> Any:
+        graph = self.graphs["one" if input_ids.numel() == 1 else "wide"]
+        out = graph(input_ids, position_ids, attention_mask, *_flat(cache))
+        logits, hidden = out if self.features else (out, None)
+        return (logits, hidden) if features else logits
+
+
+def fingerprint(step: CompiledStep) -> str:
+    """A digest of everything the step's compiled graphs depend on."""
+    import transformers
+
+    module = step.module
+    config = module.config.to_dict()
+    for name in ("_name_or_path", "transformers_version", "_commit_hash"):
+        config.pop(name, None)
+    layers = [(path, m.start, m.out_features, m.key, m.stack.streamed,
+               m.first_sibling, m.last_sibling) if m.stack is not None else (path,)
+              for path, m in module.named_modules() if isinstance(m, TracedLinear)]
+    sources = [inspect.getsource(m) for m in (rag_spec_kernels.onednn_linear,
+                                              rag_spec_kernels.streamed,
+                                              rag_spec_kernels.tree_attention,
+                                              rag_spec_kernels.cpu_attention)]
+    sources += [inspect.getsource(inspect.getmodule(f)) for f in (step_forward, _Pass)]
+    parts = {"format": FORMAT, "class": type(module).__qualname__, "config": config,
+             "attention": module.config._attn_implementation, "layers": layers,
+             "dtype": str(next(module.parameters()).dtype),
+             "sources": hashlib.sha256("".join(sources).encode()).hexdigest(),
+             "torch": torch.__version__, "transformers": transformers.__version__,
+             "machine": platform.machine(), "cpu": _cpu_flags()}
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _cpu_flags() -> list[str]:
+    """The vector instruction sets the CPU reports (inductor's code is built for them)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted(f for f in line.split(":")[-1].split()
+                  if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+
+
+def package_dir(step: CompiledStep) -> Path | None:
+    """Where ``step``'s package lives (it may not exist yet); None where rag-spec keeps no
+    cache (a machine with only torch and transformers)."""
+    try:
+        from rag_spec.paths import cache_dir
+
+        root = cache_dir()  # imports platformdirs
+    except ImportError:
+        return None
+    name = type(step.module).__name__.lower()
+    return root / "steps" / f"{name}-{fingerprint(step)}"
+
+
+def load(step: CompiledStep) -> LoadedPackage | None:
+    """``step``'s package bound to its tensors, or None if none was built on this machine for
+    this architecture. A damaged one is removed (a warning says so) and None returned."""
+    if step.module.training or next(step.module.parameters()).device.type != "cpu":
+        return None
+    folder = package_dir(step)
+    if folder is None or not folder.is_dir():
+        return None
+    graphs = {}
+    try:
+        features = json.loads((folder / "package.json").read_text())["features"]
+        tensors = _constants(step, features)
+        for name in GRAPHS:
+            graph = torch._inductor.aoti_load_package(str(folder / f"{name}.pt2"))
+            graph.load_constants({fqn: tensors[fqn] for fqn in graph.get_constant_fqns()},
+                                 check_full_update=True, user_managed=True)
+            graphs[name] = graph
+    except Exception as error:  # a damaged or foreign file: eager, and built again on request
+        log.warning("rag-spec: the compiled steps in %s do not load (%s); removed, decoding "
+                    "eagerly. `rag-spec models compile` (or decoder.package_steps()) builds "
+                    "them again.", folder, error)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return LoadedPackage(graphs, features)
+
+
+def _constants(step: CompiledStep, features: bool) -> dict[str, torch.Tensor]:
+    """The step's parameters and buffers by the names the exported graphs give them."""
+    wrapper = _Pass(step.module, features)
+    named = [*wrapper.named_parameters(remove_duplicate=False),
+             *wrapper.named_buffers(remove_duplicate=False)]
+    return {name: tensor.detach() for name, tensor in named}
+
+
+def build(step: CompiledStep, progress: Callable[[Iterable[str]], Iterable[str]] = iter
+          ) -> Path:
+    """Export ``step``'s graphs and compile them ahead of time into its package folder
+    (minutes on a CPU: ~3 on two cores for a 135M model); ``progress`` wraps the graphs'
+    loop (a progress bar)."""
+    folder = package_dir(step)
+    if folder is None:
+        msg = "Compiled step packages are kept in rag-spec's cache: pip install platformdirs."
+        raise RuntimeError(msg)
+    from rag_spec.paths import atomic_dir
+
+    wrapper = _Pass(step.module, step.features_split).eval()
+    with atomic_dir(folder) as scratch, torch.no_grad(), stack_table(step.stacks), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree notes
+        for name in progress(GRAPHS):
+            example, shapes = _example(step, batch=1 if name == "one" else 2,
+                                       width=1 if name == "one" else 5)
+            program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(scratch / f"{name}.pt2"), inductor_configs=_INDUCTOR)
+        (scratch / "package.json").write_text(json.dumps({"features": wrapper.features}))
+    return folder
+
+
+def _example(step: CompiledStep, batch: int, width: int) -> tuple[tuple[Any, ...], Any]:
+    """Inputs to trace a pass of ``batch`` rows of ``width`` tokens on, after 8 cached ones,
+    and which of their dimensions vary (all but the one-token pass's batch and width)."""
+    module = step.module
+    device = next(module.parameters()).device
+    capacity, start = 32, 8
+    cache = static_cache(module.config, capacity)
+    prompt = torch.ones(batch, start, dtype=torch.long, device=device)
+    module(input_ids=prompt, use_cache=True, **cache_argument(module, cache))  # fills the cache
+    keys, values, lengths = _flat(cache)
+    dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
+    mask = torch.full((batch, 1, width, capacity), torch.finfo(dtype).min, dtype=dtype,
+                      device=device)
+    for query in range(width):
+        mask[:, 0, query, :start + query + 1] = 0
+    ids = torch.ones(batch, width, dtype=torch.long, device=device)
+    positions = torch.arange(start, start + width, device=device).expand(batch, width)
+    dynamic = torch.export.Dim.DYNAMIC
+    rows = tokens = torch.export.Dim.STATIC if width == 1 else dynamic
+    per_layer = [{0: rows, 2: dynamic}] * len(keys)
+    shapes = ({0: rows, 1: tokens}, {0: rows, 1: tokens},
+              {0: rows, 2: tokens, 3: dynamic}, per_layer, per_layer,
+              [None] * len(keys))
+    return (ids, positions.contiguous(), mask, keys, values, lengths), shapes

@@ -1,0 +1,152 @@
+"""Steps compiled ahead of time (``step_package``): built once per architecture on this
+machine, loaded by later decoders without compiling, greedy tokens equal to ``generate``'s, the
+weights read from the model they run for, a damaged package skipped, the user's model left
+alone."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.forward import step_package
+from rag_spec.engine.forward.runner import Runner, RunnerSettings
+from rag_spec.errors import RagSpecError
+from test_decoder_greedy import hf_greedy, repetitive_prompt
+
+# an architecture no other test builds (hidden size 48), so no other test meets its package
+SHAPE = {"layers": 3, "hidden": 48}
+
+
+@pytest.fixture(scope="module")
+def package_root(tmp_path_factory):
+    """A cache of its own holding one package, built once for the module (~45 s)."""
+    root = tmp_path_factory.mktemp("steps")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAG_SPEC_CACHE", str(root))
+        model = tiny_llama(seed=0, **SHAPE)
+        decoder = LookaheadDecoder(model)
+        assert decoder.runner.compiled is None  # "auto": nothing built yet, so eager
+        folder = decoder.package_steps(progress=False)
+        assert decoder.runner.compiled.package is not None  # this decoder uses it at once
+    return root, folder
+
+
+@pytest.fixture
+def packaged(package_root, monkeypatch):
+    """The package's cache in place, and any compilation refused: loading must not compile."""
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(package_root[0]))
+
+    def refuse(*args, **kwargs):
+        pytest.fail("compiled while a package was there to load")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    monkeypatch.setattr(torch.export, "export", refuse)
+    return package_root[1]
+
+
+def calls_through(step):
+    """The shapes of the passes ``step``'s package runs, recorded as they run."""
+    shapes = []
+    package = step.package
+    graphs = dict(package.graphs)
+    for name, graph in graphs.items():
+        package.graphs[name] = lambda *a, g=graph, n=name: shapes.append(
+            (n, tuple(a[0].shape))) or g(*a)
+    return shapes
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_new_decoder_loads_the_package_and_gives_its_own_models_greedy_tokens(packaged,
+                                                                                seed):
+    model = tiny_llama(seed=seed, **SHAPE)  # other weights, same architecture
+    decoder = LookaheadDecoder(model)
+    step = decoder.runner.compiled
+    assert step is not None and step.package is not None
+    shapes = calls_through(step)
+    for prompt_seed in range(3):
+        prompt = repetitive_prompt(prompt_seed)
+        result = decoder.generate(prompt, 30)
+        assert result.token_ids == hf_greedy(model, prompt, 30)
+        assert result.stats.passes == "compiled ahead of time"
+    assert ("one", (1, 1)) in shapes or any(n == "wide" for n, _ in shapes)
+    if decoder.runner.stacks:  # oneDNN's products: trees run through the package too
+        assert any(n == "wide" and s[1] > 1 for n, s in shapes)
+
+
+def test_two_models_of_one_architecture_interleave_each_on_its_own_weights(packaged):
+    first, second = tiny_llama(seed=3, **SHAPE), tiny_llama(seed=4, **SHAPE)
+    decoders = [LookaheadDecoder(first), LookaheadDecoder(second)]
+    prompt = repetitive_prompt(5)
+    for _ in range(2):  # each call names its own stacks and tensors
+        for model, decoder in zip((first, second), decoders, strict=True):
+            assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_a_batch_of_one_length_runs_through_the_package(packaged):
+    model = tiny_llama(seed=5, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    shapes = calls_through(decoder.runner.compiled)
+    prompts = [repetitive_prompt(s, length=24) for s in range(3)]
+    results = decoder.generate(prompts, 20)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 20) for p in prompts]
+    assert any(s[0] == 3 for _, s in shapes)  # three rows in one pass
+
+
+def test_without_a_package_auto_decodes_eagerly_and_compiles_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda *a, **k: pytest.fail("compiled behind the user's back"))
+    model = tiny_llama(seed=0, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    assert decoder.runner.compiled is None
+    prompt = repetitive_prompt(0)
+    result = decoder.generate(prompt, 20)
+    assert result.token_ids == hf_greedy(model, prompt, 20)
+    assert result.stats.passes == "eager"
+
+
+def test_the_package_is_the_architectures_not_the_weights(packaged):
+    def digest(model):
+        return step_package.fingerprint(Runner(model, RunnerSettings(compile=True)).compiled)
+
+    same = digest(tiny_llama(seed=0, **SHAPE))
+    assert digest(tiny_llama(seed=7, **SHAPE)) == same  # other weights: the same package
+    assert digest(tiny_llama(seed=0, layers=4, hidden=48)) != same  # another architecture
+    assert digest(tiny_llama(seed=0, **SHAPE).to(torch.float64)) != same  # another dtype
+
+
+def test_a_damaged_package_is_removed_and_decoding_goes_on_eagerly(package_root, monkeypatch,
+                                                                   tmp_path, caplog):
+    copy = tmp_path / "cache"
+    shutil.copytree(package_root[0], copy)
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(copy))
+    folder = copy / package_root[1].relative_to(package_root[0])
+    (folder / "wide.pt2").write_bytes(b"not a package")
+    model = tiny_llama(seed=6, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    assert decoder.runner.compiled is None
+    assert "rag-spec models compile" in caplog.text and not folder.exists()
+    prompt = repetitive_prompt(1)
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_packaging_leaves_the_users_model_alone(packaged):
+    model = tiny_llama(seed=8, **SHAPE)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    decoder = LookaheadDecoder(model)
+    assert decoder.runner.compiled.package is not None
+    decoder.generate(repetitive_prompt(0), 10)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert model.config.to_dict() == config
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_exact_numerics_are_never_packaged(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))
+    decoder = LookaheadDecoder(tiny_llama(seed=0, **SHAPE), config=LookaheadConfig(exact=True))
+    assert decoder.runner.compiled is None
+    with pytest.raises(RagSpecError, match="exact=False"):
+        decoder.package_steps(progress=False)
