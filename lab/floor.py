@@ -209,14 +209,16 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
     from rag_spec.engine.cache.kv_cache import cache_argument
     from rag_spec.engine.forward.compiled_step import rewind, static_cache
     from rag_spec.engine.forward.runner import Runner, RunnerSettings
+    from rag_spec_kernels import stack_table
 
     step = Runner.of(model, RunnerSettings(compile=True)).compiled
     assert step is not None
     device, length = model.device, len(prompt)
     capacity = length + answer_tokens + max(widths)
     cache = static_cache(step.module.config, capacity)
-    step.module(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True,
-                **cache_argument(step.module, cache))
+    with stack_table(step.stacks):  # the eager tree's traced layers name their stacks
+        step.module(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True,
+                    **cache_argument(step.module, cache))
 
     def compiled(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                  ) -> torch.Tensor:

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from conftest import counting, tiny_llama
+from conftest import tiny_llama
 from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
 from rag_spec.drafters.merged_drafter import MergedDrafter
@@ -101,15 +101,27 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
 
-def test_a_single_row_verifies_the_heads_trees_whole(target, head):
+def test_a_single_row_verifies_the_heads_trees_whole_or_not_at_all(target, head, monkeypatch):
     """The head's guesses are those its probabilities say pay; the batch's sizer is for
-    batches (its estimates of the rarer guesses learn slowly)."""
+    batches (its estimates of the rarer guesses learn slowly). Whole trees stop where they
+    commit slower than plain steps, which are timed first, once per decoder."""
+    cuts = []  # (nodes proposed, nodes verified) per step
+    first = TokenTree.first
+    monkeypatch.setattr(TokenTree, "first", lambda tree, n: cuts.append(
+        (len(tree), min(n, len(tree)))) or first(tree, n))
+    decoder = LookaheadDecoder(target, drafter=FeatureDrafter(head))
+    drafted = 0
     for seed in range(3):
-        drafter = counting(FeatureDrafter)(head)
+        cuts.clear()
         prompt = repetitive_prompt(seed)
-        result = LookaheadDecoder(target, drafter=drafter).generate(prompt, 30)
+        result = decoder.generate(prompt, 30)
         assert result.token_ids == hf_greedy(target, prompt, 30)
-        assert result.stats.drafted == drafter.proposed > 0
+        assert all(verified in (0, proposed) for proposed, verified in cuts)
+        if seed == 0:  # two plain steps time what trees must beat, then trees are verified
+            assert [verified for _, verified in cuts[:3]] == [0, 0, cuts[2][0]] != [0, 0, 0]
+        drafted += result.stats.drafted
+    assert drafted > 0
+    assert 1 in decoder._costs[1][1, "eager"]  # the plain step's cost, carried over
 
 
 def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target, head):

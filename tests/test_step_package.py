@@ -150,3 +150,13 @@ def test_exact_numerics_are_never_packaged(monkeypatch, tmp_path):
     assert decoder.runner.compiled is None
     with pytest.raises(RagSpecError, match="exact=False"):
         decoder.package_steps(progress=False)
+
+
+def test_a_model_moved_to_another_dtype_leaves_the_package_for_eager_steps(packaged):
+    model = tiny_llama(seed=9, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    assert decoder.runner.compiled.package is not None
+    model.to(torch.float64)  # the same parameter objects, their data elsewhere
+    assert decoder.runner.compiled is None  # rebuilt: no package for float64
+    prompt = repetitive_prompt(2)
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -212,6 +213,9 @@ class LookaheadDecoder:
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
         # a steady drafter's estimates at the end of the last greedy generation (``_budget``)
         self._learnt: AdaptiveBudget | None = None
+        # measured pass costs carried across generations, per (rows, passes), for the runner
+        # they were measured on: what trees must beat is timed once per decoder, not per answer
+        self._costs: tuple[Any, dict[tuple[int, str], dict[int, float]]] = (lambda: None, {})
 
     @property
     def runner(self) -> Runner:
@@ -443,7 +447,10 @@ class LookaheadDecoder:
                 if capacity is not None and runner.compiled is not None:  # compiled steps
                     passes = ("compiled ahead of time" if runner.compiled.package is not None
                               else "compiled")
-        target = TargetView(runner, cache, StepCosts(rows=len(rows)))
+        if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
+            self._costs = (weakref.ref(runner), {})
+        measured = self._costs[1].setdefault((len(rows), passes), {})
+        target = TargetView(runner, cache, StepCosts(rows=len(rows), target=dict(measured)))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
             r.stats.passes = passes
@@ -473,6 +480,7 @@ class LookaheadDecoder:
         finally:  # also when a stream is left unfinished: the next generation replays graphs
             self.drafter.end(target)
             runner.release(cache)
+            measured.update(target.costs.target)
 
     def _without_finished(self, rows: list[_Row], rules: list[StopRule], target: TargetView
                           ) -> tuple[list[_Row], list[StopRule]]:

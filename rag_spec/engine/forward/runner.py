@@ -160,9 +160,12 @@ class Runner(ModuleRunner):
 
 
 def _structure(model: Any) -> tuple[int, ...]:
-    """Identities of the model's modules and parameters: what the private copy was built from
-    (weights changed in place are seen through the shared tensors; replaced objects are not)."""
-    return (*map(id, model.modules()), *map(id, model.parameters()))
+    """Identities of the model's modules and parameters, and where each parameter's data lies:
+    what the private copy was built from. Weights changed in place are seen through the shared
+    tensors; replaced objects are not, nor data moved by ``model.to(...)`` (a step compiled
+    ahead of time holds the addresses of the tensors it was given)."""
+    return (*map(id, model.modules()),
+            *(part for p in model.parameters() for part in (id(p), p.data_ptr())))
 
 
 def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, set[int]]:
