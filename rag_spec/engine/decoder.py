@@ -213,8 +213,9 @@ class LookaheadDecoder:
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
         # a steady drafter's estimates at the end of the last greedy generation (``_budget``)
         self._learnt: AdaptiveBudget | None = None
-        # measured pass costs carried across generations, per (rows, passes), for the runner
-        # they were measured on: what trees must beat is timed once per decoder, not per answer
+        # measured pass costs carried across a steady drafter's generations, per (rows, passes),
+        # for the runner they were measured on: what its trees must beat is timed once per
+        # decoder, not per answer
         self._costs: tuple[Any, dict[tuple[int, str], dict[int, float]]] = (lambda: None, {})
 
     @property
@@ -450,7 +451,10 @@ class LookaheadDecoder:
         if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
             self._costs = (weakref.ref(runner), {})
         measured = self._costs[1].setdefault((len(rows), passes), {})
-        target = TargetView(runner, cache, StepCosts(rows=len(rows), target=dict(measured)))
+        # a steady drafter's whole trees are weighed against plain steps timed once per
+        # decoder; other drafters' sizes start from their own generation's timings
+        target = TargetView(runner, cache, StepCosts(
+            rows=len(rows), target=dict(measured) if self._steady else {}))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
             r.stats.passes = passes
@@ -462,10 +466,11 @@ class LookaheadDecoder:
         # nor does sampled output under drafts that are not drawn (sample-and-match). A sampled
         # row's does under multi-step speculative sampling: it keeps its own budget, so it
         # samples the same tokens in any batch. A drafter that sizes its drafts from measured
-        # costs itself (``sizes_own_drafts``) is left to do so.
+        # costs itself (``sizes_own_drafts``) is left to do so. Under a grammar a row verifies
+        # its own budget: the tokens the grammar forces into its trees cost no drafting.
         declared = self.drafter.capabilities
         fixed = not rows[0].sampler.params.do_sample or not declared.draws_drafts
-        sized = fixed and not declared.sizes_own_drafts
+        sized = fixed and not declared.sizes_own_drafts and not any(r.constraint for r in rows)
         sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
                           steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
