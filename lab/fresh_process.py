@@ -23,8 +23,8 @@ def main(drafts: str = "default") -> None:
     extra = {"drafter": TrieDrafter()} if drafts == "trie" else {}
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, **extra)
     built = time.perf_counter()
-    report = {"drafts": decoder.drafter.label,
-              "passes": "eager" if decoder.runner.compiled is None else "compiled ahead of time",
+    step = decoder.runner.compiled
+    report = {"drafts": decoder.drafter.label, "passes": "eager" if step is None else step.kind,
               "import_s": round(imported - started, 2),
               "load_model_s": round(loaded - imported, 2),
               "decoder_s": round(built - loaded, 2)}

@@ -102,7 +102,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,
                               "default_drafts": decoder.drafter.label,
                               "default_passes": "eager" if decoder.runner.compiled is None
-                              else "compiled ahead of time",
+                              else decoder.runner.compiled.kind,
                               "max_new_tokens": max_new_tokens,
                               "warm_up_s": _warm_up(systems, rag[0]), "machine": machine()}
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):

@@ -446,8 +446,7 @@ class LookaheadDecoder:
                 capacity = self._capacity(runner, rows, rules)
                 cache = prefill(runner, [r.prompt for r in rows], capacity)
                 if capacity is not None and runner.compiled is not None:  # compiled steps
-                    passes = ("compiled ahead of time" if runner.compiled.package is not None
-                              else "compiled")
+                    passes = runner.compiled.kind
         if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
             self._costs = (weakref.ref(runner), {})
         measured = self._costs[1].setdefault((len(rows), passes), {})

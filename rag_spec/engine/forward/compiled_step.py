@@ -68,6 +68,11 @@ class CompiledStep:
         return torch.equal(logits, split)
 
     @property
+    def kind(self) -> str:
+        """How its passes run: "compiled ahead of time" (a loaded package) or "compiled"."""
+        return "compiled" if self.package is None else "compiled ahead of time"
+
+    @property
     def wide(self) -> bool:
         """Whether passes of every width run compiled, not only one-token ones: on a GPU, and
         on a CPU where the module's products are oneDNN's (``wide``); inductor's own products

@@ -17,6 +17,7 @@ is removed and the step runs eager (a warning names the command that builds it a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -94,21 +95,27 @@ def fingerprint(step: CompiledStep) -> str:
     layers = [(path, m.start, m.out_features, m.key, m.stack.streamed,
                m.first_sibling, m.last_sibling) if m.stack is not None else (path,)
               for path, m in module.named_modules() if isinstance(m, TracedLinear)]
-    sources = [inspect.getsource(m) for m in (rag_spec_kernels.onednn_linear,
-                                              rag_spec_kernels.streamed,
-                                              rag_spec_kernels.tree_attention,
-                                              rag_spec_kernels.cpu_attention)]
-    sources += [inspect.getsource(inspect.getmodule(f)) for f in (step_forward, _Pass)]
     parts = {"format": FORMAT, "class": type(module).__qualname__, "config": config,
              "attention": module.config._attn_implementation, "layers": layers,
              "dtype": str(next(module.parameters()).dtype),
-             "sources": hashlib.sha256("".join(sources).encode()).hexdigest(),
+             "sources": _sources_digest(),
              "torch": torch.__version__, "transformers": transformers.__version__,
              "machine": platform.machine(), "cpu": _cpu_flags()}
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+@functools.cache
+def _sources_digest() -> str:
+    """A digest of the kernels' and the step's sources, read once per process (every runner
+    built with ``compile="auto"`` asks)."""
+    modules = [rag_spec_kernels.onednn_linear, rag_spec_kernels.streamed,
+               rag_spec_kernels.tree_attention, rag_spec_kernels.cpu_attention,
+               inspect.getmodule(step_forward), inspect.getmodule(_Pass)]
+    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()
+
+
+@functools.cache
 def _cpu_flags() -> list[str]:
     """The vector instruction sets the CPU reports (inductor's code is built for them)."""
     try:
