@@ -145,14 +145,12 @@ def test_a_single_rows_cheap_trees_are_verified_whole_and_dear_ones_sized():
     assert best(cut, StepCosts(target={1: 1.0, 13: 1.6})) == 5  # whole trees lose to plain
     cut[0].cost = CHEAP_PROPOSAL  # a draft model's passes: weighed against what trees keep
     assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 5
-    # a steady drafter's single row (the draft head's) is verified whole or not at all
-    steady = TreeSizer(12, steady=True)
-    assert steady.best(cut, [64], StepCosts(target={1: 1.0, 13: 1.4})) == 12
-    assert steady.best(cut, [64], StepCosts(target={1: 1.0, 13: 3.0})) == 0  # 1.5 for 3
-    assert steady.best(rows(2.5), [64], StepCosts(target={1: 1.0, 13: 3.0})) == 12  # 3.5
-    # what whole trees must beat is timed first: plain steps until a plain step is measured
-    assert steady.best(rows(2.5), [64], StepCosts(target={13: 3.0})) == 0
-    assert steady.best(rows(2.5), [64], StepCosts()) == 0
+    # a steady drafter's single row (the draft head's) is sized as any other: a whole tree
+    # that does not pay is cut to the size that does, not dropped for plain steps
+    steady, head = TreeSizer(12, steady=True), rows(0.5, reach=5)
+    assert steady.best(head, [64], StepCosts(target={1: 1.0, 13: 1.4})) == 12
+    assert steady.best(head, [64], StepCosts(target={1: 1.0, 13: 1.6})) == 5
+    assert steady.best(rows(0.2, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.6})) == 0
 
 
 def test_a_batch_drafts_for_the_row_it_waits_for():

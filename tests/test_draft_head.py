@@ -101,10 +101,11 @@ def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
 
 
-def test_a_single_row_verifies_the_heads_trees_whole_or_not_at_all(target, head, monkeypatch):
-    """The head's guesses are those its probabilities say pay; the batch's sizer is for
-    batches (its estimates of the rarer guesses learn slowly). Whole trees stop where they
-    commit slower than plain steps, which are timed first, once per decoder."""
+def test_a_single_row_sizes_the_heads_trees_and_carries_their_costs_over(target, head,
+                                                                         monkeypatch):
+    """The first tree is verified whole (a wide pass's cost is not known yet); later steps
+    verify what pays, as for any drafter; a steady drafter's measured pass costs carry over
+    the decoder's generations."""
     cuts = []  # (nodes proposed, nodes verified) per step
     first = TokenTree.first
     monkeypatch.setattr(TokenTree, "first", lambda tree, n: cuts.append(
@@ -116,12 +117,12 @@ def test_a_single_row_verifies_the_heads_trees_whole_or_not_at_all(target, head,
         prompt = repetitive_prompt(seed)
         result = decoder.generate(prompt, 30)
         assert result.token_ids == hf_greedy(target, prompt, 30)
-        assert all(verified in (0, proposed) for proposed, verified in cuts)
-        if seed == 0:  # two plain steps time what trees must beat, then trees are verified
-            assert [verified for _, verified in cuts[:3]] == [0, 0, cuts[2][0]] != [0, 0, 0]
+        if seed == 0:  # the first tree (after a step that gave the head its features)
+            proposed, verified = next(cut for cut in cuts if cut[0])
+            assert verified == proposed
         drafted += result.stats.drafted
     assert drafted > 0
-    assert 1 in decoder._costs[1][1, "eager"]  # the plain step's cost, carried over
+    assert decoder._costs[1][1, "eager"]  # the pass costs measured, carried over
 
 
 def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target, head):

@@ -1,9 +1,9 @@
 """Kernels for verifying token trees: attention under a compact tree mask that reads each KV
 head once (ours in C++ on AVX-512 CPUs, else torch; Triton on a GPU), linear layers that keep
-few-token steps cheap on the CPU (oneDNN's kernels, or on AVX-512 our streamed one), and exact
-numerics for half precision (each token of a step bit for bit as a one-token step). Nothing
-here modifies a caller's model: the decoder's runner puts these into its private copy of the
-module tree."""
+few-token steps cheap on the CPU (oneDNN's kernels, or on AVX-512 and AVX2 our streamed one),
+and exact numerics for half precision (each token of a step bit for bit as a one-token step).
+Nothing here modifies a caller's model: the decoder's runner puts these into its private copy of
+the module tree."""
 
 from rag_spec_kernels.cpu_attention import (
     cpu_attention_available,

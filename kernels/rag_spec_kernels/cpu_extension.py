@@ -1,9 +1,10 @@
 """Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``): the CPU implementations
 of the ``rag_spec_cpu`` operators, built for this machine on first use by torch's extension
 loader (gcc and ninja, ~60 s once, then cached under torch's extension root,
-``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. Callers probe them
-(``streamed_available``, ``cpu_attention_available``) and keep torch's kernels where they do
-not build."""
+``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are built
+for the vector instructions torch runs here: AVX-512 (both kernels) or AVX2 with FMA (the
+streamed product only). Callers probe them (``streamed_available``,
+``cpu_attention_available``) and keep torch's kernels where they do not build."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 _SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "bindings.cpp")
 _build_lock = threading.Lock()
+# compiler flags per instruction set torch reports (``get_cpu_capability``)
+_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma"]}
 
 
 def avx512() -> bool:
@@ -24,12 +27,24 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+def vector_isa() -> str | None:
+    """The instruction set our kernels are built for here ("AVX512" or "AVX2"), or None where
+    torch runs neither (an older or non-x86 CPU)."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    return isa if isa in _FLAGS else None
+
+
 @functools.cache
 def cpu_extension() -> None:
     """Build (the first time) and load the kernels; raises where they cannot be built."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    name = "rag_spec_cpu_kernels"
+    isa = vector_isa()
+    if isa is None:
+        msg = ("rag-spec's CPU kernels need AVX2 or AVX-512; torch runs "
+               f"{torch.backends.cpu.get_cpu_capability()} here")
+        raise RuntimeError(msg)
+    name = f"rag_spec_cpu_kernels_{isa.lower()}"  # one build per instruction set
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build = Path(root) / f"{name}-torch{torch.__version__}"
     with _build_lock:
@@ -42,4 +57,4 @@ def cpu_extension() -> None:
         # runtime (not linked here), so the kernels share torch's threads
         load(name=name, sources=[str(here / source) for source in _SOURCES],
              build_directory=str(build), is_python_module=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-fopenmp"])
+             extra_cflags=["-O3", *_FLAGS[isa], "-fopenmp"])

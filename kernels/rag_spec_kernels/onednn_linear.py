@@ -2,9 +2,9 @@
 
 The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-32; oneDNN's
 kernels on a blocked weight layout make a few-token step cost much less, which is what lets a
-verified tree pay for itself (measured: docs/concepts.md, "Why the defaults"). On AVX-512 CPUs
-float32 stacks take ``streamed_linear`` instead, which also hides the weight's read behind the
-arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's
+verified tree pay for itself (measured: docs/concepts.md, "Why the defaults"). On AVX-512 and
+AVX2 CPUs float32 stacks take ``streamed_linear`` instead, which also hides the weight's read
+behind the arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's
 matrix-vector product does, on an AVX2 EPYC oneDNN's does (MKL runs one-row products on one
 core there);
 ``one_row_packed`` decides; on an Intel CPU, a prompt's products of many rows take BLAS too

@@ -1,4 +1,5 @@
-"""Few-row float32 products that overlap reading the weight with the arithmetic (AVX-512 CPUs).
+"""Few-row float32 products that overlap reading the weight with the arithmetic (AVX-512 or AVX2
+CPUs).
 
 oneDNN's few-row kernels compute at full speed but add that time to the weight's read instead
 of hiding it behind the read: through the default model's layers on two Zen 4 cores, 17 rows
@@ -6,8 +7,11 @@ took 20-22 ms where the weight read takes ~11 and the products in cache ~14. Thi
 (``streamed_linear.cpp``) prefetches the weight ahead of the arithmetic: through the same
 layers, alternating with oneDNN in one process, 17 rows in 18.3 ms against 21.4 and one row in
 13.9 against 14.9 (``python -m lab.floor`` times it in steps). It is built for this machine
-on first use (``cpu_extension``); where the CPU lacks AVX-512 or the build fails,
-``streamed_available`` says no and the runner keeps oneDNN's kernels.
+on first use (``cpu_extension``); where the CPU has neither AVX-512 nor AVX2 or the build
+fails, ``streamed_available`` says no and the runner keeps oneDNN's kernels. On AVX2 CPUs
+oneDNN's few-row products cost more than one row's (its blocked layout is tuned for
+wider batches), while this kernel's 2-8 rows cost about one row's weight read
+(docs/benchmarks/README.md, "Streamed products on AVX2").
 
 The kernel is an operator, ``torch.ops.rag_spec_cpu.streamed_linear``, defined here with its
 output's shape (what ``torch.compile`` traces) and implemented in C++ (once built): a compiled
@@ -23,7 +27,7 @@ import logging
 
 import torch
 
-from rag_spec_kernels.cpu_extension import avx512, cpu_extension
+from rag_spec_kernels.cpu_extension import cpu_extension, vector_isa
 
 _BLOCK = 16  # outputs per packed block: one cache line of float32 weights per input position
 log = logging.getLogger(__name__)
@@ -39,9 +43,9 @@ def _product_shape(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def streamed_available(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` products can take this kernel here: float32, a CPU with AVX-512, a
-    build that succeeds and agrees with the stock product on a probe."""
-    if dtype != torch.float32 or not avx512():
+    """Whether ``dtype`` products can take this kernel here: float32, a CPU with AVX-512 or
+    AVX2, a build that succeeds and agrees with the stock product on a probe."""
+    if dtype != torch.float32 or vector_isa() is None:
         return False
     generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
     try:

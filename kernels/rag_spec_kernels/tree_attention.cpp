@@ -1,5 +1,6 @@
 // Attention of a step's query tokens over a KV cache under a compact tree mask (AVX-512,
 // float32): the CPU twin of the Triton kernel, with the same contract as reference_attention.
+// Built only where the extension is compiled for AVX-512 (an AVX2 build leaves it out).
 //
 // A decoding step at long context reads the whole cache for a few queries; SDPA's CPU flash
 // kernel takes two to three times as long as that read. Here each KV head's keys pass once,
@@ -11,6 +12,7 @@
 // Work items are (batch row, KV head, slice of SPLIT_KEYS committed slots), merged per query
 // row in slice order: a row's result depends on its own keys and mask only, never on the other
 // rows of the batch or the number of query tokens beside it.
+#if defined(__AVX512F__)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -345,3 +347,4 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
   });
   return out;
 }
+#endif  // __AVX512F__

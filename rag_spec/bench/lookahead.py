@@ -6,7 +6,7 @@ same kernels without speculation; no memory: the trie forgetting earlier answers
 ceiling of copying from each prompt and its answer; in float32, stock linear kernels:
 speculation without ours; in half precision, where ours runs exact numerics, the fast kernels:
 what exactness costs, and that without it tokens differ); where our streamed kernel runs
-(float32, AVX-512), ours on oneDNN's kernels instead (what that kernel buys); where this
+(float32, AVX-512 or AVX2), ours on oneDNN's kernels instead (what that kernel buys); where this
 machine holds the model's steps compiled ahead of time (the default then runs them), ours with
 eager steps (what they buy); with ``--compiled``, ours with compiled steps, drafting and not;
 with ``--draft-head``, ours drafting with the trained draft head (``draft_head.cached_head``),

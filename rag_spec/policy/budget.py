@@ -222,7 +222,6 @@ class TreeSizer:
         self.full = full
         self.adaptive = adaptive
         self.prober = Prober(probe_every, probe_every if steady else max_probe_every)
-        self.steady = steady
 
     def size(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
              costs: StepCosts) -> tuple[int, bool]:
@@ -245,20 +244,12 @@ class TreeSizer:
         when the budget is fixed, and for a batch of one row (``costs.rows``) before any cost
         is known, or while its proposals are cheap (``CHEAP_PROPOSAL``) and its whole trees
         commit faster than plain steps. A larger batch takes a plain step first, timed as what
-        every draft must beat (a wide step at batch 16 x 4k costs several).
-
-        A steady drafter's single row is verified whole or not at all: its trees hold only
-        the guesses its probabilities say pay (``Expansion.min_prob``), its row's budget stops
-        it while they miss, and the rates, whose estimates of what its rarer guesses keep
-        learn slowly, verified fewer than paid; cutting only where whole trees did not pay
-        lost on compiled steps too (docs/concepts.md, "Why the defaults"). Whole trees stop
-        where they commit slower than plain steps: on a CPU whose one-token steps run compiled
-        as reductions, a 12-token step costs ~2.7 of them (``lab.floor``). Plain steps are
-        timed first for that (two, once per decoder: its costs carry over generations)."""
+        every draft must beat (a wide step at batch 16 x 4k costs several). Where whole trees
+        do not pay, the best cut does: verifying a steady drafter's trees whole or not at all
+        left the draft head's rows in plain steps on compiled CPU steps (docs/concepts.md,
+        "Why the defaults")."""
         if not self.adaptive or not budgets:
             return self.full
-        if costs.rows == 1 and self.steady and 1 not in costs.target:
-            return 0
         if costs.rows == 1 and not costs.target:
             return self.full
         if not costs.target:
@@ -275,8 +266,6 @@ class TreeSizer:
             slowest = min((1 + b.expected(n)) / max(left, 1)
                           for b, left in zip(budgets, remaining))
             rates[n] = slowest / seconds
-        if costs.rows == 1 and self.steady:
-            return self.full if rates[self.full] >= rates[0] else 0
         if costs.rows == 1 and counted < CHEAP_PROPOSAL and rates[self.full] >= rates[0]:
             return self.full
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more

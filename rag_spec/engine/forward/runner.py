@@ -68,8 +68,8 @@ class RunnerSettings:
 
     onednn_linear: bool | Literal["auto"] = "auto"  # CPU: oneDNN matrix products (weight copy)
     onednn_memory_share: float = 0.25  # "auto": the copy may take this share of free memory
-    # the copy packed for rag-spec's streamed kernel where the CPU takes it (AVX-512, float32;
-    # ``rag_spec_kernels.streamed``), else for oneDNN's
+    # the copy packed for rag-spec's streamed kernel where the CPU takes it (float32 on
+    # AVX-512 or AVX2; ``rag_spec_kernels.streamed``), else for oneDNN's
     streamed_linear: bool = True
     # CPU, float32: steps attend through rag-spec's AVX-512 kernel (``cpu_tree_attention``)
     # where the CPU takes it, else through SDPA

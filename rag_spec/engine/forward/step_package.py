@@ -17,6 +17,7 @@ is removed and the step runs eager (a warning names the command that builds it a
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -107,12 +108,28 @@ def fingerprint(step: CompiledStep) -> str:
 
 @functools.cache
 def _sources_digest() -> str:
-    """A digest of the kernels' and the step's sources, read once per process (every runner
-    built with ``compile="auto"`` asks)."""
+    """A digest of the kernels' and the step's code, read once per process (every runner
+    built with ``compile="auto"`` asks): their syntax trees without docstrings, so an edit to
+    the prose (comments, docstrings) does not make a new package."""
     modules = [rag_spec_kernels.onednn_linear, rag_spec_kernels.streamed,
                rag_spec_kernels.tree_attention, rag_spec_kernels.cpu_attention,
                inspect.getmodule(step_forward), inspect.getmodule(_Pass)]
-    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()
+    code = "".join(ast.dump(_without_docstrings(ast.parse(inspect.getsource(m))))
+                   for m in modules)
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+def _without_docstrings(tree: ast.Module) -> ast.Module:
+    """``tree`` with the docstring of its module, classes and functions taken out."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                          | ast.AsyncFunctionDef) or not node.body:
+            continue
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+    return tree
 
 
 @functools.cache
