@@ -450,8 +450,8 @@ class LookaheadDecoder:
         if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
             self._costs = (weakref.ref(runner), {})
         measured = self._costs[1].setdefault((len(rows), passes), {})
-        # a steady drafter's whole trees are weighed against plain steps timed once per
-        # decoder; other drafters' sizes start from their own generation's timings
+        # a steady drafter's measured pass costs carry over the decoder's generations; other
+        # drafters' sizes start from their own generation's timings
         target = TargetView(runner, cache, StepCosts(
             rows=len(rows), target=dict(measured) if self._steady else {}))
         for r in rows:
