@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.cpu_extension import avx512, cpu_extension
+from rag_spec_kernels.cpu_extension import cpu_extension, vector_isa
 from rag_spec_kernels.mask import TreeMask
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _available() -> bool:
 @functools.cache
 def cpu_attention_available() -> bool:
     """An AVX-512 CPU, a build that succeeds, and agreement with the reference on a probe."""
-    if not avx512():
+    if vector_isa() != "AVX512":
         return False
     from rag_spec_kernels.mask import reference_attention
 

@@ -22,11 +22,6 @@ _build_lock = threading.Lock()
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma"]}
 
 
-def avx512() -> bool:
-    """Whether torch runs this CPU's AVX-512 kernels (the instructions ours are written in)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
 def vector_isa() -> str | None:
     """The instruction set our kernels are built for here ("AVX512" or "AVX2"), or None where
     torch runs neither (an older or non-x86 CPU)."""

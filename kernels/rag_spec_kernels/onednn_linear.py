@@ -5,8 +5,8 @@ kernels on a blocked weight layout make a few-token step cost much less, which i
 verified tree pay for itself (measured: docs/concepts.md, "Why the defaults"). On AVX-512 and
 AVX2 CPUs float32 stacks take ``streamed_linear`` instead, which also hides the weight's read
 behind the arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's
-matrix-vector product does, on an AVX2 EPYC oneDNN's does (MKL runs one-row products on one
-core there);
+matrix-vector product does, on an AVX2 EPYC the stack's product does (MKL runs one-row products
+on one core there);
 ``one_row_packed`` decides; on an Intel CPU, a prompt's products of many rows take BLAS too
 (``blas_from_rows``). Layers that read the same input (q/k/v, gate/up) multiply as one
 stacked weight: one call and one weight pass, bit-identical results.
