@@ -160,3 +160,18 @@ def test_a_model_moved_to_another_dtype_leaves_the_package_for_eager_steps(packa
     assert decoder.runner.compiled is None  # rebuilt: no package for float64
     prompt = repetitive_prompt(2)
     assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_the_digest_reads_code_not_prose():
+    # a docstring or comment edit must not cost a 3-minute rebuild; a code edit must
+    import ast
+
+    def digest(source: str) -> str:
+        return ast.dump(step_package._without_docstrings(ast.parse(source)))
+
+    base = ('"""Module."""\nclass A:\n    """A."""\n'
+            '    def f(self):\n        """F."""\n        return 1\n')
+    prose = base.replace('"""F."""', '"""Other words."""  # and a comment')
+    assert digest(prose) == digest(base)
+    assert digest(base.replace("return 1", "return 2")) != digest(base)
+    assert digest('def g():\n    """Only a docstring."""\n') == digest("def g():\n    pass\n")
