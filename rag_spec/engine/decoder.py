@@ -214,8 +214,7 @@ class LookaheadDecoder:
         # a steady drafter's estimates at the end of the last greedy generation (``_budget``)
         self._learnt: AdaptiveBudget | None = None
         # measured pass costs carried across a steady drafter's generations, per (rows, passes),
-        # for the runner they were measured on: what its trees must beat is timed once per
-        # decoder, not per answer
+        # for the runner they were measured on (other drafters size from their own generation's)
         self._costs: tuple[Any, dict[tuple[int, str], dict[int, float]]] = (lambda: None, {})
 
     @property
@@ -450,8 +449,6 @@ class LookaheadDecoder:
         if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
             self._costs = (weakref.ref(runner), {})
         measured = self._costs[1].setdefault((len(rows), passes), {})
-        # a steady drafter's measured pass costs carry over the decoder's generations; other
-        # drafters' sizes start from their own generation's timings
         target = TargetView(runner, cache, StepCosts(
             rows=len(rows), target=dict(measured) if self._steady else {}))
         for r in rows:
