@@ -6,7 +6,6 @@ import math
 import pytest
 
 from rag_spec.policy.budget import (
-    CHEAP_PROPOSAL,
     PROBE_SHARE,
     STEADY_TREES,
     AdaptiveBudget,
@@ -136,21 +135,20 @@ def test_tree_size_maximises_committed_tokens_per_second():
     assert best(rows(2.5, 2.5, reach=2), dear) == 2  # 3.5 tokens for 1.33 steps
 
 
-def test_a_single_rows_cheap_trees_are_verified_whole_and_dear_ones_sized():
-    # one row on a short prompt: a 13-token step costs it little more than a plain one, and
-    # the average over recent trees misses the long paths of a copy that just started
+def test_a_single_row_verifies_the_size_that_pays_best():
+    # one row on a short prompt: a 13-token step costs it little more than a plain one
     cut = rows(0.5, reach=5)
-    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 12  # 1.5 tokens for 1.1 steps
-    assert best(cut, StepCosts(target={1: 1.0, 13: 1.4})) == 12  # for 1.4: still > 1 per step
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 5  # 1.5 tokens for ~1.03 steps
+    assert best(rows(0.5), StepCosts(target={1: 1.0, 13: 1.1})) == 12  # larger keeps more
     assert best(cut, StepCosts(target={1: 1.0, 13: 1.6})) == 5  # whole trees lose to plain
-    cut[0].cost = CHEAP_PROPOSAL  # a draft model's passes: weighed against what trees keep
-    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 5
+    assert best(rows(0.2, reach=5), StepCosts(target={1: 1.0, 13: 1.6})) == 0  # nor cuts
+    cut[0].cost = 0.5  # a draft model's passes: weighed against what trees keep
+    assert best(cut, StepCosts(target={1: 1.0, 13: 1.1})) == 0
     # a steady drafter's single row (the draft head's) is sized as any other: a whole tree
     # that does not pay is cut to the size that does, not dropped for plain steps
     steady, head = TreeSizer(12, steady=True), rows(0.5, reach=5)
-    assert steady.best(head, [64], StepCosts(target={1: 1.0, 13: 1.4})) == 12
     assert steady.best(head, [64], StepCosts(target={1: 1.0, 13: 1.6})) == 5
-    assert steady.best(rows(0.2, reach=5), [64], StepCosts(target={1: 1.0, 13: 1.6})) == 0
+    assert steady.best(rows(0.2, reach=5), [64], StepCosts(target={1: 1.0, 13: 3.0})) == 0
 
 
 def test_a_batch_drafts_for_the_row_it_waits_for():
@@ -257,10 +255,12 @@ def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch)
     assert built == [True, True]  # the self-drafter chooses its own draft lengths
 
 
-def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
-    """The trie's proposals cost nothing: while whole trees commit faster than plain steps, one
-    row verifies every node they offer, even where a cut is expected to keep as much."""
+def test_a_single_row_verifies_what_pays_of_its_trees(monkeypatch):
+    """The trie's proposals cost nothing, but each node widens the step: one row verifies its
+    copies where they keep, and fewer nodes where they miss, keeping every token whole trees
+    keep."""
     from conftest import counting, tiny_llama
+    from rag_spec import LookaheadConfig
     from rag_spec.drafters.trie_drafter import TrieDrafter
     from rag_spec.engine.decoder import LookaheadDecoder
     from test_decoder_greedy import hf_greedy, repetitive_prompt
@@ -270,11 +270,17 @@ def test_a_single_row_verifies_cheap_trees_whole(monkeypatch):
     model = tiny_llama()
     prompt = repetitive_prompt(7)
     answer = hf_greedy(model, prompt, 40)
-    drafter = counting(TrieDrafter)()
-    drafter.remember(prompt + answer)  # 8-token copies of the answer
-    result = LookaheadDecoder(model, drafter=drafter).generate(prompt, 40)
-    assert result.token_ids == answer
-    assert result.stats.drafted == drafter.proposed > 0
+    results = {}
+    for adaptive in (True, False):
+        drafter = counting(TrieDrafter)()
+        drafter.remember(prompt + answer)  # 8-token copies of the answer
+        config = LookaheadConfig(adaptive=adaptive)
+        results[adaptive] = LookaheadDecoder(model, drafter=drafter, config=config).generate(
+            prompt, 40)
+        assert results[adaptive].token_ids == answer
+    sized, whole = results[True].stats, results[False].stats
+    assert sum(sized.accepted_per_step) == sum(whole.accepted_per_step) > 0
+    assert 0 < sized.drafted < whole.drafted
 
 
 @pytest.mark.parametrize(("committed", "learnt"), [

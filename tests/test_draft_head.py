@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
-from rag_spec.drafters.merged_drafter import MergedDrafter
+from rag_spec.drafters.merged_drafter import MergedDrafter, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.cache.step_inputs import tree_step
@@ -148,6 +148,19 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
     asked = [row for step in steps for row in step]
     assert asked[0][1]  # from the first step
     assert any(copying and ask for copying, ask in asked)  # and while the trie copied
+
+
+def test_a_greedy_rows_merged_tree_puts_a_copy_first_while_the_answer_copies():
+    """The sizer verifies a tree's first nodes: while the trie's copy runs two tokens deep,
+    they are the copy's; otherwise the model's guesses, and a sampled row's always (its
+    draws lead, as multi-step speculative sampling tries them)."""
+    guess = TokenTree.from_paths([[5], [6]])
+    copy = TokenTree.from_paths([[7, 8, 9]])
+    assert _merged(guess, copy, budget=4).tokens == (7, 8, 9, 5)
+    assert _merged(guess, TokenTree.from_paths([[7], [8]]), budget=4).tokens == (5, 6, 7, 8)
+    drawn = TokenTree((5, 6), (-1, -1), draft_probs=torch.full((2, 10), 0.1))
+    assert _merged(drawn, copy, budget=4).tokens == (5, 6, 7, 8)
+    assert _merged(TokenTree.empty(), copy, budget=4) is copy
 
 
 def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):

@@ -66,3 +66,27 @@ def test_a_merged_tree_costs_both_drafts_and_a_cut_costs_the_whole():
     assert merged.tokens == (5, 6, 7) and merged.cost == 0.8
     assert merged.merged(TokenTree((9,), (-1,), cost=0.5), budget=4).cost == 1.3
     assert merged.first(1).cost == 0.8  # drafting was paid whatever is verified
+
+
+@given(paths, st.randoms(use_true_random=False))
+def test_a_ranked_tree_keeps_its_paths_likeliest_first(path_list, rng):
+    tree = TokenTree.from_paths(path_list)
+    scores: list[float] = []  # a path probability: a child no likelier than its parent
+    for parent in tree.parents:
+        scores.append((1.0 if parent < 0 else scores[parent]) * rng.choice([1.0, 0.5, 0.1]))
+    ranked = tree.ranked(scores)  # a TokenTree: parents still come before children
+
+    def chains(t: TokenTree) -> list[tuple[int, ...]]:
+        out = []
+        for i in range(len(t)):
+            chain, node = [], i
+            while node >= 0:
+                chain.append(t.tokens[node])
+                node = t.parents[node]
+            out.append(tuple(reversed(chain)))
+        return out
+
+    assert sorted(chains(ranked)) == sorted(chains(tree))
+    by_chain = dict(zip(chains(tree), scores))
+    ranked_scores = [by_chain[c] for c in chains(ranked)]
+    assert ranked_scores == sorted(ranked_scores, reverse=True)  # a cut keeps the likeliest

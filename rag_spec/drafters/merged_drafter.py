@@ -78,8 +78,7 @@ class _Both:
             self._asked_at = 0
         else:
             self.model_budget.update(0, 0)  # an idle step: counts toward the next probe
-        copying = len(copies) and copies.depths.max() >= _COPYING
-        if not self.model_budget.current or (self.spared and copying):
+        if not self.model_budget.current or (self.spared and _copying(copies)):
             return 0
         return merged_share(budget, len(copies))
 
@@ -162,8 +161,21 @@ class MergedDrafter(Drafter):
                 r.session.guessed(r.context, guess)
         # The model's passes are weighed by its own budget (fed with its trees' cost), so the
         # merged tree carries none: a row must not stop verifying the trie's free copies for it.
-        return [replace(guess.merged(copy, r.budget), cost=0.0) if len(guess) else copy
-                for r, guess, copy in zip(requests, guesses, copies)]
+        return [_merged(guess, copy, r.budget) for r, guess, copy in zip(requests, guesses, copies)]
+
+
+def _copying(copies: TokenTree) -> bool:
+    return len(copies) > 0 and copies.depths.max() >= _COPYING
+
+
+def _merged(guess: TokenTree, copies: TokenTree, budget: int) -> TokenTree:
+    """One tree of both drafts, the model's first; a greedy row's copy first while the answer
+    is copying, so a cut to the tree's first nodes (the sizer's) keeps the copy's path."""
+    if not len(guess):
+        return copies
+    if guess.draft_probs is None and _copying(copies):
+        return replace(copies.merged(guess, budget), cost=0.0)
+    return replace(guess.merged(copies, budget), cost=0.0)
 
 
 def _greedy(request: DraftRequest) -> bool:

@@ -28,14 +28,6 @@ STEADY_SMOOTHING = 0.95
 # misses among an answer's first trees stopped the head's drafting there for a while (measured
 # on 8 open-ended prompts: 1.39 tokens per step from scratch, 1.46 carried over).
 STEADY_TREES = 20
-# A single row's trees are verified whole while its proposals cost under this many plain steps
-# (the trie's nothing, the draft head's ~0.06) and whole trees commit faster than plain steps:
-# on a short prompt a wide step costs one row little more than a plain one, and cuts chosen
-# from estimates averaged over recent trees lose the long paths of copies that just started
-# (docs/concepts.md, "Why the defaults"). Dearer proposals (a draft model's passes) are sized,
-# as are trees whose whole width costs more than they keep (over a long prompt, a wide step
-# costs more).
-CHEAP_PROPOSAL = 0.1
 
 
 class Prober:
@@ -242,12 +234,10 @@ class TreeSizer:
              costs: StepCosts) -> int:
         """The size with the highest expected rate (the larger of equals); the full budget
         when the budget is fixed, and for a batch of one row (``costs.rows``) before any cost
-        is known, or while its proposals are cheap (``CHEAP_PROPOSAL``) and its whole trees
-        commit faster than plain steps. A larger batch takes a plain step first, timed as what
-        every draft must beat (a wide step at batch 16 x 4k costs several). Where whole trees
-        do not pay, the best cut does: verifying a steady drafter's trees whole or not at all
-        left the draft head's rows in plain steps on compiled CPU steps (docs/concepts.md,
-        "Why the defaults")."""
+        is known. A larger batch takes a plain step first, timed as what every draft must beat
+        (a wide step at batch 16 x 4k costs several). Drafters put their likeliest nodes first
+        (a model's by path probability, a copy's path before guesses), so a cut keeps the best
+        of a tree (docs/concepts.md, "Why the defaults")."""
         if not self.adaptive or not budgets:
             return self.full
         if costs.rows == 1 and not costs.target:
@@ -266,8 +256,6 @@ class TreeSizer:
             slowest = min((1 + b.expected(n)) / max(left, 1)
                           for b, left in zip(budgets, remaining))
             rates[n] = slowest / seconds
-        if costs.rows == 1 and counted < CHEAP_PROPOSAL and rates[self.full] >= rates[0]:
-            return self.full
         return max(rates, key=lambda n: (rates[n], n))  # a tie: the larger tree measures more
 
 

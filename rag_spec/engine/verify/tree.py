@@ -103,6 +103,22 @@ class TokenTree:
         return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs,
                          cost=self.cost + other.cost)
 
+    def ranked(self, scores: Sequence[float]) -> TokenTree:
+        """The same tree, its nodes ordered by ``scores`` (best first, a parent before its
+        children): a cut to its first nodes keeps the likeliest ones.
+
+        Examples:
+            >>> tree = TokenTree.from_paths([[5, 6], [7]])
+            >>> tree.ranked([0.5, 0.4, 0.45]).tokens  # 7 (0.45) before 6 (0.4)
+            (5, 7, 6)
+        """
+        depths = self.depths
+        order = sorted(range(len(self)), key=lambda i: (-scores[i], depths[i], i))
+        where = {-1: -1} | {node: i for i, node in enumerate(order)}
+        probs = None if self.draft_probs is None else self.draft_probs[order]
+        return TokenTree(tuple(self.tokens[i] for i in order),
+                         tuple(where[self.parents[i]] for i in order), probs, self.cost)
+
     def first(self, n: int) -> TokenTree:
         """The tree of the first ``n`` nodes (parents come before children, so it is one).
 
