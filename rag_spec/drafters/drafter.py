@@ -82,7 +82,7 @@ class Capabilities:
     sizes_own_drafts: bool = False
     # its hits come about independently from step to step (a trained draft): estimates
     # average over about twenty trees (``budget.STEADY_SMOOTHING``) and carry over from one
-    # greedy generation to the next, and a single row's trees are verified whole
+    # greedy generation to the next
     steady: bool = False
     # it drafts from the target's hidden states before each root (the step keeps them)
     reads_features: bool = False

@@ -5,7 +5,9 @@ How their children mix under one parent: the model's come first, in the order it
 (drawn without replacement from its distribution when sampling), then the trie's, as one-hot
 rows (deterministic children). Multi-step speculative sampling tries them in that order, so
 each child is either a draw from the distribution its row says or a fixed token: both keep the
-target's distribution (greedy decoding just follows the argmax).
+target's distribution. A greedy row just follows the argmax, so its tree is ordered for the
+sizer, which verifies a tree's first nodes: the model's guesses likeliest first, and while the
+answer copies (the trie's path two tokens deep or more) the copy before them.
 
 The budget: the trie proposes first (it is cheap). The model gets what the trie left, and at
 least half the budget; the trie's nodes fill the rest. A model with passes of its own over the
