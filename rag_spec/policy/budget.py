@@ -245,9 +245,8 @@ class TreeSizer:
         if not costs.target:
             return 0
         rates = {}
-        counted = _drafting(budgets)
         # seconds (the batch's passes are shared), the count scaled by what proposals took
-        drafting = costs.drafting(counted) * (costs.verify(1) or 0.0)
+        drafting = costs.drafting(_drafting(budgets)) * (costs.verify(1) or 0.0)
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured

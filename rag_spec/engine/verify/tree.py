@@ -104,8 +104,9 @@ class TokenTree:
                          cost=self.cost + other.cost)
 
     def ranked(self, scores: Sequence[float]) -> TokenTree:
-        """The same tree, its nodes ordered by ``scores`` (best first, a parent before its
-        children): a cut to its first nodes keeps the likeliest ones.
+        """The same tree, its nodes ordered by ``scores`` (best first; a child scores no more
+        than its parent, as a path probability, and comes after it): a cut to its first nodes
+        keeps the likeliest ones.
 
         Examples:
             >>> tree = TokenTree.from_paths([[5, 6], [7]])
