@@ -96,8 +96,11 @@ def fingerprint(step: CompiledStep) -> str:
     layers = [(path, m.start, m.out_features, m.key, m.stack.streamed,
                m.first_sibling, m.last_sibling) if m.stack is not None else (path,)
               for path, m in module.named_modules() if isinstance(m, TracedLinear)]
+    # probed here, before any tracing: under torch.export the probe's own tensors (a
+    # generator among them) would be traced into the graph, and an AVX-512 CPU's kernel lost
+    kernel = rag_spec_kernels.cpu_attention_available()
     parts = {"format": FORMAT, "class": type(module).__qualname__, "config": config,
-             "attention": module.config._attn_implementation, "layers": layers,
+             "attention": (module.config._attn_implementation, kernel), "layers": layers,
              "dtype": str(next(module.parameters()).dtype),
              "sources": _sources_digest(),
              "torch": torch.__version__, "transformers": transformers.__version__,
