@@ -51,7 +51,7 @@ def cpu_attention_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
 @torch.compiler.assume_constant_result
 def _available() -> bool:
     """``cpu_attention_available``, which a compiled step asks while it is traced: a constant
-    there, probed before (not traced into)."""
+    there, probed before (not traced into; a package's digest probes it before export)."""
     return cpu_attention_available()
 
 
