@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
-from rag_spec.drafters.merged_drafter import MergedDrafter, _merged
+from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.cache.step_inputs import tree_step
@@ -150,17 +150,31 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
     assert any(copying and ask for copying, ask in asked)  # and while the trie copied
 
 
-def test_a_greedy_rows_merged_tree_puts_a_copy_first_while_the_answer_copies():
-    """The sizer verifies a tree's first nodes: while the trie's copy runs two tokens deep,
-    they are the copy's; otherwise the model's guesses, and a sampled row's always (its
-    draws lead, as multi-step speculative sampling tries them)."""
-    guess = TokenTree.from_paths([[5], [6]])
+def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():
+    """The sizer verifies a tree's first nodes: a greedy row's are ranked by their chance of
+    being accepted (a guess's draft probability, a copy's ``_COPY_CHANCE`` shrinking by
+    ``_DEEPER`` a depth, never above its parent's); a sampled row's draws lead, as multi-step
+    speculative sampling tries them, then the copies after them and the context's."""
     copy = TokenTree.from_paths([[7, 8, 9]])
-    assert _merged(guess, copy, budget=4).tokens == (7, 8, 9, 5)
-    assert _merged(guess, TokenTree.from_paths([[7], [8]]), budget=4).tokens == (5, 6, 7, 8)
-    drawn = TokenTree((5, 6), (-1, -1), draft_probs=torch.full((2, 10), 0.1))
-    assert _merged(drawn, copy, budget=4).tokens == (5, 6, 7, 8)
-    assert _merged(TokenTree.empty(), copy, budget=4) is copy
+    after_five = TokenTree.from_paths([[5, 11]])
+    sure = TokenTree((5, 6), (-1, -1), scores=(0.6, 0.3))
+    # 5 (0.6), 7 (0.45), 11 after 5 (0.42), 8 (0.315); 6 (0.3) and 9 (0.22) are cut
+    assert _merged(sure, copy, after_five, budget=4).tokens == (5, 7, 11, 8)
+    unsure = TokenTree((5, 6), (-1, -1), scores=(0.2, 0.1))
+    assert _merged(unsure, copy, after_five, budget=4).tokens == (7, 8, 9, 5)
+    drawn = TokenTree((5, 6), (-1, -1), draft_probs=torch.full((2, 12), 1 / 12),
+                      scores=(0.1, 0.1))
+    assert _merged(drawn, copy, after_five, budget=4).tokens == (5, 6, 11, 7)
+    assert _merged(TokenTree.empty(), copy, TokenTree.empty(), budget=4) is copy
+
+
+def test_the_trie_copies_what_follows_the_models_likeliest_guesses():
+    """A guess the context has no copy after yet (here 2 after 9) still leads into one: what
+    followed the guess in the prompt."""
+    session = TrieDrafter(memory_mb=0).session([1, 2, 3, 4, 5])
+    guess = TokenTree((2, 7), (-1, -1), scores=(0.5, 0.2))
+    assert session.propose([9], 4) == TokenTree.empty()
+    assert _extensions(guess, session, [9]) == TokenTree.from_paths([[2, 3, 4, 5]])
 
 
 def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):

@@ -5,9 +5,11 @@ How their children mix under one parent: the model's come first, in the order it
 (drawn without replacement from its distribution when sampling), then the trie's, as one-hot
 rows (deterministic children). Multi-step speculative sampling tries them in that order, so
 each child is either a draw from the distribution its row says or a fixed token: both keep the
-target's distribution. A greedy row just follows the argmax, so its tree is ordered for the
-sizer, which verifies a tree's first nodes: the model's guesses likeliest first, and while the
-answer copies (the trie's path two tokens deep or more) the copy before them.
+target's distribution. The trie also copies what followed the model's likeliest guesses
+elsewhere (the guess is often right where the context alone finds no copy). A greedy row just
+follows the argmax, so its tree is ordered for the sizer, which verifies a tree's first nodes:
+every node ranked by its chance of being accepted (a guess's draft probability; a copy's a
+fitted constant, shrinking with depth).
 
 The budget: the trie proposes first (it is cheap). The model gets what the trie left, and at
 least half the budget; the trie's nodes fill the rest. A model with passes of its own over the
@@ -45,8 +47,14 @@ from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.policy.budget import AdaptiveBudget, merged_share
 
 # A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
-# the trie's copy is the better draft, and the model's passes are spared.
+# a draft model's passes are spared.
 _COPYING = 2
+# The model's likeliest guesses the trie extends, and the nodes it may copy after each.
+_EXTENDED, _EXTENSION = 4, 4
+# Chances of acceptance for ranking a greedy row's copies against the model's guesses: a copy's
+# first node ranks beside a guess of this probability, each deeper node at this share of its
+# parent's (fitted on recorded steps of the embedded model's head + trie: docs/concepts.md).
+_COPY_CHANCE, _DEEPER = 0.45, 0.7
 
 
 class _Both:
@@ -163,21 +171,56 @@ class MergedDrafter(Drafter):
                 r.session.guessed(r.context, guess)
         # The model's passes are weighed by its own budget (fed with its trees' cost), so the
         # merged tree carries none: a row must not stop verifying the trie's free copies for it.
-        return [_merged(guess, copy, r.budget) for r, guess, copy in zip(requests, guesses, copies)]
+        return [_merged(guess, copy, _extensions(guess, r.session.trie, r.context), r.budget)
+                for r, guess, copy in zip(requests, guesses, copies)]
 
 
 def _copying(copies: TokenTree) -> bool:
     return len(copies) > 0 and copies.depths.max() >= _COPYING
 
 
-def _merged(guess: TokenTree, copies: TokenTree, budget: int) -> TokenTree:
-    """One tree of both drafts, the model's first; a greedy row's copy first while the answer
-    is copying, so a cut to the tree's first nodes (the sizer's) keeps the copy's path."""
+def _extensions(guess: TokenTree, trie: DraftSession, context: Sequence[int]) -> TokenTree:
+    """What the trie copies after each of the model's likeliest guesses (its first nodes):
+    the guess is often right where the context has no copy yet, and what follows it may be
+    copied (a name the passages spell out, a phrase the answer repeats)."""
+    paths = []
+    for node in range(min(_EXTENDED, len(guess))):
+        path = guess.path_to(node)
+        copied = trie.propose([*context, *path], _EXTENSION)
+        paths += [path + copied.path_to(leaf) for leaf in range(len(copied))]
+    return TokenTree.from_paths(paths)
+
+
+def _merged(guess: TokenTree, copies: TokenTree, extensions: TokenTree, budget: int
+            ) -> TokenTree:
+    """One tree of both drafts: the model's guesses, the trie's copies after them, then the
+    trie's copies from the context. A greedy row's nodes are ranked by their chance of being
+    accepted, so a cut to the tree's first nodes (the sizer's) keeps the likeliest."""
     if not len(guess):
         return copies
-    if guess.draft_probs is None and _copying(copies):
-        return replace(copies.merged(guess, budget), cost=0.0)
-    return replace(guess.merged(copies, budget), cost=0.0)
+    greedy = guess.draft_probs is None and guess.scores is not None
+    room = len(guess) + len(extensions) + len(copies) if greedy else budget
+    tree = guess.merged(extensions, room).merged(copies, room)
+    if greedy:
+        tree = tree.ranked(_chances(tree, guess)).first(budget)
+    return replace(tree, cost=0.0)
+
+
+def _chances(tree: TokenTree, guess: TokenTree) -> list[float]:
+    """Each node's chance of being accepted: a guess's its draft probability; a copy's first
+    node ``_COPY_CHANCE`` and each deeper one ``_DEEPER`` of its parent's, as is a copy's after
+    a guess (never more than its parent's)."""
+    assert guess.scores is not None
+    known = {tuple(guess.path_to(i)): score for i, score in enumerate(guess.scores)}
+    paths: list[tuple[int, ...]] = []
+    chances: list[float] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        path = (*paths[parent], token) if parent >= 0 else (token,)
+        above = chances[parent] if parent >= 0 else 1.0
+        copied = above * _DEEPER if parent >= 0 else _COPY_CHANCE
+        paths.append(path)
+        chances.append(min(known.get(path, copied), above))
+    return chances
 
 
 def _greedy(request: DraftRequest) -> bool:

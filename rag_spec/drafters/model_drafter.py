@@ -530,12 +530,13 @@ class _Growth:
     def tree(self) -> TokenTree:
         sampled = self.params.do_sample and self.draft_rows
         probs = torch.stack(self.draft_rows) if sampled else None
+        scores = tuple(self.cumulative[i] for i in range(len(self.row.tokens)))
         tree = TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs,
-                         cost=self.passes * self.cost)
+                         cost=self.passes * self.cost, scores=scores)
         if sampled:  # siblings stay in draw order, as multi-step speculative sampling tries them
             return tree
         # greedy: likeliest paths first, so the sizer's cut to the first nodes keeps the best
-        return tree.ranked([self.cumulative[i] for i in range(len(tree))])
+        return tree.ranked(scores)
 
     def _children(self, q: torch.Tensor, count: int, likeliest: torch.Tensor) -> list[int]:
         """The ``count`` likeliest tokens (greedy: the first of ``likeliest``, q's top tokens in

@@ -32,6 +32,9 @@ class TokenTree:
     draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # what drafting it took, in one-token target steps (0: a lookup, such as the trie's)
     cost: float = field(default=0.0, compare=False)
+    # [n] each node's chance of being accepted as its drafter puts it (its path's draft
+    # probability); None for drafts that only copy (the trie): ``MergedDrafter`` ranks by it
+    scores: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -40,6 +43,9 @@ class TokenTree:
         if self.draft_probs is not None and (self.draft_probs.dim() != 2
                                              or self.draft_probs.shape[0] != len(self.tokens)):
             msg = "draft_probs needs one row per token: shape [n, vocab]"
+            raise ValueError(msg)
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            msg = "a TokenTree needs one score per token"
             raise ValueError(msg)
         if any(not -1 <= p < i for i, p in enumerate(self.parents)):
             msg = "every parent must come before its child (parents[i] in [-1, i))"
@@ -106,7 +112,7 @@ class TokenTree:
     def ranked(self, scores: Sequence[float]) -> TokenTree:
         """The same tree, its nodes ordered by ``scores`` (best first; a child scores no more
         than its parent, as a path probability, and comes after it): a cut to its first nodes
-        keeps the likeliest ones.
+        keeps the likeliest ones. The result keeps the scores.
 
         Examples:
             >>> tree = TokenTree.from_paths([[5, 6], [7]])
@@ -118,7 +124,8 @@ class TokenTree:
         where = {-1: -1} | {node: i for i, node in enumerate(order)}
         probs = None if self.draft_probs is None else self.draft_probs[order]
         return TokenTree(tuple(self.tokens[i] for i in order),
-                         tuple(where[self.parents[i]] for i in order), probs, self.cost)
+                         tuple(where[self.parents[i]] for i in order), probs, self.cost,
+                         tuple(float(scores[i]) for i in order))
 
     def first(self, n: int) -> TokenTree:
         """The tree of the first ``n`` nodes (parents come before children, so it is one).
@@ -130,7 +137,8 @@ class TokenTree:
         if n >= len(self):
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:n]
-        return TokenTree(self.tokens[:n], self.parents[:n], probs, self.cost)
+        scores = None if self.scores is None else self.scores[:n]
+        return TokenTree(self.tokens[:n], self.parents[:n], probs, self.cost, scores)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -174,3 +182,16 @@ class TokenTree:
 
     def path_tokens(self, nodes: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in nodes]
+
+    def path_to(self, node: int) -> list[int]:
+        """The tokens from below the root down to ``node``.
+
+        Examples:
+            >>> TokenTree.from_paths([[5, 6], [5, 7]]).path_to(2)
+            [5, 7]
+        """
+        path = []
+        while node >= 0:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
