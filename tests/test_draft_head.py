@@ -153,19 +153,23 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
 def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():
     """The sizer verifies a tree's first nodes: a greedy row's are ranked by their chance of
     being accepted (a guess's draft probability, a copy's ``_COPY_CHANCE`` shrinking by
-    ``_DEEPER`` a depth, never above its parent's); a sampled row's draws lead, as multi-step
-    speculative sampling tries them, then the copies after them and the context's."""
+    ``_DEEPER`` a depth and by how often its token followed, never above its parent's); a
+    sampled row's draws lead, as multi-step speculative sampling tries them, then the copies
+    after them and the context's."""
     copy = TokenTree.from_paths([[7, 8, 9]])
-    after_five = TokenTree.from_paths([[5, 11]])
+    after_five = [([5], TokenTree.from_paths([[11]]))]
     sure = TokenTree((5, 6), (-1, -1), scores=(0.6, 0.3))
     # 5 (0.6), 7 (0.45), 11 after 5 (0.42), 8 (0.315); 6 (0.3) and 9 (0.22) are cut
     assert _merged(sure, copy, after_five, budget=4).tokens == (5, 7, 11, 8)
     unsure = TokenTree((5, 6), (-1, -1), scores=(0.2, 0.1))
     assert _merged(unsure, copy, after_five, budget=4).tokens == (7, 8, 9, 5)
+    # a copy whose 8 followed 7 once in four: 7 (0.45), 5 (0.2), 11 (0.14), 6 (0.1); 8 (0.08) cut
+    rare = TokenTree((7, 8, 9), (-1, 0, 1), scores=(1.0, 0.25, 0.25))
+    assert _merged(unsure, rare, after_five, budget=4).tokens == (7, 5, 11, 6)
     drawn = TokenTree((5, 6), (-1, -1), draft_probs=torch.full((2, 12), 1 / 12),
                       scores=(0.1, 0.1))
     assert _merged(drawn, copy, after_five, budget=4).tokens == (5, 6, 11, 7)
-    assert _merged(TokenTree.empty(), copy, TokenTree.empty(), budget=4) is copy
+    assert _merged(TokenTree.empty(), copy, [], budget=4) is copy
 
 
 def test_the_trie_copies_what_follows_the_models_likeliest_guesses():
@@ -174,7 +178,8 @@ def test_the_trie_copies_what_follows_the_models_likeliest_guesses():
     session = TrieDrafter(memory_mb=0).session([1, 2, 3, 4, 5])
     guess = TokenTree((2, 7), (-1, -1), scores=(0.5, 0.2))
     assert session.propose([9], 4) == TokenTree.empty()
-    assert _extensions(guess, session, [9]) == TokenTree.from_paths([[2, 3, 4, 5]])
+    assert _extensions(guess, session, [9]) == [([2], TokenTree.from_paths([[3, 4, 5]])),
+                                                ([7], TokenTree.empty())]
 
 
 def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):

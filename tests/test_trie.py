@@ -3,6 +3,7 @@
 import random
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +30,11 @@ def test_longest_key_wins():
 def test_best_nodes_are_the_most_frequent_prefix_closed():
     trie = NGramTrie(branch_length=2, max_key=1)
     trie.insert([1, 2, 3, 1, 2, 3, 1, 4, 5])  # after 1: "2 3" twice, "4 5" once
-    tokens, parents = best_nodes([(trie.continuations([1]), 1.0)], budget=3, max_depth=2)
+    tokens, parents, shares = best_nodes([(trie.continuations([1]), 1.0)], budget=3,
+                                         max_depth=2)
     assert tokens == [2, 3, 4]
     assert parents == [-1, 0, -1]
+    assert shares == pytest.approx([2 / 3, 2 / 3, 1 / 3])  # "3" always followed "1 2"
 
 
 def test_streamed_insert_counts_like_one_insert():

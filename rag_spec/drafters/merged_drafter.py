@@ -9,7 +9,7 @@ target's distribution. The trie also copies what followed the model's likeliest 
 elsewhere (the guess is often right where the context alone finds no copy). A greedy row just
 follows the argmax, so its tree is ordered for the sizer, which verifies a tree's first nodes:
 every node ranked by its chance of being accepted (a guess's draft probability; a copy's a
-fitted constant, shrinking with depth).
+fitted constant, shrinking with depth and with how often the copied token followed).
 
 The budget: the trie proposes first (it is cheap). The model gets what the trie left, and at
 least half the budget; the trie's nodes fill the rest. A model with passes of its own over the
@@ -53,7 +53,8 @@ _COPYING = 2
 _EXTENDED, _EXTENSION = 4, 4
 # Chances of acceptance for ranking a greedy row's copies against the model's guesses: a copy's
 # first node ranks beside a guess of this probability, each deeper node at this share of its
-# parent's (fitted on recorded steps of the embedded model's head + trie: docs/concepts.md).
+# parent's, both times how often the token followed (fitted on recorded steps of the embedded
+# model's head + trie: docs/concepts.md, "Copies after a guess").
 _COPY_CHANCE, _DEEPER = 0.45, 0.7
 
 
@@ -179,37 +180,55 @@ def _copying(copies: TokenTree) -> bool:
     return len(copies) > 0 and copies.depths.max() >= _COPYING
 
 
-def _extensions(guess: TokenTree, trie: DraftSession, context: Sequence[int]) -> TokenTree:
-    """What the trie copies after each of the model's likeliest guesses (its first nodes):
-    the guess is often right where the context has no copy yet, and what follows it may be
-    copied (a name the passages spell out, a phrase the answer repeats)."""
-    paths = []
+def _extensions(guess: TokenTree, trie: DraftSession, context: Sequence[int]
+                ) -> list[tuple[list[int], TokenTree]]:
+    """What the trie copies after each of the model's likeliest guesses (its first nodes), as
+    (the guess's path, the copy after it): the guess is often right where the context has no
+    copy yet, and what follows it may be copied (a name the passages spell out, a phrase the
+    answer repeats)."""
+    grafts = []
     for node in range(min(_EXTENDED, len(guess))):
         path = guess.path_to(node)
-        copied = trie.propose([*context, *path], _EXTENSION)
-        paths += [path + copied.path_to(leaf) for leaf in range(len(copied))]
-    return TokenTree.from_paths(paths)
+        grafts.append((path, trie.propose([*context, *path], _EXTENSION)))
+    return grafts
 
 
-def _merged(guess: TokenTree, copies: TokenTree, extensions: TokenTree, budget: int
-            ) -> TokenTree:
+def _merged(guess: TokenTree, copies: TokenTree, grafts: list[tuple[list[int], TokenTree]],
+            budget: int) -> TokenTree:
     """One tree of both drafts: the model's guesses, the trie's copies after them, then the
     trie's copies from the context. A greedy row's nodes are ranked by their chance of being
     accepted, so a cut to the tree's first nodes (the sizer's) keeps the likeliest."""
     if not len(guess):
         return copies
+    extensions = TokenTree.from_paths([path + copied.path_to(node) for path, copied in grafts
+                                       for node in range(len(copied))])
     greedy = guess.draft_probs is None and guess.scores is not None
     room = len(guess) + len(extensions) + len(copies) if greedy else budget
     tree = guess.merged(extensions, room).merged(copies, room)
     if greedy:
-        tree = tree.ranked(_chances(tree, guess)).first(budget)
+        followed = _followed([], copies)
+        for path, copied in grafts:
+            followed |= _followed(path, copied)
+        tree = tree.ranked(_chances(tree, guess, followed)).first(budget)
     return replace(tree, cost=0.0)
 
 
-def _chances(tree: TokenTree, guess: TokenTree) -> list[float]:
+def _followed(prefix: list[int], copies: TokenTree) -> dict[tuple[int, ...], float]:
+    """Each copied path (after ``prefix``) with how often its last token followed the rest
+    where the trie saw it (1 where the copies carry no scores)."""
+    followed = {}
+    for node, parent in enumerate(copies.parents):
+        share = 1.0 if copies.scores is None else copies.scores[node] / (
+            copies.scores[parent] if parent >= 0 else 1.0)
+        followed[tuple(prefix + copies.path_to(node))] = share
+    return followed
+
+
+def _chances(tree: TokenTree, guess: TokenTree, followed: dict[tuple[int, ...], float]
+             ) -> list[float]:
     """Each node's chance of being accepted: a guess's its draft probability; a copy's first
-    node ``_COPY_CHANCE`` and each deeper one ``_DEEPER`` of its parent's, as is a copy's after
-    a guess (never more than its parent's)."""
+    node ``_COPY_CHANCE``, each deeper one (and a copy's after a guess) ``_DEEPER`` of its
+    parent's, times how often the copied token followed (never more than its parent's)."""
     assert guess.scores is not None
     known = {tuple(guess.path_to(i)): score for i, score in enumerate(guess.scores)}
     paths: list[tuple[int, ...]] = []
@@ -217,7 +236,7 @@ def _chances(tree: TokenTree, guess: TokenTree) -> list[float]:
     for token, parent in zip(tree.tokens, tree.parents):
         path = (*paths[parent], token) if parent >= 0 else (token,)
         above = chances[parent] if parent >= 0 else 1.0
-        copied = above * _DEEPER if parent >= 0 else _COPY_CHANCE
+        copied = (above * _DEEPER if parent >= 0 else _COPY_CHANCE) * followed.get(path, 1.0)
         paths.append(path)
         chances.append(min(known.get(path, copied), above))
     return chances

@@ -89,38 +89,43 @@ def _halve(children: Children) -> int:
     return kept
 
 
-def best_nodes(tries: Sequence[tuple[Children, float]], budget: int,
-               max_depth: int) -> tuple[list[int], list[int]]:
-    """The ``budget`` most frequent nodes of several weighted tries merged, as (tokens, parents).
+def best_nodes(tries: Sequence[tuple[Children, float]], budget: int, max_depth: int
+               ) -> tuple[list[int], list[int], list[float]]:
+    """The ``budget`` most frequent nodes of several weighted tries merged, as (tokens, parents,
+    shares): a node's share is the product, along its path, of each token's weighted count over
+    its siblings' (how often, where its parent was seen, the token followed).
 
     Parents precede children (a child enters the frontier only once its parent is taken), which
     is the layout TokenTree wants.
     """
     tokens: list[int] = []
     parents: list[int] = []
-    frontier: list[tuple[float, int, int, int, list[tuple[Children, float]]]] = []
+    shares: list[float] = []
+    frontier: list[tuple[float, int, int, int, float, list[tuple[Children, float]]]] = []
     serial = 0  # tie-breaker: earlier-pushed first, and never compares the tries
 
-    def push(parent: int, level: Sequence[tuple[Children, float]]) -> None:
+    def push(parent: int, level: Sequence[tuple[Children, float]], share: float) -> None:
         nonlocal serial
         merged: dict[int, tuple[float, list[tuple[Children, float]]]] = {}
         for children, weight in level:
             for token, (count, below) in children.items():
                 score, subs = merged.get(token, (0.0, []))
                 merged[token] = (score + weight * count, [*subs, (below, weight)])
+        total = sum(score for score, _ in merged.values())
         for token, (score, subs) in merged.items():
-            heapq.heappush(frontier, (-score, serial, token, parent, subs))
+            heapq.heappush(frontier, (-score, serial, token, parent, share * score / total, subs))
             serial += 1
 
     depth_of: list[int] = []
-    push(-1, tries)
+    push(-1, tries, 1.0)
     while frontier and len(tokens) < budget:
-        _, _, token, parent, subs = heapq.heappop(frontier)
+        _, _, token, parent, share, subs = heapq.heappop(frontier)
         node = len(tokens)
         tokens.append(token)
         parents.append(parent)
+        shares.append(share)
         depth = 1 if parent < 0 else depth_of[parent] + 1
         depth_of.append(depth)
         if depth < max_depth:
-            push(node, subs)
-    return tokens, parents
+            push(node, subs, share)
+    return tokens, parents, shares

@@ -132,8 +132,8 @@ class TrieSession:
             depth = self.drafter.branch_length
             if self.drafter.mode == "chains":
                 return _chains(tries, budget, depth)
-            tokens, parents = best_nodes(tries, budget, depth)
-            return TokenTree(tuple(tokens), tuple(parents))
+            tokens, parents, shares = best_nodes(tries, budget, depth)
+            return TokenTree(tuple(tokens), tuple(parents), scores=tuple(shares))
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
         # The output's own n-grams: answers often repeat themselves.
@@ -149,14 +149,14 @@ class TrieSession:
 
 def _chains(tries: list[tuple[Children, float]], budget: int, depth: int) -> TokenTree:
     """Parallel branches: from each of the most frequent first tokens, its most frequent chain."""
-    firsts, _ = best_nodes(tries, budget, 1)
+    firsts, _, _ = best_nodes(tries, budget, 1)
     paths = []
     used = 0
     for first in firsts:
         path = [first]
         level = [(c[first][1], w) for c, w in tries if first in c]
         while len(path) < depth and used + len(path) < budget:
-            nxt, _ = best_nodes(level, 1, 1)
+            nxt, _, _ = best_nodes(level, 1, 1)
             if not nxt:
                 break
             path.append(nxt[0])

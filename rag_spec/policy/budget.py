@@ -236,8 +236,8 @@ class TreeSizer:
         when the budget is fixed, and for a batch of one row (``costs.rows``) before any cost
         is known. A larger batch takes a plain step first, timed as what every draft must beat
         (a wide step at batch 16 x 4k costs several). Drafters put their likeliest nodes first
-        (a model's by path probability, a copy's path before guesses), so a cut keeps the best
-        of a tree (docs/concepts.md, "Why the defaults")."""
+        (a model's by path probability, merged drafts by each node's chance), so a cut keeps
+        the best of a tree (docs/concepts.md, "Why the defaults")."""
         if not self.adaptive or not budgets:
             return self.full
         if costs.rows == 1 and not costs.target:

@@ -1,0 +1,97 @@
+"""``python -m lab.tree_replay``: how the merged drafter's ranking rules would have cut its trees.
+
+Records, per step of the default drafter (head + trie) at a fixed 16-node budget on the
+lookahead bench's prompts, what ``MergedDrafter`` merged (the head's guesses, the trie's copies,
+the copies after the guesses); then replays each rule on those inputs, cutting the ranked tree
+to 4, 8 and 16 nodes, and scores the cut against the answer the decoder committed: tokens per
+pass as each rule would have made them, on the same steps (a cut that accepts more would have
+moved later steps, so this ranks rules; the decoder measures them: ``lab.step_profile``).
+Rules: copies at a constant chance (``_COPY_CHANCE``, ``_DEEPER`` a depth) and copies also
+scored by how often their tokens followed (the default). Environment: ``TR_LIMIT`` prompts per
+set (default 8), ``TR_N`` new tokens (128); writes docs/benchmarks/tree_replay.json and .png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+CUTS = (4, 8, 16)
+
+
+def main() -> None:
+    import rag_spec.drafters.merged_drafter as merged
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.bench.report import figure, machine, save_figure
+    from rag_spec.models import load_model
+
+    limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
+    lm = load_model("smollm2-135m-instruct")
+    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    steps: list[dict[str, Any]] = []
+    merge = merged._merged
+
+    def recording(guess: Any, copies: Any, grafts: Any, budget: int) -> Any:
+        steps.append({"guess": guess, "copies": copies, "grafts": grafts})
+        return merge(guess, copies, grafts, budget)
+
+    merged._merged = recording  # this process's decoder only: a lab run, not the library's use
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer,
+                               LookaheadConfig(budget=16, adaptive=False, compile=False))
+    followed = merged._followed
+    rules = {"constant chances": lambda prefix, copies: dict.fromkeys(followed(prefix, copies),
+                                                                       1.0),
+             "scored by how often copies followed": followed}
+    report: dict[str, Any] = {"benchmark": "tree_replay", "model": "smollm2-135m-instruct",
+                              "machine": machine(), "max_new_tokens": n, "budget": 16}
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+        recorded = []
+        for prompt in prompts:
+            steps.clear()
+            result = decoder.generate(prompt, max_new_tokens=n)
+            answer = result.token_ids
+            # each merge's row context ended where the answer so far did: replay in order
+            contexts = _step_starts(result)
+            assert len(contexts) == len(steps), "a step merged no drafts: the replay misaligns"
+            recorded.append((answer, list(zip(contexts, steps))))
+        report[name] = {}
+        for rule, function in rules.items():
+            merged._followed = function
+            report[name][rule] = {str(cut): round(statistics.median(
+                statistics.mean(1 + len(merge(s["guess"], s["copies"], s["grafts"], cut)
+                                          .follow(answer[start:])) for start, s in row)
+                for answer, row in recorded), 3) for cut in CUTS}
+        merged._followed = followed
+        print(name, report[name], flush=True)
+    out = Path("docs/benchmarks/tree_replay.json")
+    out.write_text(json.dumps(report, indent=1))
+    fig, axes = figure(2, (10, 4), sharey=True)
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        for rule, cuts in report[name].items():
+            ax.plot(CUTS, [cuts[str(c)] for c in CUTS], marker="o", label=rule)
+        ax.set_title(name)
+        ax.set_xlabel("nodes verified (a cut of the ranked tree)")
+    axes[0].set_ylabel("tokens per pass, replayed")
+    axes[0].legend()
+    save_figure(fig, out.with_suffix(".png"), "merged trees by ranking rule")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _step_starts(result: Any) -> list[int]:
+    """Where in the answer each step's tree began: the first step's root is the prompt's last
+    token (a float32 prefill commits nothing), and each step commits one token more than it
+    accepted."""
+    starts, at = [], 0
+    for accepted in result.stats.accepted_per_step:
+        starts.append(at)
+        at += 1 + accepted
+    return starts
+
+
+if __name__ == "__main__":
+    main()
