@@ -124,7 +124,8 @@ def main(old: str) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Each row's new/old ratio per prompt set, beside the 0.97 the redesign had to keep."""
+    """Each row's new/old ratio per prompt set, beside the 0.97 a change must keep (the
+    redesign's bar)."""
     from rag_spec.bench.report import figure, save_figure
 
     fig, axes = figure(len(report), (5 * len(report), 4), sharey=True, squeeze=False)
@@ -133,7 +134,7 @@ def plot(report: dict, path: Path) -> None:
         ax.axhline(0.97, color="red", lw=0.8, ls="--")
         ax.set_title(f"{name}: {next(iter(rows.values()))['prompts']} prompts")
         ax.set_ylabel("new / old speed (median of per-prompt ratios)")
-    save_figure(fig, path, "the redesigned tree against the old one")
+    save_figure(fig, path, "this checkout against another")
 
 
 if __name__ == "__main__":
