@@ -157,7 +157,7 @@ def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():
     sampled row's draws lead, as multi-step speculative sampling tries them, then the copies
     after them and the context's."""
     copy = TokenTree.from_paths([[7, 8, 9]])
-    after_five = [([5], TokenTree.from_paths([[11]]))]
+    after_five = [((5,), TokenTree.from_paths([[11]]))]
     sure = TokenTree((5, 6), (-1, -1), scores=(0.6, 0.3))
     # 5 (0.6), 7 (0.45), 11 after 5 (0.42), 8 (0.315); 6 (0.3) and 9 (0.22) are cut
     assert _merged(sure, copy, after_five, budget=4).tokens == (5, 7, 11, 8)
@@ -178,8 +178,8 @@ def test_the_trie_copies_what_follows_the_models_likeliest_guesses():
     session = TrieDrafter(memory_mb=0).session([1, 2, 3, 4, 5])
     guess = TokenTree((2, 7), (-1, -1), scores=(0.5, 0.2))
     assert session.propose([9], 4) == TokenTree.empty()
-    assert _extensions(guess, session, [9]) == [([2], TokenTree.from_paths([[3, 4, 5]])),
-                                                ([7], TokenTree.empty())]
+    assert _extensions(guess, session, [9]) == [((2,), TokenTree.from_paths([[3, 4, 5]])),
+                                                ((7,), TokenTree.empty())]
 
 
 def test_merged_with_the_head_the_rows_budgets_are_steady_as_the_heads(target, head):

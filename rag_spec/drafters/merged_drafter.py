@@ -181,47 +181,42 @@ def _copying(copies: TokenTree) -> bool:
 
 
 def _extensions(guess: TokenTree, trie: DraftSession, context: Sequence[int]
-                ) -> list[tuple[list[int], TokenTree]]:
+                ) -> list[tuple[tuple[int, ...], TokenTree]]:
     """What the trie copies after each of the model's likeliest guesses (its first nodes), as
     (the guess's path, the copy after it): the guess is often right where the context has no
     copy yet, and what follows it may be copied (a name the passages spell out, a phrase the
     answer repeats)."""
-    grafts = []
-    for node in range(min(_EXTENDED, len(guess))):
-        path = guess.path_to(node)
-        grafts.append((path, trie.propose([*context, *path], _EXTENSION)))
-    return grafts
+    return [(path, trie.propose([*context, *path], _EXTENSION))
+            for path in guess.paths[:_EXTENDED]]
 
 
-def _merged(guess: TokenTree, copies: TokenTree, grafts: list[tuple[list[int], TokenTree]],
-            budget: int) -> TokenTree:
+def _merged(guess: TokenTree, copies: TokenTree,
+            grafts: list[tuple[tuple[int, ...], TokenTree]], budget: int) -> TokenTree:
     """One tree of both drafts: the model's guesses, the trie's copies after them, then the
     trie's copies from the context. A greedy row's nodes are ranked by their chance of being
     accepted, so a cut to the tree's first nodes (the sizer's) keeps the likeliest."""
     if not len(guess):
         return copies
-    extensions = TokenTree.from_paths([path + copied.path_to(node) for path, copied in grafts
-                                       for node in range(len(copied))])
+    extensions = TokenTree.from_paths([path + after for path, copied in grafts
+                                       for after in copied.paths])
     greedy = guess.draft_probs is None and guess.scores is not None
     room = len(guess) + len(extensions) + len(copies) if greedy else budget
     tree = guess.merged(extensions, room).merged(copies, room)
     if greedy:
-        followed = _followed([], copies)
+        followed = _followed((), copies)
         for path, copied in grafts:
             followed |= _followed(path, copied)
         tree = tree.ranked(_chances(tree, guess, followed)).first(budget)
     return replace(tree, cost=0.0)
 
 
-def _followed(prefix: list[int], copies: TokenTree) -> dict[tuple[int, ...], float]:
+def _followed(prefix: tuple[int, ...], copies: TokenTree) -> dict[tuple[int, ...], float]:
     """Each copied path (after ``prefix``) with how often its last token followed the rest
     where the trie saw it (1 where the copies carry no scores)."""
-    followed = {}
-    for node, parent in enumerate(copies.parents):
-        share = 1.0 if copies.scores is None else copies.scores[node] / (
-            copies.scores[parent] if parent >= 0 else 1.0)
-        followed[tuple(prefix + copies.path_to(node))] = share
-    return followed
+    if copies.scores is None:
+        return {prefix + path: 1.0 for path in copies.paths}
+    return {prefix + path: share / (copies.scores[parent] if parent >= 0 else 1.0)
+            for path, share, parent in zip(copies.paths, copies.scores, copies.parents)}
 
 
 def _chances(tree: TokenTree, guess: TokenTree, followed: dict[tuple[int, ...], float]
@@ -230,14 +225,11 @@ def _chances(tree: TokenTree, guess: TokenTree, followed: dict[tuple[int, ...], 
     node ``_COPY_CHANCE``, each deeper one (and a copy's after a guess) ``_DEEPER`` of its
     parent's, times how often the copied token followed (never more than its parent's)."""
     assert guess.scores is not None
-    known = {tuple(guess.path_to(i)): score for i, score in enumerate(guess.scores)}
-    paths: list[tuple[int, ...]] = []
+    known = dict(zip(guess.paths, guess.scores))
     chances: list[float] = []
-    for token, parent in zip(tree.tokens, tree.parents):
-        path = (*paths[parent], token) if parent >= 0 else (token,)
+    for path, parent in zip(tree.paths, tree.parents):
         above = chances[parent] if parent >= 0 else 1.0
         copied = (above * _DEEPER if parent >= 0 else _COPY_CHANCE) * followed.get(path, 1.0)
-        paths.append(path)
         chances.append(min(known.get(path, copied), above))
     return chances
 

@@ -32,8 +32,8 @@ class TokenTree:
     draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # what drafting it took, in one-token target steps (0: a lookup, such as the trie's)
     cost: float = field(default=0.0, compare=False)
-    # [n] each node's chance of being accepted as its drafter puts it (its path's draft
-    # probability); None for drafts that only copy (the trie): ``MergedDrafter`` ranks by it
+    # [n] each node's chance of being accepted as its drafter puts it (a model's path
+    # probability, the trie's share of what followed); None where unknown: merges rank by it
     scores: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,15 +183,15 @@ class TokenTree:
     def path_tokens(self, nodes: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in nodes]
 
-    def path_to(self, node: int) -> list[int]:
-        """The tokens from below the root down to ``node``.
+    @cached_property
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each node's tokens from below the root down to it.
 
         Examples:
-            >>> TokenTree.from_paths([[5, 6], [5, 7]]).path_to(2)
-            [5, 7]
+            >>> TokenTree.from_paths([[5, 6], [5, 7]]).paths
+            [(5,), (5, 6), (5, 7)]
         """
-        path = []
-        while node >= 0:
-            path.append(self.tokens[node])
-            node = self.parents[node]
-        return path[::-1]
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append((*paths[parent], token) if parent >= 0 else (token,))
+        return paths
