@@ -268,15 +268,35 @@ def streamed_or_skip():
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, 18, 35, 100])
 @pytest.mark.parametrize("out_features", [16, 40, 1000])
-def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_features):
+@pytest.mark.parametrize("stored", [None, torch.float16])
+def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_features, stored):
     streamed_or_skip()
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 72), torch.randn(out_features, 72), torch.randn(
         out_features)
-    packed = pack_streamed(weight)
+    packed = pack_streamed(weight, stored)
     assert packed.shape == (-(-out_features // 16), 72, 16)  # padded to whole blocks
+    assert packed.dtype == (stored or torch.float32)
+    # a half-precision copy: the weight rounded once, the products added in float32
+    rounded = weight.to(stored).float() if stored else weight
     torch.testing.assert_close(streamed_linear(x, packed, out_features, bias),
-                               torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+                               torch.nn.functional.linear(x, rounded, bias), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_a_half_precision_stack_streams_every_row_count_from_half_the_bytes():
+    # BLAS would read the float32 weight: single rows and prompts take the half copy too
+    streamed_or_skip()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    stack = LinearStack([linear], stored=torch.float16)
+    assert stack.nbytes == LinearStack([linear]).nbytes // 2
+    packed = pack_streamed(linear.weight, torch.float16)
+    with torch.inference_mode():
+        for rows in (1, 3, 300):
+            x = torch.randn(rows, 64)
+            assert torch.equal(stack.forward(0, x),
+                               streamed_linear(x, packed, 48, linear.bias))
 
 
 # 576 inputs: 40 rows are three chunks of one group; 1,536 inputs: two chunks a group, so a

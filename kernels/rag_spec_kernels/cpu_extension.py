@@ -19,7 +19,7 @@ import torch
 _SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "bindings.cpp")
 _build_lock = threading.Lock()
 # compiler flags per instruction set torch reports (``get_cpu_capability``)
-_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma"]}
+_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 def vector_isa() -> str | None:

@@ -129,9 +129,13 @@ class LinearStack:
     copy. The weights
     are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
     (checking costs ~2 us a layer, so it is done once per generation, not per product).
+    ``stored=torch.float16`` keeps the streamed copy in half precision, every row count through
+    the streamed kernel: half the bytes per product, for layers whose outputs need not equal
+    the float32 layers' (a draft head's); ignored where the streamed kernel is not available.
     """
 
-    def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True,
+                 stored: torch.dtype | None = None) -> None:
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
         self.out_features = sum(self.sizes)
@@ -140,14 +144,19 @@ class LinearStack:
         self._lock = threading.Lock()
         self._version: tuple = ()
         self.streamed = streamed and streamed_available(linears[0].weight.dtype)
+        self.stored = stored if self.streamed else None
         self.refresh()
-        self.one_row_packed = one_row_packed(linears[0].weight.dtype)
-        self.blas_from_rows = blas_from_rows(linears[0].weight.dtype) if self.streamed else None
+        # a half-precision copy takes the streamed kernel for every row count: BLAS would read
+        # the float32 weight
+        self.one_row_packed = one_row_packed(linears[0].weight.dtype) or bool(self.stored)
+        self.blas_from_rows = (blas_from_rows(linears[0].weight.dtype)
+                               if self.streamed and not self.stored else None)
 
     @property
     def nbytes(self) -> int:
-        """Memory of the reordered copy: the stacked weights' size."""
-        return sum(linear.weight.numel() * linear.weight.element_size()
+        """Memory of the reordered copy: the stacked weights' size (as stored)."""
+        size = torch.empty((), dtype=self.stored).element_size() if self.stored else None
+        return sum(linear.weight.numel() * (size or linear.weight.element_size())
                    for linear in self.linears)
 
     def modules(self) -> list[OneDNNLinear]:
@@ -172,7 +181,7 @@ class LinearStack:
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in self.linears])
-            packed = pack_streamed(weight) if self.streamed else pack_weight(weight)
+            packed = pack_streamed(weight, self.stored) if self.streamed else pack_weight(weight)
             if self.streamed and self._version:  # traced layers hold these very tensors
                 self._packed[0].copy_(packed)
                 if bias is not None:
@@ -200,7 +209,8 @@ class LinearStack:
             return held[1]
         with self._lock:  # rare (an input the siblings do not share): built once, packed
             if index not in self._alone:
-                self._alone[index] = LinearStack([self.linears[index]], self.streamed)
+                self._alone[index] = LinearStack([self.linears[index]], self.streamed,
+                                                  self.stored)
             alone = self._alone[index]
         return alone.product(x)
 
@@ -237,11 +247,12 @@ class OneDNNLinear(_StandIn):
         return self.stack.forward(self.index, x)
 
 
-def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True
+def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True,
+                  stored: torch.dtype | None = None
                   ) -> list[tuple[torch.nn.Module, str, LinearStack, int]]:
     """Every plain linear layer under ``root`` among the modules whose ids are in ``own``, as
     (parent, attribute name, stack, index in stack): siblings known to share an input stacked
-    together, the others alone."""
+    together, the others alone; ``stored``: the streamed copies' precision (``LinearStack``)."""
     found: list[tuple[torch.nn.Module, str, LinearStack, int]] = []
     taken: set[int] = set()
     for parent in root.modules():
@@ -249,13 +260,13 @@ def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True
             group = [parent._modules.get(n) for n in names]
             if all(id(g) in own and is_plain_linear(g) for g in group) and len(
                     {g.in_features for g in group}) == 1:
-                stack = LinearStack(group, streamed)
+                stack = LinearStack(group, streamed, stored)
                 found += [(parent, n, stack, i) for i, n in enumerate(names)]
                 taken.update(id(g) for g in group)
     for parent in root.modules():
         for name, child in parent._modules.items():
             if id(child) in own and id(child) not in taken and is_plain_linear(child):
-                found.append((parent, name, LinearStack([child], streamed), 0))
+                found.append((parent, name, LinearStack([child], streamed, stored), 0))
                 taken.add(id(child))
     return found
 

@@ -53,7 +53,9 @@ def streamed_available(dtype: torch.dtype) -> bool:
         x, weight = torch.randn(20, 40, generator=generator), torch.randn(24, 40,
                                                                           generator=generator)
         ok = torch.allclose(streamed_linear(x, pack_streamed(weight), 24), x @ weight.T,
-                            rtol=1e-4, atol=1e-4)
+                            rtol=1e-4, atol=1e-4) and torch.allclose(
+            streamed_linear(x, pack_streamed(weight, torch.float16), 24),
+            x @ weight.half().float().T, rtol=1e-4, atol=1e-4)
     except Exception as error:  # noqa: BLE001 - any build failure means: use oneDNN
         log.warning("rag-spec: the streamed-product kernel did not build (%s); oneDNN's "
                     "kernels run instead", error)
@@ -61,18 +63,20 @@ def streamed_available(dtype: torch.dtype) -> bool:
     return ok
 
 
-def pack_streamed(weight: torch.Tensor) -> torch.Tensor:
+def pack_streamed(weight: torch.Tensor, stored: torch.dtype | None = None) -> torch.Tensor:
     """A (out, in) weight as (blocks, in, 16) blocks of 16 outputs, zero-padded to whole blocks:
-    a copy as large as the weight."""
+    a copy as large as the weight; ``stored=torch.float16`` keeps it in half precision (half
+    the bytes each product reads; the products still add in float32)."""
     out, inner = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out % _BLOCK))
-    return padded.view(-1, _BLOCK, inner).transpose(1, 2).contiguous()
+    return padded.view(-1, _BLOCK, inner).transpose(1, 2).to(stored).contiguous()
 
 
 def streamed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_streamed`` result,
-    where ``streamed_available`` (which builds the kernel) said yes; traceable."""
+    """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_streamed`` result
+    (float32 or float16), where ``streamed_available`` (which builds the kernel) said yes;
+    traceable."""
     y = torch.ops.rag_spec_cpu.streamed_linear.default(x.contiguous(), packed)
     if y.shape[-1] != out_features:
         y = y[:, :out_features].contiguous()

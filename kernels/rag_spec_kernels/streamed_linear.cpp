@@ -5,16 +5,19 @@
 // fill one cache line, and a block is read front to back. Every row of a chunk (up to
 // CHUNK_ROWS, read in place: its inputs are broadcast from the core's cache) accumulates
 // against one block at a time, so a block's lines are used by all rows while the next lines
-// are on their way: a software prefetch PREFETCH_LINES ahead, on a group's first chunk only
+// are on their way: a software prefetch PREFETCH_BYTES ahead, on a group's first chunk only
 // (the others find the block in the core's cache). Blocks are split between torch's threads;
 // many rows go in groups of chunks, each group past every block. A chunk's accumulators stay
 // in registers: 17 rows of one 512-bit vector, or 6 rows of two 256-bit ones (AVX2's 16
 // registers hold 12 accumulators, the line's two halves and a broadcast input).
+// A packed weight may be stored in half precision (a draft head's: half the bytes to read);
+// each 16-weight group is widened to float32 as it is loaded, and the arithmetic stays float32.
 // Each output is summed over the inputs in one fixed order, whatever the number of rows: a
 // row's result does not depend on the rows beside it.
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <utility>
 
 #include <immintrin.h>
@@ -22,21 +25,26 @@
 
 namespace {
 
-constexpr int64_t PREFETCH_LINES = 256;
+constexpr int64_t PREFETCH_BYTES = 256 * 64;
 constexpr int64_t GROUP_BYTES = 256 * 1024;
 
 #if defined(__AVX512F__)
 constexpr int64_t CHUNK_ROWS = 17;
 
-template <int ROWS>
-void block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+
+template <typename W, int ROWS>
+void block(const float* __restrict__ x, const W* __restrict__ w, float* __restrict__ y,
            int64_t in, int64_t ldy, bool prefetch) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < in; ++k) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_LINES) * 16),
-                               _MM_HINT_T0);
-    const __m512 line = _mm512_loadu_ps(w + k * 16);
+    if (prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512 line = load16(w + k * 16);
     for (int r = 0; r < ROWS; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + k]), line, acc[r]);
   }
@@ -45,10 +53,19 @@ void block(const float* __restrict__ x, const float* __restrict__ w, float* __re
 #else
 constexpr int64_t CHUNK_ROWS = 6;
 
+inline void load16(const float* w, __m256& low, __m256& high) {
+  low = _mm256_loadu_ps(w);
+  high = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const uint16_t* w, __m256& low, __m256& high) {
+  low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+}
+
 // Named accumulators, not an array: gcc stores an array of 12 vectors back to the stack at
 // every step of the loop, which made this kernel compute-bound at a third of the FMA rate.
-template <int ROWS>
-void block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+template <typename W, int ROWS>
+void block(const float* __restrict__ x, const W* __restrict__ w, float* __restrict__ y,
            int64_t in, int64_t ldy, bool prefetch) {
   __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0,
          lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
@@ -59,9 +76,10 @@ void block(const float* __restrict__ x, const float* __restrict__ w, float* __re
     hi##r = _mm256_fmadd_ps(input, high, hi##r);                               \
   }
   for (int64_t k = 0; k < in; ++k) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_LINES) * 16),
-                               _MM_HINT_T0);
-    const __m256 low = _mm256_loadu_ps(w + k * 16), high = _mm256_loadu_ps(w + k * 16 + 8);
+    if (prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    __m256 low, high;
+    load16(w + k * 16, low, high);
     RAG_SPEC_ROW(0) RAG_SPEC_ROW(1) RAG_SPEC_ROW(2) RAG_SPEC_ROW(3) RAG_SPEC_ROW(4)
     RAG_SPEC_ROW(5)
   }
@@ -77,30 +95,18 @@ void block(const float* __restrict__ x, const float* __restrict__ w, float* __re
 }
 #endif
 
-using Block = void (*)(const float*, const float*, float*, int64_t, int64_t, bool);
+template <typename W>
+using Block = void (*)(const float*, const W*, float*, int64_t, int64_t, bool);
 
-template <int... R>
-constexpr std::array<Block, sizeof...(R)> blocks(std::integer_sequence<int, R...>) {
-  return {&block<R + 1>...};
+template <typename W, int... R>
+constexpr std::array<Block<W>, sizeof...(R)> blocks(std::integer_sequence<int, R...>) {
+  return {&block<W, R + 1>...};
 }
 
-constexpr auto BLOCKS = blocks(std::make_integer_sequence<int, CHUNK_ROWS>());
-
-}  // namespace
-
-// x: (rows, in) float32; packed: (blocks, in, 16). Returns (rows, blocks * 16).
-torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  packed.dim() == 3 && packed.scalar_type() == torch::kFloat &&
-                  packed.size(2) == 16 && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) "
-              "packed weight");
-  const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0), out = nblocks * 16;
-  const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  auto y = torch::empty({rows, out}, x.options());
-  const float* px = x.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  float* py = y.data_ptr<float>();
+template <typename W>
+void product(const float* px, const W* w, float* py, int64_t rows, int64_t in, int64_t nblocks) {
+  static constexpr auto BLOCKS = blocks<W>(std::make_integer_sequence<int, CHUNK_ROWS>());
+  const int64_t out = nblocks * 16, chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
   // many rows (a prompt): groups of chunks whose inputs stay in a core's cache while every
   // block passes by, rather than all inputs read again for each block
   const int64_t group = std::max<int64_t>(1, GROUP_BYTES / (in * CHUNK_ROWS * 4));
@@ -115,5 +121,26 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packe
         }
     });
   }
+}
+
+}  // namespace
+
+// x: (rows, in) float32; packed: (blocks, in, 16) float32 or float16. Returns (rows, blocks * 16)
+// float32.
+torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  const bool half = packed.scalar_type() == torch::kHalf;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  packed.dim() == 3 && (half || packed.scalar_type() == torch::kFloat) &&
+                  packed.size(2) == 16 && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) "
+              "float32 or float16 packed weight");
+  const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0);
+  auto y = torch::empty({rows, nblocks * 16}, x.options());
+  if (half)
+    product(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>()),
+            y.data_ptr<float>(), rows, in, nblocks);
+  else
+    product(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), rows, in,
+            nblocks);
   return y;
 }

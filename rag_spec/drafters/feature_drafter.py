@@ -111,7 +111,7 @@ class FeatureDrafter(ModelDrafter):
                 fast = self._fast[runner] = copy.deepcopy(self.head)
             if runner.stacks:
                 own = {id(module) for module in fast.modules()}
-                for parent, name, stack, index in linear_stacks(fast, own,
-                                                                runner.settings.streamed_linear):
+                for parent, name, stack, index in linear_stacks(
+                        fast, own, runner.settings.streamed_linear, torch.float16):
                     parent._modules[name] = stack.modules()[index]
         return fast
