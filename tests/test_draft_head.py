@@ -153,9 +153,9 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
 def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():
     """The sizer verifies a tree's first nodes: a greedy row's are ranked by their chance of
     being accepted (a guess's draft probability, a copy's ``_COPY_CHANCE`` shrinking by
-    ``_DEEPER`` a depth and by how often its token followed, never above its parent's); a
-    sampled row's draws lead, as multi-step speculative sampling tries them, then the copies
-    after them and the context's."""
+    ``_DEEPER`` a depth and by how often its token followed, never above its parent's; a token
+    both drafted, the two chances combined); a sampled row's draws lead, as multi-step
+    speculative sampling tries them, then the copies after them and the context's."""
     copy = TokenTree.from_paths([[7, 8, 9]])
     after_five = [((5,), TokenTree.from_paths([[11]]))]
     sure = TokenTree((5, 6), (-1, -1), scores=(0.6, 0.3))
@@ -166,6 +166,14 @@ def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():
     # a copy whose 8 followed 7 once in four: 7 (0.45), 5 (0.2), 11 (0.14), 6 (0.1); 8 (0.08) cut
     rare = TokenTree((7, 8, 9), (-1, 0, 1), scores=(1.0, 0.25, 0.25))
     assert _merged(unsure, rare, after_five, budget=4).tokens == (7, 5, 11, 6)
+    # a copy that has held three tokens likely goes on: its fourth (0.22) beats a 0.2 guess
+    held = TokenTree.from_paths([[7, 8, 9, 10]])
+    assert _merged(TokenTree((5,), (-1,), scores=(0.2,)), held, [], budget=4).tokens == (
+        7, 8, 9, 10)
+    # a guess the context also copies: 7 is 1 - 0.7 * 0.55 = 0.615 likely, its copied 8 0.43,
+    # both above the likelier guess 6 (0.35)
+    both = TokenTree((6, 7), (-1, -1), scores=(0.35, 0.3))
+    assert _merged(both, TokenTree.from_paths([[7, 8]]), [], budget=2).tokens == (7, 8)
     drawn = TokenTree((5, 6), (-1, -1), draft_probs=torch.full((2, 12), 1 / 12),
                       scores=(0.1, 0.1))
     assert _merged(drawn, copy, after_five, budget=4).tokens == (5, 6, 11, 7)

@@ -9,7 +9,8 @@ target's distribution. The trie also copies what followed the model's likeliest 
 elsewhere (the guess is often right where the context alone finds no copy). A greedy row just
 follows the argmax, so its tree is ordered for the sizer, which verifies a tree's first nodes:
 every node ranked by its chance of being accepted (a guess's draft probability; a copy's a
-fitted constant, shrinking with depth and with how often the copied token followed).
+fitted constant, shrinking with depth and with how often the copied token followed; a token
+both proposed, the two combined).
 
 The budget: the trie proposes first (it is cheap). The model gets what the trie left, and at
 least half the budget; the trie's nodes fill the rest. A model with passes of its own over the
@@ -52,10 +53,11 @@ _COPYING = 2
 # The model's likeliest guesses the trie extends, and the nodes it may copy after each.
 _EXTENDED, _EXTENSION = 4, 4
 # Chances of acceptance for ranking a greedy row's copies against the model's guesses: a copy's
-# first node ranks beside a guess of this probability, each deeper node at this share of its
-# parent's, both times how often the token followed (fitted on recorded steps of the embedded
-# model's head + trie: docs/concepts.md, "Copies after a guess").
-_COPY_CHANCE, _DEEPER = 0.45, 0.7
+# first node ranks beside a guess of this probability, each deeper node (and a copy's first
+# after a guess) at a share of its parent's that grows with how far the copy has held (by its
+# depth into the copy: 1, 2, 3, 4 or more), both times how often the token followed (fitted on
+# recorded steps of the embedded model's head + trie: docs/concepts.md, "Copies after a guess").
+_COPY_CHANCE, _DEEPER = 0.45, (0.7, 0.7, 0.8, 0.87)
 
 
 class _Both:
@@ -223,14 +225,23 @@ def _chances(tree: TokenTree, guess: TokenTree, followed: dict[tuple[int, ...], 
              ) -> list[float]:
     """Each node's chance of being accepted: a guess's its draft probability; a copy's first
     node ``_COPY_CHANCE``, each deeper one (and a copy's after a guess) ``_DEEPER`` of its
-    parent's, times how often the copied token followed (never more than its parent's)."""
+    parent's, times how often the copied token followed; a node both drafted, either's chance
+    as independent evidence (a guess the context also copies is likelier than either says).
+    Never more than the parent's."""
     assert guess.scores is not None
     known = dict(zip(guess.paths, guess.scores))
     chances: list[float] = []
+    copied_depth: list[int] = []  # how far into a copy each node is (0: a guess)
     for path, parent in zip(tree.paths, tree.parents):
         above = chances[parent] if parent >= 0 else 1.0
-        copied = (above * _DEEPER if parent >= 0 else _COPY_CHANCE) * followed.get(path, 1.0)
-        chances.append(min(known.get(path, copied), above))
+        depth = copied_depth[parent] + 1 if parent >= 0 else 1
+        copied = above * (_COPY_CHANCE if parent < 0 else _DEEPER[min(depth, len(_DEEPER)) - 1])
+        copied *= followed.get(path, 1.0)
+        if path in known:
+            depth, drawn = 0, known[path]
+            copied = 1 - (1 - drawn) * (1 - copied) if path in followed else drawn
+        copied_depth.append(depth)
+        chances.append(min(copied, above))
     return chances
 
 
