@@ -6,9 +6,12 @@ the copies after the guesses); then replays each rule on those inputs, cutting t
 to 4, 8 and 16 nodes, and scores the cut against the answer the decoder committed: tokens per
 pass as each rule would have made them, on the same steps (a cut that accepts more would have
 moved later steps, so this ranks rules; the decoder measures them: ``lab.step_profile``).
-Rules: copies at a constant chance (``_COPY_CHANCE``, ``_DEEPER`` a depth) and copies also
-scored by how often their tokens followed (the default). Environment: ``TR_LIMIT`` prompts per
-set (default 8), ``TR_N`` new tokens (128); writes docs/benchmarks/tree_replay.json and .png.
+Rules: copies at a constant chance (0.45, then 0.7 of the parent's a depth) over a guess's
+draft probability; the same with copies also scored by how often their tokens followed; and the
+default (a token both drafted ranks by both chances, a copy that has held grows likelier).
+Environment: ``TR_LIMIT`` prompts per set (default 8), ``TR_N`` new tokens (128),
+``TR_HELD_OUT=1`` prompts the constants were not fitted on (the bench's next RAG questions, the
+open-ended prompts below); writes docs/benchmarks/tree_replay[_held_out].json and .png.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from pathlib import Path
 from typing import Any
 
 CUTS = (4, 8, 16)
+HELD_OUT_OPEN = ["Explain how public-key cryptography works.",
+                 "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                 "What are the main differences between TCP and UDP?",
+                 "Describe how vaccines train the immune system.",
+                 "Give me three tips for a job interview.",
+                 "Why is the sky blue? Explain briefly.",
+                 "Summarize the causes of the French Revolution.",
+                 "How does a binary search work? Give an example."]
 
 
 def main() -> None:
@@ -29,10 +40,16 @@ def main() -> None:
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine, save_figure
     from rag_spec.models import load_model
+    from rag_spec.prompts import chat_input_ids
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
+    held_out = os.environ.get("TR_HELD_OUT") == "1"
     lm = load_model("smollm2-135m-instruct")
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    if held_out:
+        rag, _ = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit)
+        open_ended = [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
+                      for p in HELD_OUT_OPEN[:limit]]
     steps: list[dict[str, Any]] = []
     merge = merged._merged
 
@@ -43,12 +60,14 @@ def main() -> None:
     merged._merged = recording  # this process's decoder only: a lab run, not the library's use
     decoder = LookaheadDecoder(lm.model, lm.tokenizer,
                                LookaheadConfig(budget=16, adaptive=False, compile=False))
-    followed = merged._followed
-    rules = {"constant chances": lambda prefix, copies: dict.fromkeys(followed(prefix, copies),
-                                                                       1.0),
-             "scored by how often copies followed": followed}
+    followed, chances = merged._followed, merged._chances
+    rules = {"constant chances": (lambda prefix, copies: dict.fromkeys(
+                 followed(prefix, copies), 1.0), _chances_before),
+             "scored by how often copies followed": (followed, _chances_before),
+             "+ both drafters' chances, held copies likelier (default)": (followed, chances)}
     report: dict[str, Any] = {"benchmark": "tree_replay", "model": "smollm2-135m-instruct",
-                              "machine": machine(), "max_new_tokens": n, "budget": 16}
+                              "machine": machine(), "max_new_tokens": n, "budget": 16,
+                              "held_out": held_out}
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         recorded = []
         for prompt in prompts:
@@ -60,15 +79,14 @@ def main() -> None:
             assert len(contexts) == len(steps), "a step merged no drafts: the replay misaligns"
             recorded.append((answer, list(zip(contexts, steps))))
         report[name] = {}
-        for rule, function in rules.items():
-            merged._followed = function
+        for rule, (merged._followed, merged._chances) in rules.items():
             report[name][rule] = {str(cut): round(statistics.median(
                 statistics.mean(1 + len(merge(s["guess"], s["copies"], s["grafts"], cut)
                                           .follow(answer[start:])) for start, s in row)
                 for answer, row in recorded), 3) for cut in CUTS}
-        merged._followed = followed
+        merged._followed, merged._chances = followed, chances
         print(name, report[name], flush=True)
-    out = Path("docs/benchmarks/tree_replay.json")
+    out = Path(f"docs/benchmarks/tree_replay{'_held_out' if held_out else ''}.json")
     out.write_text(json.dumps(report, indent=1))
     fig, axes = figure(2, (10, 4), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
@@ -80,6 +98,18 @@ def main() -> None:
     axes[0].legend()
     save_figure(fig, out.with_suffix(".png"), "merged trees by ranking rule")
     print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _chances_before(tree: Any, guess: Any, followed: dict) -> list[float]:
+    """The rule before the default's: a guess's chance is its draft probability alone (a copy
+    it coincides with adds nothing), every copied node 0.7 of its parent's."""
+    known = dict(zip(guess.paths, guess.scores))
+    chances: list[float] = []
+    for path, parent in zip(tree.paths, tree.parents):
+        above = chances[parent] if parent >= 0 else 1.0
+        copied = (above * 0.7 if parent >= 0 else 0.45) * followed.get(path, 1.0)
+        chances.append(min(known.get(path, copied), above))
+    return chances
 
 
 def _step_starts(result: Any) -> list[int]:

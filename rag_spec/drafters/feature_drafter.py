@@ -103,8 +103,10 @@ class FeatureDrafter(ModelDrafter):
 
     def head_for(self, runner: Runner) -> DraftHead:
         """The head multiplying through the kernels ``runner`` multiplies through (a private
-        copy, built once per runner; called under the drafter's lock): a pass of one or a few
-        rows costs ~0.4 ms on the embedded model's CPU path against ~1.8 ms on torch's."""
+        copy, built once per runner; called under the drafter's lock), from half-precision
+        weights where the streamed kernel runs: a pass follows the target's step, which has
+        pushed the head out of cache, so it costs what it reads, and a draft need not equal
+        float32 products (docs/concepts.md, "Why the defaults")."""
         fast = self._fast.get(runner)
         if fast is None:
             with torch.inference_mode(False):  # drafting runs in it; weights track versions
