@@ -155,8 +155,7 @@ class LinearStack:
     @property
     def nbytes(self) -> int:
         """Memory of the reordered copy: the stacked weights' size (as stored)."""
-        size = torch.empty((), dtype=self.stored).element_size() if self.stored else None
-        return sum(linear.weight.numel() * (size or linear.weight.element_size())
+        return sum(linear.weight.numel() * (self.stored or linear.weight.dtype).itemsize
                    for linear in self.linears)
 
     def modules(self) -> list[OneDNNLinear]:
