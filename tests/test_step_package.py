@@ -122,6 +122,27 @@ def test_the_package_is_the_architectures_not_the_weights(packaged):
     assert digest(tiny_llama(seed=0, **SHAPE).to(torch.float64)) != same  # another dtype
 
 
+def test_a_package_built_by_other_code_is_named_and_decoding_goes_on_eagerly(
+        package_root, monkeypatch, tmp_path, caplog):
+    # an upgrade changes the digest: the old package no longer loads, and the user is told
+    # which command builds the steps again rather than getting eager steps without a word
+    copy = tmp_path / "cache"
+    shutil.copytree(package_root[0], copy)
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(copy))
+    folder = copy / package_root[1].relative_to(package_root[0])
+    folder.rename(folder.with_name(folder.name.rsplit("-", 1)[0] + "-builtbyothercode"))
+    model = tiny_llama(seed=0, **SHAPE)
+    with caplog.at_level("WARNING", logger="rag_spec.engine.forward.step_package"):
+        decoder = LookaheadDecoder(model)
+        assert decoder.runner.compiled is None
+        assert "builtbyothercode" in caplog.text and "rag-spec models compile" in caplog.text
+        caplog.clear()
+        LookaheadDecoder(tiny_llama(seed=0, layers=4, hidden=64))  # another model: none stale
+        assert "built by other code" not in caplog.text
+    prompt = repetitive_prompt(0)
+    assert decoder.generate(prompt, 12).token_ids == hf_greedy(model, prompt, 12)
+
+
 def test_a_damaged_package_is_removed_and_decoding_goes_on_eagerly(package_root, monkeypatch,
                                                                    tmp_path, caplog):
     copy = tmp_path / "cache"

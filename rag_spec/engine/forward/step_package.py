@@ -90,23 +90,29 @@ def fingerprint(step: CompiledStep) -> str:
     import transformers
 
     module = step.module
-    config = module.config.to_dict()
-    for name in ("_name_or_path", "transformers_version", "_commit_hash"):
-        config.pop(name, None)
     layers = [(path, m.start, m.out_features, m.key, m.stack.streamed,
                m.first_sibling, m.last_sibling) if m.stack is not None else (path,)
               for path, m in module.named_modules() if isinstance(m, TracedLinear)]
     # probed here, before any tracing: under torch.export the probe's own tensors (a
     # generator among them) would be traced into the graph, and an AVX-512 CPU's kernel lost
     kernel = rag_spec_kernels.cpu_attention_available()
-    parts = {"format": FORMAT, "class": type(module).__qualname__, "config": config,
+    parts = {"format": FORMAT, "model": _model(step),
              "attention": (module.config._attn_implementation, kernel), "layers": layers,
-             "dtype": str(next(module.parameters()).dtype),
              "sources": _sources_digest(),
              "torch": torch.__version__, "transformers": transformers.__version__,
              "machine": platform.machine(), "cpu": _cpu_flags()}
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _model(step: CompiledStep) -> str:
+    """Which model a package is for, whatever the code that built it: its class, config and
+    dtype (a package for it built by other code is stale, not missing)."""
+    config = step.module.config.to_dict()
+    for name in ("_name_or_path", "transformers_version", "_commit_hash"):
+        config.pop(name, None)
+    parts = [type(step.module).__qualname__, config, str(next(step.module.parameters()).dtype)]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 @functools.cache
@@ -167,6 +173,8 @@ def load(step: CompiledStep) -> LoadedPackage | None:
         return None
     folder = package_dir(step)
     if folder is None or not folder.is_dir():
+        if folder is not None:
+            _name_stale(folder, _model(step))
         return None
     graphs = {}
     try:
@@ -184,6 +192,30 @@ def load(step: CompiledStep) -> LoadedPackage | None:
         shutil.rmtree(folder, ignore_errors=True)
         return None
     return LoadedPackage(graphs, features)
+
+
+def _name_stale(folder: Path, model: str) -> None:
+    """Warn (once a process per package) where this model's steps were compiled by other code
+    (rag-spec, torch or transformers upgraded, another CPU): the user would otherwise get
+    eager steps, slower, without a word."""
+    if folder in _named:
+        return
+    _named.add(folder)
+    for other in sorted(folder.parent.glob("*/package.json")):
+        try:
+            stale = json.loads(other.read_text()).get("model") == model
+        except (OSError, ValueError, AttributeError):
+            continue
+        if stale:
+            log.warning("rag-spec: the compiled steps for this model in %s were built by other "
+                        "code (an upgrade of rag-spec, torch or transformers, or another CPU); "
+                        "decoding eagerly. `rag-spec models compile` (or "
+                        "decoder.package_steps()) builds them for this one (a few minutes, "
+                        "once).", other.parent)
+            return
+
+
+_named: set[Path] = set()
 
 
 def _constants(step: CompiledStep, features: bool) -> dict[str, torch.Tensor]:
@@ -215,7 +247,8 @@ def build(step: CompiledStep, progress: Callable[[Iterable[str]], Iterable[str]]
             program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(scratch / f"{name}.pt2"), inductor_configs=_INDUCTOR)
-        (scratch / "package.json").write_text(json.dumps({"features": wrapper.features}))
+        (scratch / "package.json").write_text(json.dumps({"features": wrapper.features,
+                                                          "model": _model(step)}))
     return folder
 
 
