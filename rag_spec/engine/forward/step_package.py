@@ -12,7 +12,8 @@ not the weights, and takes a few MB.
 A package's folder is named by a digest of everything its graphs depend on: the model's class
 and config, dtype, the kernel each layer takes, the sources of the kernels and of this step,
 torch's and transformers' versions, the CPU's instruction sets. A package that fails to load
-is removed and the step runs eager (a warning names the command that builds it again).
+is removed and the step runs eager (a warning names the command that builds it again); so does
+a model whose package was built by other code (an upgrade, another CPU: a warning says so).
 """
 
 from __future__ import annotations
