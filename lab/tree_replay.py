@@ -5,7 +5,8 @@ lookahead bench's prompts, what ``MergedDrafter`` merged (the head's guesses, th
 the copies after the guesses); then replays each rule on those inputs, cutting the ranked tree
 to 4, 8 and 16 nodes, and scores the cut against the answer the decoder committed: tokens per
 pass as each rule would have made them, on the same steps (a cut that accepts more would have
-moved later steps, so this ranks rules; the decoder measures them: ``lab.step_profile``).
+moved later steps, so this ranks rules; the decoder measures them: ``lab.step_profile``), beside
+the ceiling no ranking passes: every drafted node verified.
 Rules: copies at a constant chance (0.45, then 0.7 of the parent's a depth) over a guess's
 draft probability; the same with copies also scored by how often their tokens followed; and the
 default (a token both drafted ranks by both chances, a copy that has held grows likelier).
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CUTS = (4, 8, 16)
+CEILING = "every drafted node, uncut (the ceiling)"
 HELD_OUT_OPEN = ["Explain how public-key cryptography works.",
                  "Write a short story about a lighthouse keeper who finds a message in a bottle.",
                  "What are the main differences between TCP and UDP?",
@@ -85,13 +87,18 @@ def main() -> None:
                                           .follow(answer[start:])) for start, s in row)
                 for answer, row in recorded), 3) for cut in CUTS}
         merged._followed, merged._chances = followed, chances
+        # the ceiling no ranking can pass: every node the drafters proposed, uncut
+        report[name][CEILING] = round(statistics.median(statistics.mean(
+            1 + len(merge(s["guess"], s["copies"], s["grafts"], 10**6).follow(answer[start:]))
+            for start, s in row) for answer, row in recorded), 3)
         print(name, report[name], flush=True)
     out = Path(f"docs/benchmarks/tree_replay{'_held_out' if held_out else ''}.json")
     out.write_text(json.dumps(report, indent=1))
     fig, axes = figure(2, (10, 4), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
-        for rule, cuts in report[name].items():
-            ax.plot(CUTS, [cuts[str(c)] for c in CUTS], marker="o", label=rule)
+        for rule in rules:
+            ax.plot(CUTS, [report[name][rule][str(c)] for c in CUTS], marker="o", label=rule)
+        ax.axhline(report[name][CEILING], color="k", lw=0.8, ls="--", label=CEILING)
         ax.set_title(name)
         ax.set_xlabel("nodes verified (a cut of the ranked tree)")
     axes[0].set_ylabel("tokens per pass, replayed")
