@@ -48,6 +48,12 @@ def packaged(package_root, monkeypatch):
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
     monkeypatch.setattr(torch.export, "export", refuse)
+    monkeypatch.setattr(torch, "compile", refuse)  # not even the wrapper: it imports inductor
+
+    def probe(*args, **kwargs):  # a subprocess per instruction set, ~1.4 s, to warn only
+        pytest.fail("loading probed the CPU's instruction sets")
+
+    monkeypatch.setattr(torch._inductor.codecache, "get_device_information", probe)
     return package_root[1]
 
 

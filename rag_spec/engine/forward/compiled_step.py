@@ -48,10 +48,15 @@ class CompiledStep:
         self.graphs = next(module.parameters()).device.type == "cuda"
         self._wide = wide
         self.package: Any = None  # a ``step_package.LoadedPackage``, set by the runner
-        self._compiled = torch.compile(functools.partial(step_forward, module), dynamic=True,
-                                       mode="reduce-overhead" if self.graphs else None)
         self._lock = threading.Lock()
         self._spare: tuple[tuple[int, int], Any] | None = None  # (batch, slots), a cache
+
+    @functools.cached_property
+    def _compiled(self) -> Any:
+        """The step through ``torch.compile``, made at first use: a step that runs a loaded
+        package never needs it, and making it imports most of inductor (~0.6 s a process)."""
+        return torch.compile(functools.partial(step_forward, self.module), dynamic=True,
+                             mode="reduce-overhead" if self.graphs else None)
 
     @functools.cached_property
     def features_split(self) -> bool:

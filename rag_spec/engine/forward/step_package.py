@@ -182,7 +182,7 @@ def load(step: CompiledStep) -> LoadedPackage | None:
         features = json.loads((folder / "package.json").read_text())["features"]
         tensors = _constants(step, features)
         for name in GRAPHS:
-            graph = torch._inductor.aoti_load_package(str(folder / f"{name}.pt2"))
+            graph = _load_graph(folder / f"{name}.pt2")
             graph.load_constants({fqn: tensors[fqn] for fqn in graph.get_constant_fqns()},
                                  check_full_update=True, user_managed=True)
             graphs[name] = graph
@@ -193,6 +193,20 @@ def load(step: CompiledStep) -> LoadedPackage | None:
         shutil.rmtree(folder, ignore_errors=True)
         return None
     return LoadedPackage(graphs, features)
+
+
+def _load_graph(path: Path) -> Any:
+    """A package's graph, through AOTInductor's own loader without torch's check of the
+    device: that check builds and loads a test library per instruction set in a subprocess
+    (~1.4 s a process on an AVX-512 CPU) only to warn, and a package's digest already names
+    the CPU's instruction sets. Where this torch's loader has another form, its public load."""
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader
+    except (ImportError, AttributeError):
+        return torch._inductor.aoti_load_package(str(path))
+    return AOTICompiledModel(loader(str(path), "model", False, 1, -1))
 
 
 def _name_stale(folder: Path, model: str) -> None:
