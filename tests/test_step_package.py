@@ -4,6 +4,7 @@ weights read from the model they run for, a damaged package skipped, the user's 
 alone."""
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -161,6 +162,21 @@ def test_a_damaged_package_is_removed_and_decoding_goes_on_eagerly(package_root,
     assert decoder.runner.compiled is None
     assert "rag-spec models compile" in caplog.text and not folder.exists()
     prompt = repetitive_prompt(1)
+    assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_a_torch_without_the_loaders_private_form_loads_through_its_public_one(package_root,
+                                                                             monkeypatch):
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(package_root[0]))
+    monkeypatch.setitem(sys.modules, "torch.export.pt2_archive._package", None)  # ImportError
+    public = torch._inductor.aoti_load_package
+    loaded = []
+    monkeypatch.setattr(torch._inductor, "aoti_load_package",
+                        lambda path: loaded.append(path) or public(path))
+    model = tiny_llama(seed=9, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    assert decoder.runner.compiled.package is not None and len(loaded) == 2
+    prompt = repetitive_prompt(2)
     assert decoder.generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
 
 
