@@ -2,6 +2,9 @@
 torch.compile, with generate's greedy tokens for every drafter kind, batches of one prompt
 length (static) and of several (the growing cache), and the user's model left alone."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -233,3 +236,20 @@ def test_a_service_warmed_up_compiles_nothing_for_its_first_request():
     assert compiled > before
     local.generate(["the cat sat on the mat, the cat sat"], GenerateOptions(max_new_tokens=12))
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_a_step_compiled_reads_the_attention_kernels_availability_as_a_constant():
+    # traced into, the availability probe breaks the graph (a whole-graph compile refuses it);
+    # in a new interpreter, where nothing has compiled yet
+    code = """
+import torch
+from rag_spec.engine.forward.compiled_step import CompiledStep
+from rag_spec_kernels import cpu_attention_fits
+CompiledStep(torch.nn.Linear(2, 2))._compiled  # what a compiled decoder makes at first use
+q, k = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 5, 32)
+fits = torch.compile(lambda q, k: q * 2 if cpu_attention_fits(q, k) else q, fullgraph=True)
+print(torch.equal(fits(q, k), q * 2 if cpu_attention_fits(q, k) else q))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert run.stdout.strip() == "True"
