@@ -51,7 +51,7 @@ def packaged(package_root, monkeypatch):
     monkeypatch.setattr(torch.export, "export", refuse)
     monkeypatch.setattr(torch, "compile", refuse)  # not even the wrapper: it imports inductor
 
-    def probe(*args, **kwargs):  # a subprocess per instruction set, ~1.4 s, to warn only
+    def probe(*args, **kwargs):  # a subprocess per instruction set, to warn only
         pytest.fail("loading probed the CPU's instruction sets")
 
     monkeypatch.setattr(torch._inductor.codecache, "get_device_information", probe)

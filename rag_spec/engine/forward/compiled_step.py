@@ -54,7 +54,8 @@ class CompiledStep:
     @functools.cached_property
     def _compiled(self) -> Any:
         """The step through ``torch.compile``, made at first use: a step that runs a loaded
-        package never needs it, and making it imports most of inductor (~0.6 s a process)."""
+        package never needs it, and making it imports most of inductor (docs/benchmarks/
+        README.md, "Compiled steps in a fresh process")."""
         return torch.compile(functools.partial(step_forward, self.module), dynamic=True,
                              mode="reduce-overhead" if self.graphs else None)
 

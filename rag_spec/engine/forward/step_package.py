@@ -197,9 +197,10 @@ def load(step: CompiledStep) -> LoadedPackage | None:
 
 def _load_graph(path: Path) -> Any:
     """A package's graph, through AOTInductor's own loader without torch's check of the
-    device: that check builds and loads a test library per instruction set in a subprocess
-    (~1.4 s a process on an AVX-512 CPU) only to warn, and a package's digest already names
-    the CPU's instruction sets. Where this torch's loader has another form, its public load."""
+    device: that check builds and loads a test library per instruction set, each in a
+    subprocess, only to warn (docs/benchmarks/README.md, "Compiled steps in a fresh process"),
+    and a package's digest already names the CPU's instruction sets. Where this torch's loader
+    has another form, its public load."""
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel
 
