@@ -7,10 +7,12 @@ adaptive trees), and the same drafts at a fixed 16-node tree (what the sizing po
 where a wide step costs what a narrow one does: a GPU). Per system, medians over prompts:
 tokens and nodes per pass, the speedup over no drafts and the step's cost over a no-draft step
 (wall time per pass, the prefill excluded), split into drafting, the forward pass, bookkeeping
-(verification, the cache's compaction) and the rest (stop rules, text). Then the forward pass
-alone, 1 to 17 tokens wide after a RAG-length prompt, which says what the width costs on this
-CPU. Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new tokens (128); writes
-docs/benchmarks/step_profile.json and .png.
+(verification, the cache's compaction) and the rest (stop rules, text); and, timed per call,
+the parts of those a drafting step adds (``CALLS``: the head's pass, its round, the trie's
+lookups, the merge, the trie learning the new tokens, verification, compaction). Then the
+forward pass alone, 1 to 17 tokens wide after a RAG-length prompt, which says what the width
+costs on this CPU. Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new
+tokens (128); writes docs/benchmarks/step_profile.json and .png.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from rag_spec.bench.report import (
 )
 
 WIDTHS = (1, 2, 4, 6, 8, 10, 12, 14, 17)
+# the calls timed inside a step: (module, class or None, function); a lookup inside another
+# (the trie's, within the copies after guesses) counts in both
+CALLS = {"head pass": ("rag_spec.drafters.feature_drafter", "_HeadPasses", "forward"),
+         "head round": ("rag_spec.drafters.model_drafter", "ModelDrafter", "propose"),
+         "trie lookups": ("rag_spec.drafters.trie_drafter", "TrieSession", "propose"),
+         "copies after guesses": ("rag_spec.drafters.merged_drafter", None, "_extensions"),
+         "merge": ("rag_spec.drafters.merged_drafter", None, "_merged"),
+         "trie learning": ("rag_spec.drafters.trie_drafter", "TrieSession", "observe"),
+         "verify": ("rag_spec.engine.decoder", None, "verify"),
+         "cache compaction": ("rag_spec.engine.cache.tree_cache", "TreeKVCache", "keep")}
 
 
 def main() -> None:
@@ -49,7 +61,8 @@ def main() -> None:
                                              LookaheadConfig(budget=16, adaptive=False))}
     for decoder in decoders.values():  # first use: kernels prepared, step costs timed
         decoder.generate(rag[0], 16)
-    systems = {name: _system(decoder, n) for name, decoder in decoders.items()}
+    calls = _timed_calls()
+    systems = {name: _system(decoder, n, calls) for name, decoder in decoders.items()}
     report: dict[str, Any] = {"benchmark": "step_profile", "model": "smollm2-135m-instruct",
                               "dtype": "float32", "machine": machine(), "max_new_tokens": n,
                               "drafts": decoders["default"].drafter.label}
@@ -65,10 +78,35 @@ def main() -> None:
     publish(report, None, "step_profile", _plot, _print_table)
 
 
-def _system(decoder: Any, n: int) -> Any:
+def _timed_calls() -> dict[str, float]:
+    """Wrap ``CALLS`` in this process (a lab run's, not the library's use) to add each one's
+    seconds to the returned dict, which each run reads and resets."""
+    import importlib
+    import time
+
+    seconds = dict.fromkeys(CALLS, 0.0)
+    for label, (module_name, owner_name, name) in CALLS.items():
+        module = importlib.import_module(module_name)
+        owner = module if owner_name is None else getattr(module, owner_name)
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, _inner: Any = inner, _label: str = label, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - started
+        setattr(owner, name, timed)
+    return seconds
+
+
+def _system(decoder: Any, n: int, calls: dict[str, float]) -> Any:
     def call(prompt: list[int]) -> Run:
+        for label in calls:
+            calls[label] = 0.0
         result = decoder.generate(prompt, n)
-        return Run(0.0, result.token_ids, {"stats": result.stats})
+        per_pass = {label: 1000 * s / result.stats.steps for label, s in calls.items()}
+        return Run(0.0, result.token_ids, {"stats": result.stats, "calls_ms": per_pass})
     return call
 
 
@@ -95,6 +133,8 @@ def _summarise(runs: dict[str, list[Run]]) -> dict[str, Any]:
                 f / q for f, q in zip(parts[name]["forward"], parts["no_drafts"]["forward"])]),
                 3),
             "ms_per_pass": {part: round(median(v), 2) for part, v in parts[name].items()},
+            "calls_ms_per_pass": {label: round(median([r.extra["calls_ms"][label] for r in mine]),
+                                               3) for label in CALLS},
             "identical_to_no_drafts": sum(m.tokens == p.tokens for m, p in zip(mine, plain))}
     return summary
 
@@ -120,6 +160,9 @@ def _print_table(report: dict[str, Any]) -> None:
             print(f"  {system} | {entry['tokens_per_pass']} | {entry['nodes_per_pass']} | "
                   f"{entry['speedup_vs_no_drafts']}x | {entry['step_over_no_draft_step']}x | "
                   f"{entry['forward_over_no_draft_forward']}x | {ms}")
+        calls = report[name]["default"]["calls_ms_per_pass"]
+        print("  default, ms per pass in calls:", ", ".join(f"{k} {v:.2f}"
+                                                          for k, v in calls.items()))
     print("forward pass by width (x one token):", report["forward_over_one_token"])
 
 
