@@ -2,6 +2,7 @@
 torch.compile, with generate's greedy tokens for every drafter kind, batches of one prompt
 length (static) and of several (the growing cache), and the user's model left alone."""
 
+import itertools
 import subprocess
 import sys
 
@@ -58,6 +59,22 @@ def test_a_static_batch_and_a_ragged_one_give_each_row_its_tokens(target):
     for prompts in (same, ragged):
         results = decoder.generate(prompts, 20)
         assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in prompts]
+
+
+def test_a_static_batch_whose_rows_accept_unequal_paths_stays_inside_its_cache(target):
+    # a step takes as many slots as its longest accepted path: rows that copy long runs leave
+    # holes in the others' slots, which once overran the cache a batch was given
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(compile=True, adaptive=False))
+    prompts = [repetitive_prompt(s, length=24) for s in range(3)]
+    prompts += [torch.randint(3, 64, (24,), generator=torch.Generator().manual_seed(s)).tolist()
+                for s in range(2)]
+    results = decoder.generate(prompts, 80)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 80) for p in prompts]
+    steps = [r.stats.accepted_per_step for r in results]
+    longest = [max(kept) for kept in itertools.zip_longest(*steps, fillvalue=0)]
+    holes = [sum(most - kept for most, kept in zip(longest, row)) for row in steps]
+    # more holes in a row than the two rounds' spare slots a single row's cache keeps
+    assert max(holes) > 2 * (decoder.config.budget + 1)
 
 
 def test_compiling_leaves_the_users_model_alone():

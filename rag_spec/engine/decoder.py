@@ -508,7 +508,24 @@ class LookaheadDecoder:
         if runner.compiled is None or len(lengths) > 1 or self._window is not None:
             return None
         answer = max(rule.max_new_tokens for rule in rules)
-        return runner.compiled.capacity(lengths.pop() + answer + 2 * (self.config.budget + 1))
+        # rows that accept unequal paths leave holes in each other's slots: a batch gets an
+        # answer's length more for them (``_room`` keeps any batch inside)
+        holes = answer if len(rows) > 1 else 0
+        return runner.compiled.capacity(lengths.pop() + answer + holes
+                                        + 2 * (self.config.budget + 1))
+
+    def _room(self, cache: TreeKVCache, rows: list[_Row], rules: list[StopRule]) -> int | None:
+        """The most tree nodes a step may verify on a static cache so that every row can still
+        finish inside it (None: a growing cache). A step takes as many slots as its longest
+        accepted path, so rows that accept less leave holes; this keeps room for the furthest
+        behind to finish one token a step, and for a draft's passes (a round of up to a
+        budget's nodes) besides: one row never loses nodes to it, a batch only once its holes
+        have used the answer's length it was given."""
+        if cache.capacity is None:
+            return None
+        behind = max((rule.max_new_tokens - len(r.output) for r, rule in zip(rows, rules)
+                      if r.finish_reason is None), default=0)
+        return max(0, cache.capacity - cache.length - behind - self.config.budget - 2)
 
     @torch.inference_mode()
     def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
@@ -536,7 +553,8 @@ class LookaheadDecoder:
         # a grammar cuts the drafts it forbids and drafts what it forces
         proposals = [r.constraint.drafts(tree, self.config.budget) if on and r.constraint
                      else tree for r, tree, on in zip(rows, proposals, active)]
-        trees = [tree.first(cap) for tree in proposals]
+        room = self._room(cache, rows, rules)
+        trees = [tree.first(cap if room is None else min(cap, room)) for tree in proposals]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
         target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
