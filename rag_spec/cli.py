@@ -210,7 +210,8 @@ def _draft_train(args: argparse.Namespace) -> int:
         before, after = head.agreement["untrained"], head.agreement["trained"]
         print(f"draft head: the model's next token is the head's first guess "
               f"{before['top1']:.1%} of the time untrained, {after['top1']:.1%} trained "
-              f"(among its four likeliest: {after['top4']:.1%}; {len(head.subset)}-token head; "
+              f"(among its four likeliest: {after['top4']:.1%}; a token further, fed its own "
+              f"guessed state: {after.get('top1_depth2', 0.0):.1%}; {len(head.subset)}-token head; "
               f"{time.perf_counter() - started:.0f} s). Use it: rag-spec ask --draft head")
         return 0
     adapter = cached_exit(lm, args.layers, args.source or ["stdlib"], texts=args.texts,

@@ -37,7 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head(target):
-    return train_head(target, sequences(), vocabulary=48, epochs=4, lr=5e-3, progress=False)
+    return train_head(target, sequences(), vocabulary=48, epochs=8, lr=5e-3, progress=False)
 
 
 def test_roots_carry_the_models_last_hidden_state_before_them(target):

@@ -53,3 +53,22 @@ def test_answers_to_written_questions_only_when_asked():
     about = [t for t in texts if any(p.text in t for p in PASSAGES)]
     assert len(questions) == 4 and about == []  # every prompt a question it wrote
     assert [f"q {q}\na " for q in questions] == texts
+
+
+def test_the_questions_written_do_not_depend_on_which_draft_head_exists():
+    # the questions are sampled: drafts that are drawn (a head's) would change the draws, and
+    # a head trained on them would not be trained again from the same texts
+    import torch
+
+    from rag_spec.drafters.draft_head import find_head, publish_head
+    from rag_spec.training.train_head import train_head
+
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    asked = {"passages": PASSAGES, "count": 8, "written_share": 1.0, "seed": 3,
+             "max_new_tokens": 12, "progress": False}
+    before = own_answers(model, tokenizer, **asked)
+    texts = torch.randint(3, 35, (12, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    publish_head(model, train_head(model, texts, vocabulary=32, epochs=1, progress=False))
+    assert find_head(model) is not None  # a default decoder would draft with it now
+    assert own_answers(model, tokenizer, **asked) == before

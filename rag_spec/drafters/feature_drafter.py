@@ -77,8 +77,10 @@ class FeatureDrafter(ModelDrafter):
         head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
             ``draft_head.cached_head``) for this model.
         expansion: the trees' shape; by default the eight likeliest next tokens, each only
-            if the head gives it at least 2%, one pass deep (deeper trees' passes cost more
-            than they add; measured: docs/concepts.md, "Why the defaults").
+            if the head gives it at least 2%, one pass deep: on a CPU a second pass costs about
+            what its tokens save, where it adds tokens per pass (docs/benchmarks/README.md,
+            "How deep the draft head drafts"); ``Expansion(top=8, min_prob=0.02,
+            max_depth=2)`` drafts two deep.
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP

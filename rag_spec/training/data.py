@@ -59,7 +59,7 @@ class DraftRecipe:
 
     what: str  # "draft head", "exit adapter after 8 layers"
     command: str  # the command that trains it, e.g. "rag-spec draft train --head"
-    duration: str  # how long that takes on two CPU cores, e.g. "about 25 minutes"
+    duration: str  # how long that takes on two CPU cores, e.g. "about an hour"
 
 
 def train_command(lm: Any, sources: Sequence[str], flags: str) -> str:

@@ -11,7 +11,9 @@ prompts followed by the model's own greedy answers, of two kinds:
 - open-ended questions the model writes itself: given only the chat template's opening of a
   user turn, an instruct model writes a plausible user question (Magpie, Xu et al. 2024).
 
-Answers come from ``LookaheadDecoder`` (greedy: the tokens ``generate`` gives, sooner).
+Answers come from ``LookaheadDecoder`` (greedy: the tokens ``generate`` gives, sooner) drafting
+from the trie alone: its copies are matched, never drawn, so the sampled questions too are the
+seeded draws plain sampling makes, whatever heads exist (one trained from them, among others).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
     model writes itself (``written_share`` of them), the rest questions about ``passages`` (all
     of them where its tokenizer has no chat template), fewer where some do not fit the model's
     context window. The model is only read."""
+    from rag_spec.drafters.trie_drafter import TrieDrafter
     from rag_spec.engine.decoder import LookaheadDecoder
 
-    decoder = LookaheadDecoder(model, tokenizer)
+    decoder = LookaheadDecoder(model, tokenizer, drafter=TrieDrafter())
     questions = written_questions(decoder, count - int(count * (1 - written_share)), seed=seed,
                                   progress=progress)
     chosen = random.Random(seed).sample(range(len(passages)), min(count - len(questions),

@@ -21,17 +21,21 @@ from rag_spec.training.data import (
     training_set,
 )
 
-_VERSION = 2  # bump when training changes: cached heads are trained again
+_VERSION = 3  # bump when training changes: cached heads are trained again
 # passes over the texts, at a rate decaying linearly to zero: on the embedded model the head so
 # agreed with its next token 55% of the time held out, after 6 at a constant rate 51%
 _EPOCHS = 10
+# Trained through its own guessed states (HASS's and EAGLE-3's "training-time test"): a deeper
+# draft feeds the head the state it guessed, never the model's, so the head learns from what it
+# will be fed. Each depth's loss weighs this much (the first, which every pass drafts, most).
+_DEPTH_WEIGHTS = (1.0, 0.5, 0.25)
 
 
 def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 800,
                 answers: int = 240, written: int = 800, epochs: int = _EPOCHS,
                 progress: bool = True, train: bool = True) -> DraftHead:
-    """The draft head for ``lm``, trained the first time (about 25 minutes on a CPU, more than
-    half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
+    """The draft head for ``lm``, trained the first time (about an hour on two CPU cores, half
+    of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
     model's own answers and ``written`` more to questions it wrote itself, loaded from
     rag-spec's cache after; with ``train`` False a missing head is a RagSpecError naming
     ``rag-spec draft train --head``.
@@ -43,7 +47,7 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
                                                 progress=progress)
     key = f"{lm.name}|head|{fingerprint}|{texts}|{answers}|{written}|{epochs}|{_VERSION}"
     recipe = DraftRecipe("draft head", train_command(lm, sources, "--head"),
-                         "about 25 minutes")
+                         "about an hour")
     head = cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
                         (lambda: train_head(lm.model, sequences(), epochs=epochs,
                                             progress=progress)) if train else None,
@@ -55,9 +59,10 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
 
 def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: int = 8192,
                epochs: int = _EPOCHS, lr: float = 5e-4, progress: bool = True) -> DraftHead:
-    """Train a draft head to predict ``model``'s next-token distribution one token ahead of its
-    hidden state, on token ``sequences`` (a tenth held out to measure agreement). The model is
-    only read (its predictions come from rag-spec's private copy)."""
+    """Train a draft head to predict ``model``'s next-token distribution one to three tokens
+    ahead of its hidden state (deeper ones from its own guessed states), on token
+    ``sequences`` (a tenth held out to measure agreement). The model is only read (its
+    predictions come from rag-spec's private copy)."""
     data = training_set(model, sequences, -1, vocabulary, "a draft head", progress)
     head = DraftHead(model, data.subset).float().train()
     table = model.get_input_embeddings().weight.detach().float()
@@ -77,43 +82,60 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     return head.to(model.dtype).eval().requires_grad_(False)
 
 
-def _inputs(sample: TrainingSample, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's inputs at each position t < T - 1: the state at t and token t + 1."""
-    hidden = sample.hidden.to(table.device)
-    return hidden[:-1], table[sample.ids[1:].to(table.device)]
+def _unrolled(head: DraftHead, table: torch.Tensor, sample: TrainingSample, depth: int
+              ) -> list[torch.Tensor]:
+    """The head's guessed states ``1..depth`` tokens past each position, as it drafts them: the
+    first from the model's state at t and token t + 1, each deeper one from the head's own
+    guess and the next token; ``[k - 1]`` holds the states after tokens k .. T - 1."""
+    hidden, ids = sample.hidden.to(table.device), sample.ids.to(table.device)
+    states, state = [], hidden[:-1]
+    for k in range(1, min(depth, len(ids) - 1) + 1):
+        state = head.advance(state if k == 1 else state[:-1], table[ids[k:]])
+        states.append(state)
+    return states
 
 
 def _loss(head: DraftHead, table: torch.Tensor, position: torch.Tensor,
           sample: TrainingSample) -> torch.Tensor:
-    """Cross-entropy to the model's distribution one token ahead (its top tokens inside the
-    subset), plus EAGLE's regression of the predicted state onto the model's next state (what
-    a deeper draft feeds back)."""
-    state = head.advance(*_inputs(sample, table))
-    logq = head.lm_head.readout(state).log_softmax(-1)
-    cross_entropy = subset_cross_entropy(logq, sample.top_ids[1:], sample.top_logprobs[1:],
-                                         position)
-    target = sample.hidden[1:].to(table.device)
-    return cross_entropy + 0.1 * torch.nn.functional.smooth_l1_loss(state, target)
+    """At each depth: cross-entropy to the model's distribution there (its top tokens inside
+    the subset), plus EAGLE's regression of the guessed state onto the model's (what the next
+    depth is fed)."""
+    loss = torch.zeros((), device=table.device)
+    for k, (weight, state) in enumerate(zip(_DEPTH_WEIGHTS, _unrolled(
+            head, table, sample, len(_DEPTH_WEIGHTS))), 1):
+        logq = head.lm_head.readout(state).log_softmax(-1)
+        cross_entropy = subset_cross_entropy(logq, sample.top_ids[k:], sample.top_logprobs[k:],
+                                             position)
+        target = sample.hidden[k:].to(table.device)
+        loss = loss + weight * (cross_entropy
+                                + 0.1 * torch.nn.functional.smooth_l1_loss(state, target))
+    return loss
 
 
 @torch.no_grad()
-
-
 def _agreement(head: DraftHead, table: torch.Tensor, samples: list[TrainingSample]
-               ) -> tuple[int, int, int]:
-    """(top-1 hits, top-4 hits, positions): how often the model's greedy next token is the
-    head's greedy token, or among its four likeliest."""
-    top1 = top4 = total = 0
+               ) -> list[tuple[int, int, int]]:
+    """Per depth (the head's first guess, then each fed its own guessed state): (top-1 hits,
+    top-4 hits, positions), how often the model's greedy token there is the head's greedy
+    token, or among its four likeliest."""
+    counts = [[0, 0, 0] for _ in _DEPTH_WEIGHTS]
     for sample in samples:
-        state = head.advance(*_inputs(sample, table))
-        guesses = head.subset[head.lm_head.readout(state).topk(4).indices].cpu()
-        truth = sample.top_ids[1:, 0]
-        top1 += int((guesses[:, 0] == truth).sum())
-        top4 += int((guesses == truth[:, None]).any(-1).sum())
-        total += len(truth)
-    return top1, top4, total
+        for k, state in enumerate(_unrolled(head, table, sample, len(_DEPTH_WEIGHTS)), 1):
+            guesses = head.subset[head.lm_head.readout(state).topk(4).indices].cpu()
+            truth = sample.top_ids[k:, 0]
+            tally = counts[k - 1]
+            tally[0] += int((guesses[:, 0] == truth).sum())
+            tally[1] += int((guesses == truth[:, None]).any(-1).sum())
+            tally[2] += len(truth)
+    return [(top1, top4, total) for top1, top4, total in counts]
 
 
-def _agreement_of(counts: tuple[int, int, int]) -> dict[str, float]:
-    top1, top4, total = counts
-    return {"top1": round(top1 / max(total, 1), 4), "top4": round(top4 / max(total, 1), 4)}
+def _agreement_of(counts: list[tuple[int, int, int]]) -> dict[str, float]:
+    """The first guess's agreement (``top1``, ``top4``), and each deeper one's
+    (``top1_depth2`` ...)."""
+    rates: dict[str, float] = {}
+    for depth, (top1, top4, total) in enumerate(counts, 1):
+        suffix = "" if depth == 1 else f"_depth{depth}"
+        rates[f"top1{suffix}"] = round(top1 / max(total, 1), 4)
+        rates[f"top4{suffix}"] = round(top4 / max(total, 1), 4)
+    return rates

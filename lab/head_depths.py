@@ -1,0 +1,123 @@
+"""``python -m lab.head_depths``: how deep the draft head should draft, and the shipped head
+against an earlier one.
+
+Systems, interleaved per prompt on the lookahead bench's RAG and open-ended prompts (compiled
+steps where packaged, as a user gets them): ``generate`` (the peer), our decoder without drafts
+(the ablation), and the head merged with the trie as the default builds it, its trees one, two
+and three passes deep (``Expansion(max_depth=...)``, adaptive depth as the default's); with
+``HD_OLD`` (a head file for the same model, e.g. ``git show 3010838:rag_spec/drafters/heads/
+<fingerprint>.safetensors``) that head one deep too. Per system, medians over prompts of the
+speedup over no drafts and over ``generate``, mean tokens per pass, and how many outputs equal
+``generate``'s. Environment: ``HD_LIMIT`` prompts per set (default 8), ``HD_N`` new tokens (128),
+``HD_REPEAT`` each prompt set that many times over; writes docs/benchmarks/head_depths.json
+and .png.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rag_spec.bench.lookahead import prompt_sets
+from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.report import Run, figure, interleaved, machine, median, publish, save_figure
+
+DEPTHS = (1, 2, 3)
+
+
+def main() -> None:
+    import torch
+
+    from rag_spec import (
+        FeatureDrafter,
+        LookaheadConfig,
+        LookaheadDecoder,
+        MergedDrafter,
+        TrieDrafter,
+    )
+    from rag_spec.drafters.draft_head import find_head, load_head
+    from rag_spec.drafters.tree_expansion import Expansion
+    from rag_spec.models import load_model
+
+    limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
+    repeat = int(os.environ.get("HD_REPEAT", 1))
+    lm = load_model("smollm2-135m-instruct")
+    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    shipped = find_head(lm.model)
+    assert shipped is not None, "no head for the embedded model: run python -m lab.ship_head"
+
+    def merged(head: Any, depth: int) -> Any:
+        return LookaheadDecoder(lm.model, lm.tokenizer, drafter=MergedDrafter(FeatureDrafter(
+            head, expansion=Expansion(top=8, min_prob=0.02, max_depth=depth)), TrieDrafter()))
+
+    decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0),
+                                              drafter=TrieDrafter()),
+                **{f"head_depth_{d}": merged(shipped, d) for d in DEPTHS}}
+    if os.environ.get("HD_OLD"):
+        decoders["old_head_depth_1"] = merged(load_head(lm.model, Path(os.environ["HD_OLD"])), 1)
+    for decoder in decoders.values():  # first use: kernels prepared, step costs timed
+        decoder.generate(rag[0], 16)
+
+    def generate(prompt: list[int]) -> Run:
+        ids = torch.tensor([prompt])
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=n)
+        return Run(0.0, out[0, ids.shape[1]:].tolist(), {"per_pass": 1.0})
+
+    def ours(decoder: Any) -> Any:
+        def call(prompt: list[int]) -> Run:
+            result = decoder.generate(prompt, n)
+            return Run(0.0, result.token_ids, {"per_pass": result.stats.tokens_per_step})
+        return call
+
+    systems = {"generate": generate, **{name: ours(d) for name, d in decoders.items()}}
+    report: dict[str, Any] = {"benchmark": "head_depths", "model": "smollm2-135m-instruct",
+                              "dtype": "float32", "machine": machine(), "max_new_tokens": n,
+                              "passes": "eager" if decoders["no_drafts"].runner.compiled
+                              is None else "compiled", "head_agreement": shipped.agreement,
+                              "old_head": os.environ.get("HD_OLD")}
+    for name, prompts in (("rag", rag * repeat), ("open_ended", open_ended * repeat)):
+        print(f"{name}: {len(prompts)} prompts")
+        runs = interleaved(systems, prompts)
+        plain, peer = runs["no_drafts"], runs["generate"]
+        report[name] = {"prompts": len(prompts), **{system: {
+            "speedup_vs_no_drafts": round(median([p.seconds / m.seconds
+                                                  for p, m in zip(plain, mine)]), 3),
+            "speedup_vs_generate": round(median([g.seconds / m.seconds
+                                                 for g, m in zip(peer, mine)]), 3),
+            "tokens_per_pass": round(statistics.mean(m.extra["per_pass"] for m in mine), 3),
+            "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
+            for system, mine in runs.items()}}
+    publish(report, None, "head_depths", _plot, _print_table)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    for name in ("rag", "open_ended"):
+        print(f"{name} ({report[name]['prompts']} prompts)")
+        for system, row in report[name].items():
+            if system != "prompts":
+                print(f"  {system:18} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
+                      f"{row['speedup_vs_generate']:.3f}x generate  "
+                      f"{row['tokens_per_pass']:.2f} tok/pass  "
+                      f"{row['identical_to_generate']}/{report[name]['prompts']} identical")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    fig, axes = figure(2, (11, 4), sharey=True)
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        rows = {s: r for s, r in report[name].items() if s not in ("prompts", "generate")}
+        bars = ax.bar(list(rows), [r["speedup_vs_no_drafts"] for r in rows.values()])
+        for bar, row in zip(bars, rows.values()):
+            ax.annotate(f"{row['tokens_per_pass']:.2f} tok/pass",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_title(f"{name}: {report[name]['prompts']} prompts")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+    axes[0].set_ylabel("speedup over our decoder without drafts (median)")
+    save_figure(fig, path, "draft head depth, merged with the trie")
+
+
+if __name__ == "__main__":
+    main()
