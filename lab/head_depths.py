@@ -20,16 +20,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from rag_spec.bench.lookahead import prompt_sets
+from rag_spec.bench.lookahead import _systems, prompt_sets
 from rag_spec.bench.prompts import RAG_QUESTIONS
-from rag_spec.bench.report import Run, figure, interleaved, machine, median, publish, save_figure
+from rag_spec.bench.report import figure, interleaved, machine, median, publish, save_figure
 
 DEPTHS = (1, 2, 3)
 
 
 def main() -> None:
-    import torch
-
     from rag_spec import (
         FeatureDrafter,
         LookaheadConfig,
@@ -60,19 +58,9 @@ def main() -> None:
     for decoder in decoders.values():  # first use: kernels prepared, step costs timed
         decoder.generate(rag[0], 16)
 
-    def generate(prompt: list[int]) -> Run:
-        ids = torch.tensor([prompt])
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n)
-        return Run(0.0, out[0, ids.shape[1]:].tolist(), {"per_pass": 1.0})
-
-    def ours(decoder: Any) -> Any:
-        def call(prompt: list[int]) -> Run:
-            result = decoder.generate(prompt, n)
-            return Run(0.0, result.token_ids, {"per_pass": result.stats.tokens_per_step})
-        return call
-
-    systems = {"generate": generate, **{name: ours(d) for name, d in decoders.items()}}
+    # the lookahead bench's systems (generate and our decoders), without prompt lookup
+    systems = _systems(lm.model, decoders, n)
+    systems = {"generate": systems.pop("hf"), **{name: systems[name] for name in decoders}}
     report: dict[str, Any] = {"benchmark": "head_depths", "model": "smollm2-135m-instruct",
                               "dtype": "float32", "machine": machine(), "max_new_tokens": n,
                               "passes": "eager" if decoders["no_drafts"].runner.compiled
@@ -87,7 +75,8 @@ def main() -> None:
                                                   for p, m in zip(plain, mine)]), 3),
             "speedup_vs_generate": round(median([g.seconds / m.seconds
                                                  for g, m in zip(peer, mine)]), 3),
-            "tokens_per_pass": round(statistics.mean(m.extra["per_pass"] for m in mine), 3),
+            "tokens_per_pass": round(statistics.mean(m.extra.get("tokens_per_step", 1.0)
+                                                      for m in mine), 3),
             "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
             for system, mine in runs.items()}}
     publish(report, None, "head_depths", _plot, _print_table)
