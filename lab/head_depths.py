@@ -3,14 +3,15 @@ against an earlier one.
 
 Systems, interleaved per prompt on the lookahead bench's RAG and open-ended prompts (compiled
 steps where packaged, as a user gets them): ``generate`` (the peer), our decoder without drafts
-(the ablation), and the head merged with the trie as the default builds it, its trees one, two
-and three passes deep (``Expansion(max_depth=...)``, adaptive depth as the default's); with
+(the ablation), and the head merged with the trie as the default builds it (a second pass only
+past a guess of 50%: ``Expansion(grow_prob=0.5)``), then with its trees one pass deep, two
+always, and three past a guess of 50%; with
 ``HD_OLD`` (a head file for the same model, e.g. ``git show 3010838:rag_spec/drafters/heads/
 <fingerprint>.safetensors``) that head one deep too. Per system, medians over prompts of the
 speedup over no drafts and over ``generate``, mean tokens per pass, and how many outputs equal
-``generate``'s. Environment: ``HD_LIMIT`` prompts per set (default 8), ``HD_N`` new tokens (128),
-``HD_REPEAT`` each prompt set that many times over; writes docs/benchmarks/head_depths.json
-and .png.
+``generate``'s. Environment: ``HD_LIMIT`` prompts per set (default 8; up to 16, the held-out
+open-ended prompts after the bench's: a prompt asked twice would be copied from its first
+answer), ``HD_N`` new tokens (128); writes docs/benchmarks/head_depths.json and .png.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from rag_spec.bench.lookahead import _systems, prompt_sets
-from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
 from rag_spec.bench.report import figure, interleaved, machine, median, publish, save_figure
 
-DEPTHS = (1, 2, 3)
+_SHAPE = {"top": 8, "min_prob": 0.02}
 
 
 def main() -> None:
@@ -38,23 +39,29 @@ def main() -> None:
     from rag_spec.drafters.draft_head import find_head, load_head
     from rag_spec.drafters.tree_expansion import Expansion
     from rag_spec.models import load_model
+    from rag_spec.prompts import chat_input_ids
 
     limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
-    repeat = int(os.environ.get("HD_REPEAT", 1))
     lm = load_model("smollm2-135m-instruct")
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    open_ended += [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
+                   for p in HELD_OUT_OPEN_PROMPTS[:max(0, limit - len(open_ended))]]
     shipped = find_head(lm.model)
     assert shipped is not None, "no head for the embedded model: run python -m lab.ship_head"
 
-    def merged(head: Any, depth: int) -> Any:
+    def merged(head: Any, expansion: Expansion | None) -> Any:
         return LookaheadDecoder(lm.model, lm.tokenizer, drafter=MergedDrafter(FeatureDrafter(
-            head, expansion=Expansion(top=8, min_prob=0.02, max_depth=depth)), TrieDrafter()))
+            head, expansion=expansion), TrieDrafter()))
 
+    shapes = {"head_default": None, "head_one_deep": Expansion(**_SHAPE, max_depth=1),
+              "head_two_deep_always": Expansion(**_SHAPE, max_depth=2),
+              "head_three_deep": Expansion(**_SHAPE, max_depth=3, grow_prob=0.5)}
     decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0),
                                               drafter=TrieDrafter()),
-                **{f"head_depth_{d}": merged(shipped, d) for d in DEPTHS}}
+                **{name: merged(shipped, shape) for name, shape in shapes.items()}}
     if os.environ.get("HD_OLD"):
-        decoders["old_head_depth_1"] = merged(load_head(lm.model, Path(os.environ["HD_OLD"])), 1)
+        decoders["old_head_one_deep"] = merged(load_head(lm.model, Path(os.environ["HD_OLD"])),
+                                               shapes["head_one_deep"])
     for decoder in decoders.values():  # first use: kernels prepared, step costs timed
         decoder.generate(rag[0], 16)
 
@@ -66,7 +73,7 @@ def main() -> None:
                               "passes": "eager" if decoders["no_drafts"].runner.compiled
                               is None else "compiled", "head_agreement": shipped.agreement,
                               "old_head": os.environ.get("HD_OLD")}
-    for name, prompts in (("rag", rag * repeat), ("open_ended", open_ended * repeat)):
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         print(f"{name}: {len(prompts)} prompts")
         runs = interleaved(systems, prompts)
         plain, peer = runs["no_drafts"], runs["generate"]
@@ -87,7 +94,7 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name} ({report[name]['prompts']} prompts)")
         for system, row in report[name].items():
             if system != "prompts":
-                print(f"  {system:18} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
+                print(f"  {system:22} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
                       f"{row['speedup_vs_generate']:.3f}x generate  "
                       f"{row['tokens_per_pass']:.2f} tok/pass  "
                       f"{row['identical_to_generate']}/{report[name]['prompts']} identical")

@@ -25,21 +25,13 @@ from typing import Any
 
 CUTS = (4, 8, 16)
 CEILING = "every drafted node, uncut (the ceiling)"
-HELD_OUT_OPEN = ["Explain how public-key cryptography works.",
-                 "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-                 "What are the main differences between TCP and UDP?",
-                 "Describe how vaccines train the immune system.",
-                 "Give me three tips for a job interview.",
-                 "Why is the sky blue? Explain briefly.",
-                 "Summarize the causes of the French Revolution.",
-                 "How does a binary search work? Give an example."]
 
 
 def main() -> None:
     import rag_spec.drafters.merged_drafter as merged
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
-    from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine, save_figure
     from rag_spec.models import load_model
     from rag_spec.prompts import chat_input_ids
@@ -51,7 +43,7 @@ def main() -> None:
     if held_out:
         rag, _ = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit)
         open_ended = [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
-                      for p in HELD_OUT_OPEN[:limit]]
+                      for p in HELD_OUT_OPEN_PROMPTS[:limit]]
     steps: list[dict[str, Any]] = []
     merge = merged._merged
 

@@ -12,6 +12,7 @@ from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
 from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
+from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
@@ -148,6 +149,57 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
     asked = [row for step in steps for row in step]
     assert asked[0][1]  # from the first step
     assert any(copying and ask for copying, ask in asked)  # and while the trie copied
+
+
+def test_a_second_pass_drafts_only_below_a_likely_enough_guess(target, head, monkeypatch):
+    """``Expansion.grow_prob``: the head drafts a second token only where its likeliest first
+    guess is at least that likely (elsewhere the pass's nodes are seldom reached); greedy
+    output stays ``generate``'s either way."""
+    trees = []
+    propose = FeatureDrafter.propose
+    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: trees.extend(
+        drafted := propose(self, requests, view)) or drafted)
+
+    def drafted_with(grow_prob):
+        trees.clear()
+        expansion = Expansion(top=4, min_prob=0.0, max_depth=2, grow_prob=grow_prob,
+                              adaptive_depth=False)
+        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=8, adaptive=False),
+                                   drafter=FeatureDrafter(head, expansion=expansion))
+        kept_with_generates_tokens(decoder, target)
+        # (the first guess's chance, whether the tree went a second token deep)
+        return [(max(p for p, d in zip(t.scores, t.depths) if d == 1), t.depths.max() == 2)
+                for t in trees if len(t)]
+
+    always = drafted_with(0.0)
+    assert all(deeper for _, deeper in always)
+    threshold = sorted(best for best, _ in always)[len(always) // 2]  # the median first guess
+    gated = drafted_with(threshold)
+    assert all(deeper == (best >= threshold) for best, deeper in gated)
+    assert {deeper for _, deeper in gated} == {True, False}  # both happened
+    with pytest.raises(ValueError, match="grow_prob"):
+        Expansion(grow_prob=1.5)
+
+
+def test_a_greedy_rows_head_may_draft_the_whole_budget_a_sampled_rows_half(target, head,
+                                                                           monkeypatch):
+    """Beside the trie's copies, a greedy row's merged tree is ranked and cut, so the head
+    (whose pass costs the same for more nodes) offers a full budget and the ranking chooses;
+    a sampled row's tree is not ranked, so the head keeps to what the trie left, or half."""
+    budgets = []
+    propose = FeatureDrafter.propose
+    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: budgets.append(
+        [r.budget for r in requests]) or propose(self, requests, view))
+    decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=16, adaptive=False),
+                               drafter=MergedDrafter(FeatureDrafter(head)))
+    prompt = repetitive_prompt(5)  # the trie copies most of it
+    assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)
+    asked = [b for step in budgets for b in step if b]
+    assert asked and set(asked) == {16}
+    budgets.clear()
+    decoder.generate(prompt, 30, do_sample=True, temperature=0.8, seed=0)
+    asked = [b for step in budgets for b in step if b]
+    assert asked and min(asked) >= 8 and min(asked) < 16
 
 
 def test_a_greedy_rows_merged_tree_ranks_every_node_by_its_chance():

@@ -42,6 +42,18 @@ OPEN_PROMPTS = [
     "What are the benefits of unit testing?",
 ]
 
+# open-ended prompts no constant was fitted on (lab.tree_replay's held-out set)
+HELD_OUT_OPEN_PROMPTS = [
+    "Explain how public-key cryptography works.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between TCP and UDP?",
+    "Describe how vaccines train the immune system.",
+    "Give me three tips for a job interview.",
+    "Why is the sky blue? Explain briefly.",
+    "Summarize the causes of the French Revolution.",
+    "How does a binary search work? Give an example.",
+]
+
 
 def load_questions(path: str) -> list[str]:
     """Questions from a file: a JSON list, or JSON lines; each item a string or an object with

@@ -38,6 +38,8 @@ class _HeadPasses(SharedPasses):
         runner = target.runner
         super().__init__(runner, cost=_weights(head) / _weights(runner.module))
         self.head = head  # on the runner's kernels (``FeatureDrafter.head_for``)
+        # the head scores the tokens the model predicts most: its logits are those columns
+        self.columns, self.vocab_size = head.subset, head.lm_head.vocab_size
         self.table = runner.module.get_input_embeddings().weight  # the target's, read only
         self.states: torch.Tensor | None = None  # [B, round, hidden]
 
@@ -61,7 +63,8 @@ class _HeadPasses(SharedPasses):
             for j, (token, _, slots) in enumerate(fed):
                 tokens[b, j] = token
                 before[b, j] = self.states[b, slots[-1]] if slots else roots[b]
-        states, logits = self.head(before.to(self.table.dtype), self.table[tokens])
+        states = self.head.advance(before.to(self.table.dtype), self.table[tokens])
+        logits = self.head.lm_head.readout(states)  # the subset's columns (``columns``)
         self.states = states if self.states is None else torch.cat([self.states, states], 1)
         return logits, first
 
@@ -94,7 +97,7 @@ class FeatureDrafter(ModelDrafter):
     capabilities = Capabilities(reads_features=True, steady=True)
 
     def __init__(self, head: DraftHead, *, expansion: Expansion | None = None) -> None:
-        super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=1))
+        super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=2, grow_prob=0.5))
         self.head = head
         self._fast: weakref.WeakKeyDictionary[Runner, DraftHead] = weakref.WeakKeyDictionary()
 

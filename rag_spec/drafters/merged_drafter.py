@@ -66,9 +66,11 @@ class _Both:
     request's overall budget up."""
 
     def __init__(self, model: DraftSession, trie: DraftSession, owner: MergedDrafter, *,
-                 eager: bool, spared: bool, steady: bool) -> None:
+                 eager: bool, reads_features: bool, steady: bool) -> None:
         self.model, self.trie, self.owner = model, trie, owner
-        self.spared = spared  # the model drafts nothing while the trie's copies go on
+        # a draft head: no passes of its own to spare while the trie's copies go on, and more
+        # nodes cost it nothing (a greedy row's ranking then chooses among all of them)
+        self.reads_features = reads_features
         # a draft model costs passes, and a prefill on first use: unless eager, it waits for
         # the first probe (the fourth step), by which time a copying answer has shown itself
         self.model_budget = AdaptiveBudget(1, initial=1.0 if eager else 0.0, steady=steady)
@@ -91,9 +93,9 @@ class _Both:
             self._asked_at = 0
         else:
             self.model_budget.update(0, 0)  # an idle step: counts toward the next probe
-        if not self.model_budget.current or (self.spared and _copying(copies)):
+        if not self.model_budget.current or (not self.reads_features and _copying(copies)):
             return 0
-        return merged_share(budget, len(copies))
+        return merged_share(budget, len(copies), ranked=greedy and self.reads_features)
 
     def guessed(self, context: Sequence[int], guess: TokenTree) -> None:
         self._guess, self._asked_at = guess, len(context)
@@ -158,7 +160,7 @@ class MergedDrafter(Drafter):
                      self.trie.session(prompt, extra_context), self,
                      # the draft head reads the target's states: no passes of its own to spare
                      eager=self.eager or self.capabilities.reads_features,
-                     spared=not self.capabilities.reads_features,
+                     reads_features=self.capabilities.reads_features,
                      steady=self.capabilities.steady)
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None

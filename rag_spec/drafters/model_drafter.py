@@ -118,6 +118,11 @@ class DraftPasses:
 
     shares_cache = False
     sparse: SparseView | None = None  # committed slots the passes read (None: all)
+    # the token ids of the logits' columns, ascending, out of ``vocab_size`` (None: every
+    # token): a head that scores a subset of the vocabulary returns that subset's columns
+    # alone, so drafting ranks and normalises thousands of columns, not the vocabulary
+    columns: torch.Tensor | None = None
+    vocab_size = 0
 
     def __init__(self, runner: ModuleRunner, cost: float) -> None:
         self.runner = runner
@@ -131,7 +136,8 @@ class DraftPasses:
     def forward(self, batch: DraftBatch, rows: int,
                 feeds: dict[int, list[tuple[int, int, list[int]]]]) -> tuple[torch.Tensor, int]:
         """One pass: ``feeds[b]`` lists row b's (token, position, round slots it sees); other
-        rows ride along as padding. Returns the logits [B, W, vocab] and the round slot of each
+        rows ride along as padding. Returns the logits [B, W, vocab] (or [B, W, len(columns)])
+        and the round slot of each
         row's first token (its j-th token lands at that slot + j)."""
         cache, runner = batch.cache, self.runner
         first = cache.round_length
@@ -426,7 +432,7 @@ def _draft(batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expan
         return [TokenTree.empty() for _ in requests]
     cache, expansion = batch.cache, shape
     growing = {b: _Growth(r, batch.rows[b], cache.positions[b], batch.start(b), expansion,
-                          batch.cost)
+                          batch.draft)
                for b, r in enumerate(requests) if r.budget > 0}
     # Pass 0: each drafting row's pending tokens (at least the root) give q at the root.
     logits, _ = batch.forward(len(requests), {
@@ -436,7 +442,8 @@ def _draft(batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expan
         g.set_q([-1], logits[b, len(g.row.chain) - 1:len(g.row.chain)])
     # Then one pass per depth, for the rows whose trees still grow.
     for depth in range(1, expansion.max_depth + 1):
-        feeds = {b: new for b, g in growing.items() if (new := g.expand(depth)) and g.grows(depth)}
+        feeds = {b: new for b, g in growing.items()
+                 if (new := g.expand(depth)) and g.grows(depth, new)}
         if not feeds:
             break
         logits, first = batch.forward(len(requests), {
@@ -456,7 +463,7 @@ class _Growth:
     """One row's tree as it grows this round, with each frontier node's draft distribution."""
 
     def __init__(self, request: DraftRequest, row: _Row, base: int, start: int,
-                 expansion: Expansion, cost: float) -> None:
+                 expansion: Expansion, passes: DraftPasses) -> None:
         self.row = row
         self.base = base  # position of the first pending token in the draft's cache
         row.chain = list(request.context[start:])  # from ``start`` of the context
@@ -466,9 +473,11 @@ class _Growth:
         self.params = sampler.params if sampler is not None else _GREEDY
         self.generator = sampler.draft_generator if sampler is not None else None
         self.expansion = expansion
-        self.cost = cost
+        self.cost = passes.cost
+        self.columns, self.vocab_size = passes.columns, passes.vocab_size
         self.frontier: list[int] = []  # nodes (-1: the root) whose children come next
-        self.q: dict[int, torch.Tensor] = {}  # node -> [vocab] draft distribution after it
+        # node -> the draft distribution after it, over the passes' columns
+        self.q: dict[int, torch.Tensor] = {}
         self.cumulative: dict[int, float] = {-1: 1.0}
         self.draft_rows: list[torch.Tensor] = []  # per node: the distribution it was drawn from
         # one-token draft passes this row's feeds cost, about (the first: its pending tokens)
@@ -477,9 +486,11 @@ class _Growth:
     def position(self, depth: int) -> int:
         return self.base + len(self.row.chain) - 1 + depth
 
-    def grows(self, depth: int) -> bool:
-        """Whether nodes just added at ``depth`` get a pass (their children come next)."""
+    def grows(self, depth: int, new: list[int]) -> bool:
+        """Whether the ``new`` nodes just added at ``depth`` get a pass (their children come
+        next)."""
         return (depth < self.expansion.max_depth and len(self.row.tokens) < self.budget
+                and max(self.cumulative[n] for n in new) >= self.expansion.grow_prob
                 and (not self.expansion.adaptive_depth
                      or depth_pays(self.row.mean_accepted, depth, self.cost)))
 
@@ -496,7 +507,8 @@ class _Growth:
     def set_q(self, nodes: list[int], logits: torch.Tensor) -> None:
         """The draft distributions after ``nodes`` (processed like the target's)."""
         penalised = self.params.repetition_penalty != 1.0  # only then is the context read
-        seen = [[*self.context, *self._path(node)] for node in nodes] if penalised else []
+        seen = [self._column_of([*self.context, *self._path(node)]) for node in nodes
+                ] if penalised else []
         probs = torch.softmax(processed_logits(logits, seen, self.params), dim=-1)
         self.q.update(zip(nodes, probs))
         self.frontier = list(nodes)
@@ -508,7 +520,7 @@ class _Growth:
         if not frontier or room <= 0:
             return []
         k = self.expansion.children_per_node
-        tops = [self.q[node].topk(k) for node in frontier]  # a node gets at most k children
+        tops = [self.q[node].topk(min(k, self.q[node].shape[-1])) for node in frontier]
         ranked = [top.values.tolist() for top in tops]
         counts = self.expansion.plan([self.cumulative[n] for n in frontier], ranked, room, depth)
         new = []
@@ -517,19 +529,24 @@ class _Growth:
             count = min(count, sum(p > 0 for p in probs))  # tokens q can draw
             if count <= 0:
                 continue
-            for token in self._children(q, count, top.indices):
+            for column in self._children(q, count, top.indices):
                 index = len(self.row.tokens)
-                self.row.tokens.append(token)
+                self.row.tokens.append(column if self.columns is None
+                                       else int(self.columns[column]))
                 self.row.parents.append(node)
                 self.row.slots.append(None)
                 self.draft_rows.append(q)
-                self.cumulative[index] = self.cumulative[node] * float(q[token])
+                self.cumulative[index] = self.cumulative[node] * float(q[column])
                 new.append(index)
         return new
 
     def tree(self) -> TokenTree:
         sampled = self.params.do_sample and self.draft_rows
         probs = torch.stack(self.draft_rows) if sampled else None
+        if probs is not None and self.columns is not None:  # rows over the whole vocabulary
+            full = probs.new_zeros(len(probs), self.vocab_size)
+            full[:, self.columns.to(probs.device)] = probs
+            probs = full
         scores = tuple(self.cumulative[i] for i in range(len(self.row.tokens)))
         tree = TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs,
                          cost=self.passes * self.cost, scores=scores)
@@ -539,14 +556,24 @@ class _Growth:
         return tree.ranked(scores)
 
     def _children(self, q: torch.Tensor, count: int, likeliest: torch.Tensor) -> list[int]:
-        """The ``count`` likeliest tokens (greedy: the first of ``likeliest``, q's top tokens in
-        order), or ``count`` draws without replacement from q in draw order (Gumbel top-k with
-        the row's draft generator, drawn on the CPU: a seed draws alike on any device)."""
+        """The columns of the ``count`` likeliest tokens (greedy: the first of ``likeliest``,
+        q's top columns in order), or ``count`` draws without replacement from q in draw order
+        (Gumbel top-k with the row's draft generator, drawn on the CPU: a seed draws alike on
+        any device)."""
         if self.generator is None:
             return likeliest[:count].tolist()
         uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64).to(q.device)
         keys = q.double().log() - (-uniform.clamp(min=1e-300).log()).log()
         return keys.topk(count).indices.tolist()
+
+    def _column_of(self, tokens: list[int]) -> list[int]:
+        """The columns of ``tokens`` (those the passes score)."""
+        if self.columns is None:
+            return tokens
+        columns = self.columns.cpu()
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        where = torch.searchsorted(columns, ids).clamp(max=len(columns) - 1)
+        return where[columns[where] == ids].tolist()
 
     def _path(self, node: int) -> list[int]:
         path = []

@@ -36,6 +36,9 @@ class Expansion:
     # grow a depth only while the path there is likelier to be accepted (as measured) than the
     # draft pass costs in target steps; False: always draft max_depth deep
     adaptive_depth: bool = True
+    # and only past a node this likely by its draft probabilities (0: any): where the drafter
+    # is unsure even of its best path, a deeper pass's nodes are seldom reached
+    grow_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.widths is not None and (not self.widths or min(self.widths) < 1):
@@ -43,6 +46,9 @@ class Expansion:
             raise ValueError(msg)
         if self.top < 1 or self.max_depth < 1:
             msg = "Expansion needs top >= 1 and max_depth >= 1."
+            raise ValueError(msg)
+        if not 0.0 <= self.grow_prob <= 1.0:
+            msg = f"Expansion needs 0 <= grow_prob <= 1 (a probability), not {self.grow_prob}."
             raise ValueError(msg)
 
     @property

@@ -63,10 +63,13 @@ class Prober:
             self.interval = min(2 * self.interval, self.longest)
 
 
-def merged_share(budget: int, copies: int) -> int:
+def merged_share(budget: int, copies: int, *, ranked: bool = False) -> int:
     """Nodes a model's draft may take of a merged tree's ``budget`` beside the trie's
-    ``copies``: what the trie left, and at least half (the trie proposes first, for free)."""
-    return max(budget // 2, budget - copies)
+    ``copies``: what the trie left, and at least half (the trie proposes first, for free). A
+    ``ranked`` tree (a greedy row's, cut to its likeliest nodes) whose draft costs no more for
+    more nodes (a head on the target's states) offers it the whole budget: the ranking, not a
+    split, then chooses between guesses and copies."""
+    return budget if ranked else max(budget // 2, budget - copies)
 
 
 def depth_pays(mean_accepted: float, depth: int, cost: float) -> bool:
