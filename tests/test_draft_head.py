@@ -3,11 +3,13 @@ the model's own, training raises its agreement and leaves the model alone, and d
 is lossless, greedy and sampled."""
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import tiny_llama
+from rag_spec.drafters import feature_drafter
 from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
 from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
@@ -179,6 +181,42 @@ def test_a_second_pass_drafts_only_below_a_likely_enough_guess(target, head, mon
     assert {deeper for _, deeper in gated} == {True, False}  # both happened
     with pytest.raises(ValueError, match="grow_prob"):
         Expansion(grow_prob=1.5)
+
+
+def test_drafting_over_the_heads_columns_drafts_what_the_whole_vocabulary_would(
+        target, head, monkeypatch):
+    """The head scores a subset of the vocabulary, and drafting ranks, normalises and
+    penalises those columns alone: the trees are those drafted over the whole vocabulary
+    (-inf outside the subset), repetition penalty included."""
+    trees = []
+    propose = FeatureDrafter.propose
+    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: trees.extend(
+        drafted := propose(self, requests, view)) or drafted)
+
+    def drafted():
+        trees.clear()
+        expansion = Expansion(top=4, min_prob=0.0, max_depth=2, adaptive_depth=False)
+        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=8, adaptive=False),
+                                   drafter=FeatureDrafter(head, expansion=expansion))
+        for penalty in (1.0, 1.3):
+            decoder.generate(repetitive_prompt(1), 20, repetition_penalty=penalty)
+        return [(t.tokens, t.parents, t.scores) for t in trees]
+
+    columns = drafted()
+    init = feature_drafter._HeadPasses.__init__
+
+    def whole_vocabulary(self, draft_head, view):
+        init(self, draft_head, view)
+        self.columns, fast = None, self.head
+        self.head = SimpleNamespace(advance=fast.advance, lm_head=SimpleNamespace(
+            readout=fast.lm_head))  # the full-vocabulary logits, -inf outside the subset
+
+    monkeypatch.setattr(feature_drafter._HeadPasses, "__init__", whole_vocabulary)
+    whole = drafted()
+    assert len(columns) == len(whole) and any(tokens for tokens, _, _ in columns)
+    for (tokens, parents, scores), (tokens_, parents_, scores_) in zip(columns, whole):
+        assert (tokens, parents) == (tokens_, parents_)
+        assert scores == pytest.approx(scores_, rel=1e-5)
 
 
 def test_a_greedy_rows_head_may_draft_the_whole_budget_a_sampled_rows_half(target, head,

@@ -80,10 +80,11 @@ class FeatureDrafter(ModelDrafter):
         head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
             ``draft_head.cached_head``) for this model.
         expansion: the trees' shape; by default the eight likeliest next tokens, each only
-            if the head gives it at least 2%, one pass deep: on a CPU a second pass costs about
-            what its tokens save, where it adds tokens per pass (docs/benchmarks/README.md,
-            "How deep the draft head drafts"); ``Expansion(top=8, min_prob=0.02,
-            max_depth=2)`` drafts two deep.
+            if the head gives it at least 2%, and a second pass only where its likeliest
+            guess is at least 50% likely: elsewhere the second token's nodes are seldom
+            reached and the pass costs about what they add (docs/benchmarks/README.md, "How
+            deep the draft head drafts"). ``Expansion(top=8, min_prob=0.02, max_depth=1)``
+            drafts one deep.
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP

@@ -13,7 +13,9 @@ fitted constant, shrinking with depth and with how often the copied token follow
 both proposed, the two combined).
 
 The budget: the trie proposes first (it is cheap). The model gets what the trie left, and at
-least half the budget; the trie's nodes fill the rest. A model with passes of its own over the
+least half the budget; the trie's nodes fill the rest. A greedy row's draft head is offered the
+whole budget (its pass costs the same for more nodes), and the ranking chooses among its
+guesses and the copies. A model with passes of its own over the
 context (a draft model, an early exit) drafts nothing while the trie offers a path of two tokens
 or more (the answer is copying: its passes would cost more than they add), and is first asked at
 the fourth step, by which time a copying answer has shown itself. The draft head, which reads the
