@@ -39,7 +39,8 @@ class _HeadPasses(SharedPasses):
         super().__init__(runner, cost=_weights(head) / _weights(runner.module))
         self.head = head  # on the runner's kernels (``FeatureDrafter.head_for``)
         # the head scores the tokens the model predicts most: its logits are those columns
-        self.columns, self.vocab_size = head.subset, head.lm_head.vocab_size
+        # (kept on the CPU, where drafting maps them to tokens, once per batch)
+        self.columns, self.vocab_size = head.subset.cpu(), head.lm_head.vocab_size
         self.table = runner.module.get_input_embeddings().weight  # the target's, read only
         self.states: torch.Tensor | None = None  # [B, round, hidden]
 

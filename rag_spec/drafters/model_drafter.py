@@ -118,9 +118,10 @@ class DraftPasses:
 
     shares_cache = False
     sparse: SparseView | None = None  # committed slots the passes read (None: all)
-    # the token ids of the logits' columns, ascending, out of ``vocab_size`` (None: every
-    # token): a head that scores a subset of the vocabulary returns that subset's columns
-    # alone, so drafting ranks and normalises thousands of columns, not the vocabulary
+    # the token ids of the logits' columns, ascending, on the CPU, out of ``vocab_size``
+    # (None: every token): a head that scores a subset of the vocabulary returns that
+    # subset's columns alone, so drafting ranks and normalises thousands of columns, not the
+    # vocabulary
     columns: torch.Tensor | None = None
     vocab_size = 0
 
@@ -570,10 +571,9 @@ class _Growth:
         """The columns of ``tokens`` (those the passes score)."""
         if self.columns is None:
             return tokens
-        columns = self.columns.cpu()
         ids = torch.as_tensor(tokens, dtype=torch.long)
-        where = torch.searchsorted(columns, ids).clamp(max=len(columns) - 1)
-        return where[columns[where] == ids].tolist()
+        where = torch.searchsorted(self.columns, ids).clamp(max=len(self.columns) - 1)
+        return where[self.columns[where] == ids].tolist()
 
     def _path(self, node: int) -> list[int]:
         path = []

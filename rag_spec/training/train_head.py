@@ -114,7 +114,7 @@ def _loss(head: DraftHead, table: torch.Tensor, position: torch.Tensor,
 
 @torch.no_grad()
 def _agreement(head: DraftHead, table: torch.Tensor, samples: list[TrainingSample]
-               ) -> list[tuple[int, int, int]]:
+               ) -> list[list[int]]:
     """Per depth (the head's first guess, then each fed its own guessed state): (top-1 hits,
     top-4 hits, positions), how often the model's greedy token there is the head's greedy
     token, or among its four likeliest."""
@@ -127,10 +127,10 @@ def _agreement(head: DraftHead, table: torch.Tensor, samples: list[TrainingSampl
             tally[0] += int((guesses[:, 0] == truth).sum())
             tally[1] += int((guesses == truth[:, None]).any(-1).sum())
             tally[2] += len(truth)
-    return [(top1, top4, total) for top1, top4, total in counts]
+    return counts
 
 
-def _agreement_of(counts: list[tuple[int, int, int]]) -> dict[str, float]:
+def _agreement_of(counts: list[list[int]]) -> dict[str, float]:
     """The first guess's agreement (``top1``, ``top4``), and each deeper one's
     (``top1_depth2`` ...)."""
     rates: dict[str, float] = {}
