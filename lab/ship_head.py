@@ -2,12 +2,12 @@
 
 The head that ``rag_spec/drafters/heads/`` ships is this script's output: ``rag-spec draft
 train --head`` (``training.train_head.cached_head`` with its defaults: the stdlib corpus, 800
-passages, 240 of the model's own answers and 800 to questions it wrote, 10 epochs, three
+passages, 240 of the model's own answers and 1,200 to questions it wrote, 10 epochs, three
 tokens deep; every draw seeded and the answers drafted by the trie alone, so a rerun trains the
 same head up to floating-point summation order, whatever head is shipped), saved in half
 precision under the fingerprint of the model it was trained for (``model_fingerprint``). About
-an hour on two CPU cores (61 minutes on the Xeon VM: answers 31, predictions 8, training 28); a
-trained head in rag-spec's cache is reused.
+an hour and a half on two CPU cores (87 minutes on the Xeon VM: answers 40, predictions 10,
+training 37); a trained head in rag-spec's cache is reused.
 """
 
 from __future__ import annotations

@@ -291,9 +291,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--texts", type=int, default=800, help="passages to train on")
     train.add_argument("--answers", type=int, default=240,
                        help="the model's own answers to train on too (default 240; 0: none)")
-    train.add_argument("--written", type=int, default=800,
+    train.add_argument("--written", type=int, default=1200,
                        help="with --head: longer answers to questions the model writes itself "
-                       "(default 800; 0: none)")
+                       "(default 1200; 0: none)")
     train.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
     train.set_defaults(run=_draft_train)
 

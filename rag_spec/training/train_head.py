@@ -32,22 +32,22 @@ _DEPTH_WEIGHTS = (1.0, 0.5, 0.25)
 
 
 def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 800,
-                answers: int = 240, written: int = 800, epochs: int = _EPOCHS,
+                answers: int = 240, written: int = 1200, epochs: int = _EPOCHS,
                 progress: bool = True, train: bool = True) -> DraftHead:
-    """The draft head for ``lm``, trained the first time (about an hour on two CPU cores, half
-    of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of the
-    model's own answers and ``written`` more to questions it wrote itself, loaded from
+    """The draft head for ``lm``, trained the first time (about an hour and a half on two CPU
+    cores, half of it the model answering) on ``texts`` passages of ``sources``, ``answers`` of
+    the model's own answers and ``written`` more to questions it wrote itself, loaded from
     rag-spec's cache after; with ``train`` False a missing head is a RagSpecError naming
     ``rag-spec draft train --head``.
 
-    A head is cheap to run but knows only what it read: trained without the ``written``
-    answers, it guessed the embedded model's next token in open-ended answers first 23% of the
-    time (among its four likeliest, 44%); with 800 of them, 31% (52%)."""
+    A head is cheap to run but knows only what it read: the written answers are what teaches
+    it open-ended answers, and more of them kept helping (docs/concepts.md, "The draft
+    head")."""
     sequences, fingerprint = training_sequences(lm, sources, texts, answers, written=written,
                                                 progress=progress)
     key = f"{lm.name}|head|{fingerprint}|{texts}|{answers}|{written}|{epochs}|{_VERSION}"
     recipe = DraftRecipe("draft head", train_command(lm, sources, "--head"),
-                         "about an hour")
+                         "about an hour and a half")
     head = cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
                         (lambda: train_head(lm.model, sequences(), epochs=epochs,
                                             progress=progress)) if train else None,
