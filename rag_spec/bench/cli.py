@@ -32,8 +32,8 @@ def add_bench_commands(commands: Any) -> None:
                            help="also our decoder drafting with the trained draft head, "
                                 "alone and merged with the trie, "
                                 "compiled too with --compiled (train it first: rag-spec "
-                                "draft train --head, about an hour and a half on a CPU; the embedded "
-                                "model ships its own)")
+                                "draft train --head, about an hour and a half on a CPU; the "
+                                "embedded model ships its own)")
     lookahead.set_defaults(run=_lookahead)
     structured = kinds.add_parser(
         "structured", help="JSON under a schema: ours vs generate + xgrammar's logits processor")

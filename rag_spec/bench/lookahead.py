@@ -49,8 +49,8 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report.
     ``compiled`` adds our decoder with compiled steps, drafting and not (its warm-up, which
     compiles, is reported as ``warm_up_s``); ``draft_head`` our decoder drafting with the
-    draft head (shipped for the embedded model, else trained the first time: about an hour and a half),
-    alone and merged with the trie, with compiled steps too."""
+    draft head (shipped for the embedded model, else trained the first time: about an hour and a
+    half), alone and merged with the trie, with compiled steps too."""
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
     from rag_spec.drafters.trie_drafter import TrieDrafter
