@@ -129,3 +129,17 @@ def test_knnlm_bench_flags_are_checked_before_anything_loads(capsys, flags, matc
     code, _, err = run(capsys, "bench", "knnlm", *flags)
     assert code == 2
     assert match in err and "Traceback" not in err
+
+
+def test_the_clis_head_recipe_is_the_one_the_shipped_head_was_trained_by():
+    """``rag-spec draft train --head`` and ``python -m lab.ship_head`` (``cached_head``'s
+    defaults) must train the same head: a default that drifts in one of them would not."""
+    import inspect
+
+    from rag_spec.cli import _parser
+    from rag_spec.training.train_head import cached_head
+
+    args = _parser().parse_args(["draft", "train", "--head"])
+    defaults = inspect.signature(cached_head).parameters
+    for name in ("texts", "answers", "written"):
+        assert getattr(args, name) == defaults[name].default, name
