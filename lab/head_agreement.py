@@ -29,15 +29,12 @@ def main(paths: list[str]) -> None:
     from rag_spec.drafters.draft_head import SHIPPED, load_head, model_fingerprint
     from rag_spec.drafters.trie_drafter import TrieDrafter
     from rag_spec.models import load_model
-    from rag_spec.prompts import chat_input_ids
 
     n = int(os.environ.get("HA_N", 128))
     lm = load_model("smollm2-135m-instruct")
     heads = [Path(p) for p in paths] or [SHIPPED / f"{model_fingerprint(lm.model)}.safetensors"]
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:8], 8)
-    held_rag, _ = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:16], 8)
-    held_open = [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
-                 for p in HELD_OUT_OPEN_PROMPTS]
+    held_rag, held_open = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:16], 8, HELD_OUT_OPEN_PROMPTS)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter())
     sets = {"rag": rag, "open_ended": open_ended, "held_out_rag": held_rag,
             "held_out_open_ended": held_open}

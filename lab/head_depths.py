@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_spec.bench.lookahead import _systems, prompt_sets
-from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, OPEN_PROMPTS, RAG_QUESTIONS
 from rag_spec.bench.report import figure, interleaved, machine, median, publish, save_figure
 
 _SHAPE = {"top": 8, "min_prob": 0.02}
@@ -39,13 +39,11 @@ def main() -> None:
     from rag_spec.drafters.draft_head import find_head, load_head
     from rag_spec.drafters.tree_expansion import Expansion
     from rag_spec.models import load_model
-    from rag_spec.prompts import chat_input_ids
 
     limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
     lm = load_model("smollm2-135m-instruct")
-    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
-    open_ended += [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
-                   for p in HELD_OUT_OPEN_PROMPTS[:max(0, limit - len(open_ended))]]
+    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit,
+                                  OPEN_PROMPTS + HELD_OUT_OPEN_PROMPTS)
     shipped = find_head(lm.model)
     assert shipped is not None, "no head for the embedded model: run python -m lab.ship_head"
 

@@ -34,16 +34,13 @@ def main() -> None:
     from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine, save_figure
     from rag_spec.models import load_model
-    from rag_spec.prompts import chat_input_ids
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
     held_out = os.environ.get("TR_HELD_OUT") == "1"
     lm = load_model("smollm2-135m-instruct")
-    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
-    if held_out:
-        rag, _ = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit)
-        open_ended = [chat_input_ids(lm.tokenizer, [{"role": "user", "content": p}])
-                      for p in HELD_OUT_OPEN_PROMPTS[:limit]]
+    rag, open_ended = (prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit,
+                                   HELD_OUT_OPEN_PROMPTS) if held_out
+                       else prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit))
     steps: list[dict[str, Any]] = []
     merge = merged._merged
 

@@ -120,8 +120,10 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     return report
 
 
-def prompt_sets(tokenizer: Any, questions: list[str],
-                 limit: int | None) -> tuple[list[list[int]], list[list[int]]]:
+def prompt_sets(tokenizer: Any, questions: list[str], limit: int | None,
+                open_prompts: list[str] = OPEN_PROMPTS) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat prompts: ``questions`` with their passages from the default knowledge base, and
+    up to ``limit`` of ``open_prompts`` alone."""
     from rag_spec.prompts import chat_input_ids, rag_messages
     from rag_spec.retrieval import KnowledgeBase
 
@@ -129,7 +131,7 @@ def prompt_sets(tokenizer: Any, questions: list[str],
     hits = kb.search(questions, k=3)
     rag = [chat_input_ids(tokenizer, rag_messages(q, h)) for q, h in zip(questions, hits)]
     open_ended = [chat_input_ids(tokenizer, [{"role": "user", "content": p}])
-                  for p in OPEN_PROMPTS[:limit]]
+                  for p in open_prompts[:limit]]
     return rag, open_ended
 
 
