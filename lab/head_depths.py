@@ -3,15 +3,19 @@ against an earlier one.
 
 Systems, interleaved per prompt on the lookahead bench's RAG and open-ended prompts (compiled
 steps where packaged, as a user gets them): ``generate`` (the peer), our decoder without drafts
-(the ablation), and the head merged with the trie as the default builds it (a second pass only
-past a guess of 50%: ``Expansion(grow_prob=0.5)``), then with its trees one pass deep, two
-always, and three past a guess of 50%; with
-``HD_OLD`` (a head file for the same model, e.g. ``git show 3010838:rag_spec/drafters/heads/
-<fingerprint>.safetensors``) that head one deep too. Per system, medians over prompts of the
-speedup over no drafts and over ``generate``, mean tokens per pass, and how many outputs equal
-``generate``'s. Environment: ``HD_LIMIT`` prompts per set (default 8; up to 16, the held-out
-open-ended prompts after the bench's: a prompt asked twice would be copied from its first
-answer), ``HD_N`` new tokens (128); writes docs/benchmarks/head_depths.json and .png.
+(the ablation), and the head merged with the trie as the default builds it (up to four passes
+deep, each below a path of at least 20%: ``Expansion(max_depth=4, grow_prob=0.2)``), then with
+its trees one pass deep, two past a first guess of 50% (the default before) and two always;
+with ``HD_OLD`` (a head file for the same model, e.g. ``git show
+3010838:rag_spec/drafters/heads/<fingerprint>.safetensors``) that head one deep too. Per
+system, medians over prompts of the speedup over no drafts and over ``generate``, mean and
+median tokens per pass, and how many outputs equal ``generate``'s. Environment: ``HD_LIMIT``
+prompts per set (default 8; up to 16, the held-out open-ended prompts after the bench's: a
+prompt asked twice would be copied from its first answer), ``HD_N`` new tokens (128),
+``HD_FIXED`` a fixed tree of that many nodes for every drafting system instead of the adaptive
+default's (16: the verification budget of issue 54's tokens-per-pass goal, what a GPU's sizing
+builds); writes docs/benchmarks/head_depths.json (``head_depths_fixed16.json`` with
+``HD_FIXED=16``) and .png.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def main() -> None:
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
+    fixed = int(os.environ.get("HD_FIXED", 0))
+    config = LookaheadConfig(budget=fixed, adaptive=False) if fixed else LookaheadConfig()
     lm = load_model("smollm2-135m-instruct")
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit,
                                   OPEN_PROMPTS + HELD_OUT_OPEN_PROMPTS)
@@ -48,12 +54,12 @@ def main() -> None:
     assert shipped is not None, "no head for the embedded model: run python -m lab.ship_head"
 
     def merged(head: Any, expansion: Expansion | None) -> Any:
-        return LookaheadDecoder(lm.model, lm.tokenizer, drafter=MergedDrafter(FeatureDrafter(
-            head, expansion=expansion), TrieDrafter()))
+        return LookaheadDecoder(lm.model, lm.tokenizer, config, drafter=MergedDrafter(
+            FeatureDrafter(head, expansion=expansion), TrieDrafter()))
 
     shapes = {"head_default": None, "head_one_deep": Expansion(**_SHAPE, max_depth=1),
-              "head_two_deep_always": Expansion(**_SHAPE, max_depth=2),
-              "head_three_deep": Expansion(**_SHAPE, max_depth=3, grow_prob=0.5)}
+              "head_two_deep_past_half": Expansion(**_SHAPE, max_depth=2, grow_prob=0.5),
+              "head_two_deep_always": Expansion(**_SHAPE, max_depth=2)}
     decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0),
                                               drafter=TrieDrafter()),
                 **{name: merged(shipped, shape) for name, shape in shapes.items()}}
@@ -70,7 +76,8 @@ def main() -> None:
                               "dtype": "float32", "machine": machine(), "max_new_tokens": n,
                               "passes": "eager" if decoders["no_drafts"].runner.compiled
                               is None else "compiled", "head_agreement": shipped.agreement,
-                              "old_head": os.environ.get("HD_OLD")}
+                              "old_head": os.environ.get("HD_OLD"),
+                              "nodes": fixed or "adaptive (the default's)"}
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         print(f"{name}: {len(prompts)} prompts")
         runs = interleaved(systems, prompts)
@@ -82,9 +89,12 @@ def main() -> None:
                                                  for g, m in zip(peer, mine)]), 3),
             "tokens_per_pass": round(statistics.mean(m.extra.get("tokens_per_step", 1.0)
                                                       for m in mine), 3),
+            "tokens_per_pass_median": round(median([m.extra.get("tokens_per_step", 1.0)
+                                                    for m in mine]), 3),
             "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
             for system, mine in runs.items()}}
-    publish(report, None, "head_depths", _plot, _print_table)
+    publish(report, None, f"head_depths_fixed{fixed}" if fixed else "head_depths", _plot,
+            _print_table)
 
 
 def _print_table(report: dict[str, Any]) -> None:
@@ -94,7 +104,8 @@ def _print_table(report: dict[str, Any]) -> None:
             if system != "prompts":
                 print(f"  {system:22} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
                       f"{row['speedup_vs_generate']:.3f}x generate  "
-                      f"{row['tokens_per_pass']:.2f} tok/pass  "
+                      f"{row['tokens_per_pass']:.2f} tok/pass "
+                      f"(median {row['tokens_per_pass_median']:.2f})  "
                       f"{row['identical_to_generate']}/{report[name]['prompts']} identical")
 
 

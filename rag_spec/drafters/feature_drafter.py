@@ -81,11 +81,11 @@ class FeatureDrafter(ModelDrafter):
         head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
             ``draft_head.cached_head``) for this model.
         expansion: the trees' shape; by default the eight likeliest next tokens, each only
-            if the head gives it at least 2%, and a second pass only where its likeliest
-            guess is at least 50% likely: elsewhere the second token's nodes are seldom
-            reached and the pass costs about what they add (docs/benchmarks/README.md, "How
-            deep the draft head drafts"). ``Expansion(top=8, min_prob=0.02, max_depth=1)``
-            drafts one deep.
+            if the head gives it at least 2%, and up to three passes more, each only below a
+            path at least 20% likely by the head's probabilities (and while the measured
+            acceptance pays for the pass): elsewhere deeper nodes are seldom reached
+            (docs/benchmarks/README.md, "How deep the draft head drafts").
+            ``Expansion(top=8, min_prob=0.02, max_depth=1)`` drafts one deep.
 
     Examples:
         >>> head = cached_head(lm)                                           # doctest: +SKIP
@@ -99,7 +99,7 @@ class FeatureDrafter(ModelDrafter):
     capabilities = Capabilities(reads_features=True, steady=True)
 
     def __init__(self, head: DraftHead, *, expansion: Expansion | None = None) -> None:
-        super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=2, grow_prob=0.5))
+        super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=4, grow_prob=0.2))
         self.head = head
         self._fast: weakref.WeakKeyDictionary[Runner, DraftHead] = weakref.WeakKeyDictionary()
 
