@@ -102,7 +102,7 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name} ({report[name]['prompts']} prompts)")
         for system, row in report[name].items():
             if system != "prompts":
-                print(f"  {system:22} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
+                print(f"  {system:24} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
                       f"{row['speedup_vs_generate']:.3f}x generate  "
                       f"{row['tokens_per_pass']:.2f} tok/pass "
                       f"(median {row['tokens_per_pass_median']:.2f})  "
