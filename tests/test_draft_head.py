@@ -183,6 +183,35 @@ def test_a_second_pass_drafts_only_below_a_likely_enough_guess(target, head, mon
         Expansion(grow_prob=1.5)
 
 
+def test_a_third_pass_drafts_only_below_a_likely_enough_path(target, head, monkeypatch):
+    """``grow_prob`` gates every depth by the likeliest path so far (its cumulative draft
+    probability from the root), as the default's four-deep trees use it: a third token is
+    drafted only below a second whose path is at least that likely; greedy output stays
+    ``generate``'s either way."""
+    trees = []
+    propose = FeatureDrafter.propose
+    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: trees.extend(
+        drafted := propose(self, requests, view)) or drafted)
+
+    def drafted_with(grow_prob):
+        trees.clear()
+        expansion = Expansion(top=4, min_prob=0.0, max_depth=3, grow_prob=grow_prob,
+                              adaptive_depth=False)
+        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=16, adaptive=False),
+                                   drafter=FeatureDrafter(head, expansion=expansion))
+        kept_with_generates_tokens(decoder, target)
+        # (the likeliest two-token path's chance, whether the tree went a third token deep)
+        return [(max(p for p, d in zip(t.scores, t.depths) if d == 2), t.depths.max() == 3)
+                for t in trees if len(t) and t.depths.max() >= 2]
+
+    always = drafted_with(0.0)
+    assert always and all(deeper for _, deeper in always)
+    threshold = sorted(best for best, _ in always)[len(always) // 2]  # the median such path
+    gated = drafted_with(threshold)
+    assert all(deeper == (best >= threshold) for best, deeper in gated)
+    assert {deeper for _, deeper in gated} == {True, False}  # both happened
+
+
 def test_drafting_over_the_heads_columns_drafts_what_the_whole_vocabulary_would(
         target, head, monkeypatch):
     """The head scores a subset of the vocabulary, and drafting ranks, normalises and
