@@ -153,10 +153,13 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
     assert any(copying and ask for copying, ask in asked)  # and while the trie copied
 
 
-def test_a_second_pass_drafts_only_below_a_likely_enough_guess(target, head, monkeypatch):
-    """``Expansion.grow_prob``: the head drafts a second token only where its likeliest first
-    guess is at least that likely (elsewhere the pass's nodes are seldom reached); greedy
-    output stays ``generate``'s either way."""
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_deeper_pass_drafts_only_below_a_likely_enough_path(target, head, monkeypatch, depth):
+    """``Expansion.grow_prob``: the head drafts a token at ``depth`` only below a path to the
+    depth above at least that likely (its cumulative draft probability from the root: the first
+    guess's chance for a second token, as the default's four-deep trees use it further down);
+    elsewhere the pass's nodes are seldom reached. Greedy output stays ``generate``'s either
+    way."""
     trees = []
     propose = FeatureDrafter.propose
     monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: trees.extend(
@@ -164,45 +167,15 @@ def test_a_second_pass_drafts_only_below_a_likely_enough_guess(target, head, mon
 
     def drafted_with(grow_prob):
         trees.clear()
-        expansion = Expansion(top=4, min_prob=0.0, max_depth=2, grow_prob=grow_prob,
+        expansion = Expansion(top=4, min_prob=0.0, max_depth=depth, grow_prob=grow_prob,
                               adaptive_depth=False)
-        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=8, adaptive=False),
+        config = LookaheadConfig(budget=8 * (depth - 1), adaptive=False)  # room for every depth
+        decoder = LookaheadDecoder(target, config=config,
                                    drafter=FeatureDrafter(head, expansion=expansion))
         kept_with_generates_tokens(decoder, target)
-        # (the first guess's chance, whether the tree went a second token deep)
-        return [(max(p for p, d in zip(t.scores, t.depths) if d == 1), t.depths.max() == 2)
-                for t in trees if len(t)]
-
-    always = drafted_with(0.0)
-    assert all(deeper for _, deeper in always)
-    threshold = sorted(best for best, _ in always)[len(always) // 2]  # the median first guess
-    gated = drafted_with(threshold)
-    assert all(deeper == (best >= threshold) for best, deeper in gated)
-    assert {deeper for _, deeper in gated} == {True, False}  # both happened
-    with pytest.raises(ValueError, match="grow_prob"):
-        Expansion(grow_prob=1.5)
-
-
-def test_a_third_pass_drafts_only_below_a_likely_enough_path(target, head, monkeypatch):
-    """``grow_prob`` gates every depth by the likeliest path so far (its cumulative draft
-    probability from the root), as the default's four-deep trees use it: a third token is
-    drafted only below a second whose path is at least that likely; greedy output stays
-    ``generate``'s either way."""
-    trees = []
-    propose = FeatureDrafter.propose
-    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: trees.extend(
-        drafted := propose(self, requests, view)) or drafted)
-
-    def drafted_with(grow_prob):
-        trees.clear()
-        expansion = Expansion(top=4, min_prob=0.0, max_depth=3, grow_prob=grow_prob,
-                              adaptive_depth=False)
-        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=16, adaptive=False),
-                                   drafter=FeatureDrafter(head, expansion=expansion))
-        kept_with_generates_tokens(decoder, target)
-        # (the likeliest two-token path's chance, whether the tree went a third token deep)
-        return [(max(p for p, d in zip(t.scores, t.depths) if d == 2), t.depths.max() == 3)
-                for t in trees if len(t) and t.depths.max() >= 2]
+        # (the likeliest path's chance a depth above, whether the tree went ``depth`` deep)
+        return [(max(p for p, d in zip(t.scores, t.depths) if d == depth - 1),
+                 t.depths.max() == depth) for t in trees if len(t) and t.depths.max() >= depth - 1]
 
     always = drafted_with(0.0)
     assert always and all(deeper for _, deeper in always)
@@ -210,6 +183,8 @@ def test_a_third_pass_drafts_only_below_a_likely_enough_path(target, head, monke
     gated = drafted_with(threshold)
     assert all(deeper == (best >= threshold) for best, deeper in gated)
     assert {deeper for _, deeper in gated} == {True, False}  # both happened
+    with pytest.raises(ValueError, match="grow_prob"):
+        Expansion(grow_prob=1.5)
 
 
 def test_drafting_over_the_heads_columns_drafts_what_the_whole_vocabulary_would(
