@@ -266,7 +266,7 @@ def streamed_or_skip():
         pytest.skip("the streamed kernel needs AVX-512 or AVX2 and a build")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 17, 18, 35, 100])
+@pytest.mark.parametrize("rows", [1, 2, 9, 14, 15, 17, 18, 35, 100])
 @pytest.mark.parametrize("out_features", [16, 40, 1000])
 @pytest.mark.parametrize("stored", [None, torch.float16])
 def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_features, stored):
@@ -312,6 +312,20 @@ def test_a_streamed_row_does_not_depend_on_the_rows_beside_it(rows, inputs):
                                atol=1e-3)
     alone = torch.cat([streamed_linear(row[None], packed, 48) for row in x])
     assert torch.equal(together, alone)  # bit for bit: a tree's logits are one-token steps'
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17])
+@pytest.mark.parametrize("stored", [None, torch.float16])
+def test_an_output_has_the_same_bits_whichever_block_it_is_paired_with(rows, stored):
+    # AVX-512 goes past blocks in pairs: outputs 16-31 paired with 0-15 here, with 32-47 there
+    streamed_or_skip()
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 96), torch.randn(48, 96)
+    whole = streamed_linear(x, pack_streamed(weight, stored), 48)
+    shifted = streamed_linear(x, pack_streamed(weight[16:], stored), 32)
+    alone = streamed_linear(x, pack_streamed(weight[16:32], stored), 16)
+    assert torch.equal(whole[:, 16:32], shifted[:, :16])
+    assert torch.equal(whole[:, 16:32], alone)
 
 
 def test_a_streamed_product_compiles_into_one_graph_with_the_same_bits():
