@@ -43,9 +43,11 @@ inline __m512 load16(const uint16_t* w) {
 
 // NB blocks at once (``stride`` apart): each broadcast input feeds NB lines, so a row costs
 // one load per NB multiply-adds; 14 rows of two blocks fill 28 of the 32 vector registers.
+// Prefetches stop at ``stop``: the end of the thread's blocks (what lies past it is not ours),
+// or the blocks' start where they are in cache already.
 template <typename W, int ROWS, int NB>
 void block(const float* __restrict__ x, const W* __restrict__ w, float* __restrict__ y,
-           int64_t in, int64_t ldy, int64_t stride, bool prefetch) {
+           int64_t in, int64_t ldy, int64_t stride, const char* stop) {
   __m512 acc[NB][ROWS];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < ROWS; ++r) acc[b][r] = _mm512_setzero_ps();
@@ -53,10 +55,8 @@ void block(const float* __restrict__ x, const W* __restrict__ w, float* __restri
     __m512 line[NB];
     for (int b = 0; b < NB; ++b) {
       const char* next = reinterpret_cast<const char*>(w + b * stride + k * 16);
-      if (prefetch) {
-        _mm_prefetch(next + NEAR_BYTES, _MM_HINT_T0);
-        _mm_prefetch(next + FAR_BYTES, _MM_HINT_T1);
-      }
+      if (next + NEAR_BYTES < stop) _mm_prefetch(next + NEAR_BYTES, _MM_HINT_T0);
+      if (next + FAR_BYTES < stop) _mm_prefetch(next + FAR_BYTES, _MM_HINT_T1);
       line[b] = load16(w + b * stride + k * 16);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -86,7 +86,7 @@ inline void load16(const uint16_t* w, __m256& low, __m256& high) {
 // One block at a time (no registers are left for a second).
 template <typename W, int ROWS, int NB>
 void block(const float* __restrict__ x, const W* __restrict__ w, float* __restrict__ y,
-           int64_t in, int64_t ldy, int64_t /*stride*/, bool prefetch) {
+           int64_t in, int64_t ldy, int64_t /*stride*/, const char* stop) {
   static_assert(NB == 1, "AVX2 goes past one block at a time");
   __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0,
          lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
@@ -97,8 +97,8 @@ void block(const float* __restrict__ x, const W* __restrict__ w, float* __restri
     hi##r = _mm256_fmadd_ps(input, high, hi##r);                               \
   }
   for (int64_t k = 0; k < in; ++k) {
-    if (prefetch)
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    const char* next = reinterpret_cast<const char*>(w + k * 16);
+    if (next + PREFETCH_BYTES < stop) _mm_prefetch(next + PREFETCH_BYTES, _MM_HINT_T0);
     __m256 low, high;
     load16(w + k * 16, low, high);
     RAG_SPEC_ROW(0) RAG_SPEC_ROW(1) RAG_SPEC_ROW(2) RAG_SPEC_ROW(3) RAG_SPEC_ROW(4)
@@ -117,7 +117,7 @@ void block(const float* __restrict__ x, const W* __restrict__ w, float* __restri
 #endif
 
 template <typename W>
-using Block = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, bool);
+using Block = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, const char*);
 
 template <typename W, int NB, int... R>
 constexpr std::array<Block<W>, sizeof...(R)> blocks(std::integer_sequence<int, R...>) {
@@ -137,13 +137,16 @@ void product(const float* px, const W* w, float* py, int64_t rows, int64_t in, i
   for (int64_t first_chunk = 0; first_chunk < chunks; first_chunk += group) {
     const int64_t end_chunk = std::min(chunks, first_chunk + group);
     at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
+      const W* end = w + std::min(last * PAIR, nblocks) * in * 16;
       for (int64_t u = first; u < last; ++u) {
         const int64_t b = u * PAIR;  // a unit's blocks: PAIR of them, the last maybe one
         const auto& run = b + PAIR <= nblocks ? PAIRED : SINGLE;
         for (int64_t c = first_chunk; c < end_chunk; ++c) {
           const int64_t n = std::min(size, rows - c * size);
-          run[n - 1](px + c * size * in, w + b * in * 16, py + c * size * out + b * 16, in, out,
-                     in * 16, c == first_chunk);
+          // prefetches on a group's first chunk only (the others find the blocks in cache)
+          const W* blocks = w + b * in * 16;
+          run[n - 1](px + c * size * in, blocks, py + c * size * out + b * 16, in, out, in * 16,
+                     reinterpret_cast<const char*>(c == first_chunk ? end : blocks));
         }
       }
     });
