@@ -18,6 +18,7 @@ from rag_spec_kernels import (
     pack_weight,
     stack_table,
 )
+from rag_spec_kernels.slots import move_slots, slots_kernel_available
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
 
@@ -379,3 +380,26 @@ def test_our_cpu_kernels_are_offered_where_their_instructions_are_and_they_build
     # a build is tried (and its failure said) on AVX-512, and on AVX2 for the streamed product
     tried = cpu.startswith("AVX512") or cpu.startswith("AVX2") and module is streamed
     assert ("gcc: not found" in caplog.text) == tried
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype):
+    # two rows: one keeps four slots, one keeps two (padded with its last, as keep_slots pads),
+    # and slots out of order read before any is written; keys as prefix views of a wider slab
+    if not slots_kernel_available():
+        pytest.skip("the CPU kernels need AVX-512 or AVX2 and a build")
+    torch.manual_seed(0)
+    slabs = [torch.randn(2, 3, 40, 8).to(dtype) for _ in range(4)]
+    views = [slab[:, :, :30] for slab in slabs]
+    index = torch.tensor([[0, 2, 5, 6], [1, 3, 3, 3]]) + 20
+    shuffled = torch.tensor([[3, 0, 2, 1], [2, 2, 0, 1]]) + 20
+    for slots in (index, shuffled):
+        expected = [view.clone() for view in views]
+        for tensor in expected:
+            gather = slots[:, None, :, None].expand(-1, 3, -1, 8)
+            tensor[:, :, 20:24] = tensor.gather(2, gather)
+        move_slots(views, slots, 20)
+        for view, want in zip(views, expected):
+            assert torch.equal(view, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        move_slots(views, torch.tensor([[0, 31, 2, 3], [0, 1, 2, 3]]), 20)

@@ -1,8 +1,10 @@
-// The CPU kernels of the operators streamed.py and cpu_attention.py define (with their outputs'
-// shapes, for tracing): compiled steps call them from inductor's code as torch's own.
+// The CPU kernels of the operators streamed.py, cpu_attention.py and slots.py define (with
+// their outputs' shapes, for tracing): compiled steps call them from inductor's code as torch's
+// own; the cache's bookkeeping calls move_slots between steps.
 #include <torch/extension.h>
 
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed);
+void move_slots(at::TensorList tensors, const at::Tensor& index, int64_t start);
 #if defined(__AVX512F__)
 torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor& key,
                                  const torch::Tensor& value, const torch::Tensor& committed,
@@ -12,7 +14,8 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
 
 TORCH_LIBRARY_IMPL(rag_spec_cpu, CPU, m) {
   m.impl("streamed_linear", &streamed_linear);
-#if defined(__AVX512F__)  // AVX2 builds: the streamed product only
+  m.impl("move_slots", &move_slots);
+#if defined(__AVX512F__)  // AVX2 builds: no tree attention
   m.impl("tree_attention", &tree_attention_cpu);
 #endif
 }

@@ -1,10 +1,11 @@
-"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``): the CPU implementations
-of the ``rag_spec_cpu`` operators, built for this machine on first use by torch's extension
-loader (gcc and ninja, ~60 s once, then cached under torch's extension root,
-``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are built
-for the vector instructions torch runs here: AVX-512 (both kernels) or AVX2 with FMA (the
-streamed product only). Callers probe them (``streamed_available``,
-``cpu_attention_available``) and keep torch's kernels where they do not build."""
+"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``, ``move_slots.cpp``):
+the CPU implementations of the ``rag_spec_cpu`` operators, built for this machine on first use
+by torch's extension loader (gcc and ninja, ~60 s once, then cached under torch's extension
+root, ``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are
+built for the vector instructions torch runs here: AVX-512 (every kernel) or AVX2 with FMA (all
+but the tree attention). Callers probe them (``streamed_available``,
+``cpu_attention_available``, ``slots_kernel_available``) and keep torch's kernels where they do
+not build."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "bindings.cpp")
+_SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "move_slots.cpp", "bindings.cpp")
 _build_lock = threading.Lock()
 # compiler flags per instruction set torch reports (``get_cpu_capability``)
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}

@@ -27,6 +27,7 @@ from rag_spec.engine.cache.kv_cache import (
     layers,
     new_cache,
 )
+from rag_spec_kernels import move_slots
 
 
 class TreeKVCache:
@@ -104,18 +105,15 @@ class TreeKVCache:
         # kept slots already at the front of the round (a root alone, an accepted chain): no
         # entry moves, the round is only cut
         in_place = all(list(k) == list(range(len(k))) for k in slots)
-        if not in_place:
+        kept = layers(self.cache)
+        if not in_place:  # every layer's keys and values [B, heads, slots, head_dim] at once
             index = torch.tensor([list(k) + [k[-1] if k else 0] * (width - len(k))
-                                  for k in slots], device=self.valid.device) + start  # [B, width]
-        for layer in layers(self.cache):
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)  # [B, heads, slots, head_dim]
-                if not in_place:
-                    gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1,
-                                                            tensor.shape[3])
-                    tensor[:, :, start:start + width] = tensor.gather(2, gather)
-                if self.capacity is None:
-                    setattr(layer, name, tensor[:, :, :start + width])
+                                  for k in slots]) + start  # [B, width]
+            move_slots([t for layer in kept for t in (layer.keys, layer.values)], index, start)
+        if self.capacity is None:
+            for layer in kept:
+                layer.keys, layer.values = (layer.keys[:, :, :start + width],
+                                            layer.values[:, :, :start + width])
         lengths = np.array([len(k) for k in slots])
         new_valid = torch.from_numpy(np.arange(width)[None, :] < lengths[:, None])
         self.valid = torch.cat([self.valid, new_valid.to(self.valid.device)], dim=1)
