@@ -477,8 +477,8 @@ class _Growth:
         self.cost = passes.cost
         self.columns, self.vocab_size = passes.columns, passes.vocab_size
         self.frontier: list[int] = []  # nodes (-1: the root) whose children come next
-        # node -> the draft distribution after it, over the passes' columns
-        self.q: dict[int, torch.Tensor] = {}
+        # [len(frontier), columns] the draft distribution after each, over the passes' columns
+        self.frontier_q: torch.Tensor | None = None
         self.cumulative: dict[int, float] = {-1: 1.0}
         self.draft_rows: list[torch.Tensor] = []  # per node: the distribution it was drawn from
         # one-token draft passes this row's feeds cost, about (the first: its pending tokens)
@@ -510,8 +510,7 @@ class _Growth:
         penalised = self.params.repetition_penalty != 1.0  # only then is the context read
         seen = [self._column_of([*self.context, *self._path(node)]) for node in nodes
                 ] if penalised else []
-        probs = torch.softmax(processed_logits(logits, seen, self.params), dim=-1)
-        self.q.update(zip(nodes, probs))
+        self.frontier_q = torch.softmax(processed_logits(logits, seen, self.params), dim=-1)
         self.frontier = list(nodes)
 
     def expand(self, depth: int) -> list[int]:
@@ -520,24 +519,29 @@ class _Growth:
         frontier, self.frontier = self.frontier, []
         if not frontier or room <= 0:
             return []
-        k = self.expansion.children_per_node
-        tops = [self.q[node].topk(min(k, self.q[node].shape[-1])) for node in frontier]
-        ranked = [top.values.tolist() for top in tops]
+        q_all = self.frontier_q
+        assert q_all is not None
+        # the whole frontier's likeliest tokens at once (a few calls a pass, not a few a node)
+        top = q_all.topk(min(self.expansion.children_per_node, q_all.shape[-1]))
+        ranked, indices = top.values.tolist(), top.indices.cpu()
+        likeliest = (indices if self.columns is None else self.columns[indices]).tolist()
         counts = self.expansion.plan([self.cumulative[n] for n in frontier], ranked, room, depth)
         new = []
-        for node, count, top, probs in zip(frontier, counts, tops, ranked):
-            q = self.q[node]
+        for f, (node, count, probs) in enumerate(zip(frontier, counts, ranked)):
             count = min(count, sum(p > 0 for p in probs))  # tokens q can draw
             if count <= 0:
                 continue
-            for column in self._children(q, count, top.indices):
+            q = q_all[f]
+            # greedy: the likeliest, in order; sampling: draws from q, in draw order
+            children = (zip(likeliest[f][:count], probs[:count]) if self.generator is None
+                        else self._drawn(q, count))
+            for token, p in children:
                 index = len(self.row.tokens)
-                self.row.tokens.append(column if self.columns is None
-                                       else int(self.columns[column]))
+                self.row.tokens.append(token)
                 self.row.parents.append(node)
                 self.row.slots.append(None)
                 self.draft_rows.append(q)
-                self.cumulative[index] = self.cumulative[node] * float(q[column])
+                self.cumulative[index] = self.cumulative[node] * p
                 new.append(index)
         return new
 
@@ -556,16 +560,16 @@ class _Growth:
         # greedy: likeliest paths first, so the sizer's cut to the first nodes keeps the best
         return tree.ranked(scores)
 
-    def _children(self, q: torch.Tensor, count: int, likeliest: torch.Tensor) -> list[int]:
-        """The columns of the ``count`` likeliest tokens (greedy: the first of ``likeliest``,
-        q's top columns in order), or ``count`` draws without replacement from q in draw order
-        (Gumbel top-k with the row's draft generator, drawn on the CPU: a seed draws alike on
-        any device)."""
-        if self.generator is None:
-            return likeliest[:count].tolist()
+    def _drawn(self, q: torch.Tensor, count: int) -> list[tuple[int, float]]:
+        """``count`` draws without replacement from q in draw order (Gumbel top-k with the
+        row's draft generator, drawn on the CPU: a seed draws alike on any device): each
+        token and its draft probability."""
+        assert self.generator is not None
         uniform = torch.rand(q.shape, generator=self.generator, dtype=torch.float64).to(q.device)
         keys = q.double().log() - (-uniform.clamp(min=1e-300).log()).log()
-        return keys.topk(count).indices.tolist()
+        columns = keys.topk(count).indices
+        tokens = columns if self.columns is None else self.columns[columns.cpu()]
+        return list(zip(tokens.tolist(), q[columns].tolist()))
 
     def _column_of(self, tokens: list[int]) -> list[int]:
         """The columns of ``tokens`` (those the passes score)."""
