@@ -2,22 +2,20 @@
 CPUs).
 
 oneDNN's few-row kernels compute at full speed but add that time to the weight's read instead
-of hiding it behind the read: through the default model's layers on two Zen 4 cores, 17 rows
-took 20-22 ms where the weight read takes ~11 and the products in cache ~14. This kernel
-(``streamed_linear.cpp``) prefetches the weight ahead of the arithmetic: through the same
-layers, alternating with oneDNN in one process, 17 rows in 18.3 ms against 21.4 and one row in
-13.9 against 14.9 (``python -m lab.floor`` times it in steps). It is built for this machine
-on first use (``cpu_extension``); where the CPU has neither AVX-512 nor AVX2 or the build
-fails, ``streamed_available`` says no and the runner keeps oneDNN's kernels. On AVX2 CPUs
-oneDNN's few-row products cost more than one row's (its blocked layout is tuned for
-wider batches), while this kernel's 2-8 rows cost about one row's weight read
-(docs/benchmarks/README.md, "Streamed products on AVX2").
+of hiding it behind the read. This kernel (``streamed_linear.cpp``) prefetches the weight ahead
+of the arithmetic, and on AVX-512 takes the weight's blocks two at a time, so that each input
+it broadcasts feeds two lines: a tree of ten tokens costs little more than one token's weight
+read (docs/benchmarks/README.md, "Streamed products in pairs of blocks"; ``python -m
+lab.floor`` times it in steps). It is built for this machine on first use (``cpu_extension``);
+where the CPU has neither AVX-512 nor AVX2 or the build fails, ``streamed_available`` says no
+and the runner keeps oneDNN's kernels. On AVX2 CPUs oneDNN's few-row products cost more than
+one row's (its blocked layout is tuned for wider batches), while this kernel's 2-8 rows cost
+about one row's weight read ("Streamed products on AVX2").
 
 The kernel is an operator, ``torch.ops.rag_spec_cpu.streamed_linear``, defined here with its
 output's shape (what ``torch.compile`` traces) and implemented in C++ (once built): a compiled
-step calls it from inductor's code as it calls torch's own products. A Python operator in its
-place cost ~45 us a call (measured apart: 5 ms over a 17-token step's 121 products on a 2-core
-Xeon).
+step calls it from inductor's code as it calls torch's own products (a Python operator in its
+place cost more a call than the product of a small layer).
 """
 
 from __future__ import annotations
