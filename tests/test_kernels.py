@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rag_spec_kernels.onednn_linear as kernel
+import rag_spec_kernels.slots as slot_kernel
 from rag_spec_kernels import (
     LinearStack,
     OneDNNLinear,
@@ -382,12 +383,15 @@ def test_our_cpu_kernels_are_offered_where_their_instructions_are_and_they_build
     assert ("gcc: not found" in caplog.text) == tried
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype):
+def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype, kernel, monkeypatch):
     # two rows: one keeps four slots, one keeps two (padded with its last, as keep_slots pads),
-    # and slots out of order read before any is written; keys as prefix views of a wider slab
-    if not slots_kernel_available():
+    # and slots out of order read before any is written; keys as prefix views of a wider slab;
+    # the C++ kernel and torch's operations where it is not built
+    if kernel and not slots_kernel_available():
         pytest.skip("the CPU kernels need AVX-512 or AVX2 and a build")
+    monkeypatch.setattr(slot_kernel, "slots_kernel_available", lambda: kernel)
     torch.manual_seed(0)
     slabs = [torch.randn(2, 3, 40, 8).to(dtype) for _ in range(4)]
     views = [slab[:, :, :30] for slab in slabs]
@@ -401,5 +405,5 @@ def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype):
         move_slots(views, slots, 20)
         for view, want in zip(views, expected):
             assert torch.equal(view, want)
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match="out of range" if kernel else "index"):
         move_slots(views, torch.tensor([[0, 31, 2, 3], [0, 1, 2, 3]]), 20)

@@ -3,7 +3,7 @@
 After a verification pass each row keeps its root and accepted path, moved to the front of the
 round's slots in every layer's keys and values: three torch operations per tensor (an index,
 a gather, a copy), 180 calls a step over the default model's 60 tensors, each costing more to
-call than to do (docs/benchmarks/README.md, "Where a speculative step's cost goes").
+call than to do (docs/benchmarks/README.md, "Streamed products in pairs of blocks").
 ``move_slots.cpp`` moves them all in one call; elsewhere (a GPU, a CPU where the kernels do not
 build) torch's operations run, with the same result.
 """
@@ -46,7 +46,8 @@ def move_slots(tensors: Sequence[torch.Tensor], index: torch.Tensor, start: int)
         torch.ops.rag_spec_cpu.move_slots(list(tensors), index.cpu(), start)
         return
     width = index.shape[1]
+    if tensors:  # copied to the tensors' device once, not once per tensor
+        index = index.to(tensors[0].device)
     for tensor in tensors:
-        gather = index.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1,
-                                                                  tensor.shape[3])
+        gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
         tensor[:, :, start:start + width] = tensor.gather(2, gather)
