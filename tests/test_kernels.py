@@ -405,5 +405,6 @@ def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype, kernel
         move_slots(views, slots, 20)
         for view, want in zip(views, expected):
             assert torch.equal(view, want)
-    with pytest.raises(RuntimeError, match="out of range" if kernel else "index"):
-        move_slots(views, torch.tensor([[0, 31, 2, 3], [0, 1, 2, 3]]), 20)
+    for wrong in (31, -21):  # past the views' 30 slots; before the first
+        with pytest.raises(RuntimeError, match="out of range" if kernel else "index"):
+            move_slots(views, torch.tensor([[0, wrong, 2, 3], [0, 1, 2, 3]]) + 20, 20)

@@ -1,6 +1,7 @@
 // The KV cache's compaction after a step (``TreeKVCache.keep_slots``): each row's kept slots
 // moved to the front of its round, in every layer's keys and values in one call, where torch
 // takes three operations per tensor (60 tensors on the default model).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -15,14 +16,19 @@ void move_slots(at::TensorList tensors, const at::Tensor& index, int64_t start) 
   const at::Tensor slots = index.contiguous();
   const int64_t* from = slots.data_ptr<int64_t>();
   const int64_t rows = slots.size(0), width = slots.size(1);
+  int64_t least = 0, most = -1;  // the slots read, checked once against each tensor's length
+  for (int64_t i = 0; i < rows * width; ++i) {
+    least = std::min(least, from[i]);
+    most = std::max(most, from[i]);
+  }
+  TORCH_CHECK(least >= 0, "move_slots: a slot index out of range");
   std::vector<char> gathered;
   for (const at::Tensor& t : tensors) {
     TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.size(0) == rows && t.stride(3) == 1 &&
                     start >= 0 && start + width <= t.size(2),
                 "move_slots: [rows, heads, slots, dim] CPU tensors with room for the moved slots");
-    const int64_t size = t.element_size(), bytes = t.size(3) * size, end = t.size(2);
-    for (int64_t i = 0; i < rows * width; ++i)
-      TORCH_CHECK(from[i] >= 0 && from[i] < end, "move_slots: a slot index out of range");
+    const int64_t size = t.element_size(), bytes = t.size(3) * size;
+    TORCH_CHECK(most < t.size(2), "move_slots: a slot index out of range");
     gathered.resize(width * bytes);
     char* base = static_cast<char*>(t.data_ptr());
     for (int64_t b = 0; b < rows; ++b)
