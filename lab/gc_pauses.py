@@ -3,7 +3,7 @@ without ``gc.freeze()`` after loading (docs/troubleshooting.md, "A long-running 
 pauses"). Each mode runs in a process of its own (freezing is process-wide and one-way): the
 embedded model and the default decoder loaded, then the lookahead bench's RAG and open-ended
 prompts answered, with ``gc.callbacks`` timing every collection by generation. Environment:
-``GP_LIMIT`` prompts per set (default 4), ``GP_N`` new tokens (128); writes
+``GP_LIMIT`` prompts per set (default 8), ``GP_N`` new tokens (128); writes
 docs/benchmarks/gc_pauses.json and .png.
 """
 
@@ -52,7 +52,7 @@ def _measure(mode: str) -> dict[str, Any]:
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.models import load_model
 
-    limit, n = int(os.environ.get("GP_LIMIT", 4)), int(os.environ.get("GP_N", 128))
+    limit, n = int(os.environ.get("GP_LIMIT", 8)), int(os.environ.get("GP_N", 128))
     lm = load_model("smollm2-135m-instruct")
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer)
@@ -73,7 +73,8 @@ def _measure(mode: str) -> dict[str, Any]:
     steps = sum(decoder.generate(p, n).stats.steps for p in rag + open_ended)
     gc.callbacks.remove(timed)
     gc.unfreeze()
-    return {"tracked_objects": tracked, "steps": steps, "collections": len(pauses),
+    return {"tracked_objects": tracked, "prompts": len(rag + open_ended), "steps": steps,
+            "collections": len(pauses),
             "full": [round(1000 * s, 1) for g, s in pauses if g == 2],
             "longest_ms": round(1000 * max((s for _, s in pauses), default=0.0), 1),
             "ms_per_step": round(1000 * sum(s for _, s in pauses) / steps, 3)}

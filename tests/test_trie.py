@@ -1,7 +1,9 @@
 """The n-gram trie and the trie drafter: what is drafted, and memory bounds."""
 
+import gc
 import random
 import sys
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -11,10 +13,17 @@ from rag_spec.drafters.trie import BYTES_PER_NODE, NGramTrie, best_nodes
 from rag_spec.drafters.trie_drafter import TrieDrafter
 
 
+def nested(trie: NGramTrie) -> dict:
+    """Every key's continuations as nested dicts: token -> (count, what followed), in order."""
+    def below(level):
+        return {token: (count, below(after)) for token, (count, after) in level.items()}
+    return {key: below(trie.following(key)) for key in trie.roots}
+
+
 def count_nodes(trie: NGramTrie) -> int:
     def below(children):
-        return sum(1 + below(entry[1]) for entry in children.values())
-    return sum(below(c) for c in trie.roots.values())
+        return sum(1 + below(after) for _, after in children.values())
+    return sum(below(c) for c in nested(trie).values())
 
 
 def test_longest_key_wins():
@@ -44,7 +53,36 @@ def test_streamed_insert_counts_like_one_insert():
     streamed.insert([5, 1, 2])
     streamed.insert([5, 1, 2, 3, 4, 1], 3)
     streamed.insert([5, 1, 2, 3, 4, 1, 2, 3], 6)
-    assert streamed.roots == whole.roots
+    assert nested(streamed) == nested(whole)
+
+
+def flattened(trie: NGramTrie) -> Counter:
+    """(key, path) -> count for every node of every key's continuations."""
+    counts: Counter = Counter()
+
+    def walk(key, path, level):
+        for token, (count, after) in level.items():
+            counts[key, (*path, token)] = count
+            walk(key, (*path, token), after)
+    for key, level in nested(trie).items():
+        walk(key, (), level)
+    return counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 6), max_size=30), min_size=1, max_size=4),
+       st.integers(1, 5), st.integers(1, 3))
+def test_counts_are_the_n_grams_counted_directly(sequences, branch_length, max_key):
+    trie = NGramTrie(branch_length=branch_length, max_key=max_key)
+    direct: Counter = Counter()
+    for tokens in sequences:
+        trie.insert(tokens)
+        for start in range(1, len(tokens)):
+            for q in range(1, min(max_key, start) + 1):
+                for d in range(1, min(branch_length, len(tokens) - start) + 1):
+                    direct[tuple(tokens[start - q:start]), tuple(tokens[start:start + d])] += 1
+    assert flattened(trie) == direct
+    assert trie.nodes == len(direct)
 
 
 @settings(max_examples=50, deadline=None)
@@ -103,7 +141,37 @@ def test_memory_stays_under_budget_over_10000_requests():
     for i in range(10_000):
         drafter.remember([rng.randrange(2000) for _ in range(30)])
         if i % 1000 == 999:
-            peak = max(peak, deep_size(drafter.memory.roots))
+            peak = max(peak, deep_size(vars(drafter.memory)))
     assert drafter.memory.nodes <= drafter.memory.max_nodes
     # The node bound converts to bytes with BYTES_PER_NODE; the real footprint must honour it.
     assert peak <= memory_mb * 2**20, (peak, BYTES_PER_NODE)
+
+
+def tracked_below(root: object) -> int:
+    """Objects reachable from ``root`` that Python's garbage collector tracks (walks)."""
+    seen, stack, tracked = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        tracked += gc.is_tracked(obj)
+        stack.extend(gc.get_referents(obj))
+    return tracked
+
+
+def test_a_trie_of_thousands_of_nodes_gives_the_collector_a_handful_of_objects():
+    # a full collection walks every tracked object: an object or two per node made requests
+    # with long prompts (and the memory of earlier answers) pay for walking all of them
+    trie = NGramTrie(branch_length=8, max_key=3)
+    rng = random.Random(0)
+    text = [rng.randrange(500) for _ in range(2000)]
+    trie.insert(text)
+    trie.insert(text)  # every count 2
+    twice = trie.nodes
+    trie.insert([rng.randrange(500, 1000) for _ in range(500)])  # new keys, counts 1
+    trie.max_nodes = twice
+    trie.decay()  # halved: the text's nodes kept, the rest dropped, in lists rebuilt
+    gc.collect()  # key tuples of ints are untracked at their first collection
+    assert trie.nodes == twice > 10_000
+    assert tracked_below(trie) < 10

@@ -1,19 +1,28 @@
 """An n-gram trie of token continuations (Lookahead's drafting memory), as pure data structures.
 
-``roots[key]`` is a trie of the continuations seen after the token tuple ``key`` (1 to
-``max_key`` tokens long). A trie node maps a token to ``[count, children]``; counts along a
-path never increase with depth, so picking the most frequent nodes first always yields a
-prefix-closed tree.
+``roots[key]`` is the node whose continuations were seen after the token tuple ``key`` (1 to
+``max_key`` tokens long); a node's children map a token to the node after it, each with how
+often it followed. Counts along a path never increase with depth, so picking the most frequent
+nodes first always yields a prefix-closed tree.
+
+Nodes are numbers into two flat lists (children, counts), not an object each: a node's children
+are a dict of ints, which Python's garbage collector does not track. A trie of nested lists
+(two tracked objects a node, thousands a RAG prompt, up to ~400k in the memory of earlier
+answers) made every few requests pay a full collection that walked them all
+(docs/benchmarks/README.md, "Garbage-collection pauses").
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-Children = dict[int, list]  # token -> [count, Children]
+# token -> (count, what followed it): a trie level as ``best_nodes`` reads it (``Level`` here;
+# the suffix index builds plain dicts of ``[count, children]`` lists)
+Children = Mapping[int, Any]
 
-BYTES_PER_NODE = 330  # measured: one dict entry plus its [count, {}] list (tests pin this down)
+BYTES_PER_NODE = 330  # measured: a node's share of the lists and dicts (tests pin this down)
 
 
 class NGramTrie:
@@ -28,8 +37,10 @@ class NGramTrie:
         self.branch_length = branch_length
         self.max_key = max_key
         self.max_nodes = max_nodes
-        self.roots: dict[tuple[int, ...], Children] = {}
-        self.nodes = 0
+        self.roots: dict[tuple[int, ...], int] = {}  # key -> the node its continuations hang from
+        self.nodes = 0  # continuation nodes (the keys' own nodes not counted)
+        self._children: list[dict[int, int] | None] = []  # node -> {token: node}; None: a leaf
+        self._counts: list[int] = []  # node -> how often its token followed its parent
 
     def insert(self, tokens: Sequence[int], new_from: int = 0) -> None:
         """Count the n-grams of ``tokens`` that involve a token at index ``new_from`` or later.
@@ -48,45 +59,96 @@ class NGramTrie:
             self.decay()
 
     def _add(self, key: tuple[int, ...], branch: Sequence[int], skip: int) -> None:
-        children = self.roots.setdefault(key, {})
+        node = self.roots.get(key)
+        if node is None:
+            node = self.roots[key] = self._node(0)
+        children, counts = self._children, self._counts
         for depth, token in enumerate(branch):
-            entry = children.get(token)
-            if entry is None:
-                entry = children[token] = [0, {}]
+            below = children[node]
+            if below is None:
+                below = children[node] = {}
+            child = below.get(token)
+            if child is None:
+                child = below[token] = self._node(0)
                 self.nodes += 1
             if depth >= skip:
-                entry[0] += 1
-            children = entry[1]
+                counts[child] += 1
+            node = child
+
+    def _node(self, count: int) -> int:
+        self._children.append(None)
+        self._counts.append(count)
+        return len(self._counts) - 1
 
     def decay(self) -> None:
         """Halve every count, dropping nodes that reach zero, until under ``max_nodes``."""
         while self.nodes > self.max_nodes:
-            self.nodes = 0
-            for key in list(self.roots):
-                self.nodes += _halve(self.roots[key])
-                if not self.roots[key]:
-                    del self.roots[key]
+            children, counts = self._children, self._counts
+            self._children, self._counts, self.nodes = [], [], 0
+            roots = {}
+            for key, node in self.roots.items():
+                if any(counts[child] // 2 for child in (children[node] or {}).values()):
+                    roots[key] = self._halved(children, counts, node)
+            self.roots = roots
 
-    def continuations(self, context: Sequence[int]) -> Children | None:
+    def _halved(self, children: list[dict[int, int] | None], counts: list[int], node: int
+                ) -> int:
+        """A copy of ``node``'s subtree from the lists before a decay, counts halved, nodes
+        that fall to zero dropped with what hangs below them (no count below exceeds
+        theirs)."""
+        copy = self._node(counts[node] // 2)
+        for token, child in (children[node] or {}).items():
+            if counts[child] // 2:
+                below = self._children[copy]
+                if below is None:
+                    below = self._children[copy] = {}
+                below[token] = self._halved(children, counts, child)
+                self.nodes += 1
+        return copy
+
+    def following(self, key: tuple[int, ...]) -> Level | None:
+        """What followed ``key`` (None: it was never seen)."""
+        node = self.roots.get(key)
+        return None if node is None else Level(self, node)
+
+    def continuations(self, context: Sequence[int]) -> Level | None:
         """The continuation trie of the longest key that ends ``context`` and was seen."""
         for q in range(min(self.max_key, len(context)), 0, -1):
-            found = self.roots.get(tuple(context[-q:]))
+            found = self.following(tuple(context[-q:]))
             if found:
                 return found
         return None
 
 
-def _halve(children: Children) -> int:
-    """Halve counts below ``children`` in place; returns how many nodes survive."""
-    kept = 0
-    for token in list(children):
-        entry = children[token]
-        entry[0] //= 2
-        if entry[0] == 0:
-            del children[token]
-        else:
-            kept += 1 + _halve(entry[1])
-    return kept
+class Level(Mapping[int, tuple[int, "Level"]]):
+    """A node's children as ``best_nodes`` reads them: token -> (count, the child's children).
+    A view over the trie's lists, made as it is read."""
+
+    __slots__ = ("_node", "_trie")
+
+    def __init__(self, trie: NGramTrie, node: int) -> None:
+        self._trie, self._node = trie, node
+
+    def _below(self) -> dict[int, int]:
+        return self._trie._children[self._node] or {}
+
+    def __getitem__(self, token: int) -> tuple[int, Level]:
+        child = self._below()[token]
+        return self._trie._counts[child], Level(self._trie, child)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._below())
+
+    def __len__(self) -> int:
+        return len(self._below())
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._below()
+
+    def items(self) -> Iterator[tuple[int, tuple[int, Level]]]:  # type: ignore[override]
+        trie, counts = self._trie, self._trie._counts
+        return ((token, (counts[child], Level(trie, child)))
+                for token, child in self._below().items())
 
 
 def best_nodes(tries: Sequence[tuple[Children, float]], budget: int, max_depth: int
