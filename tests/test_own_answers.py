@@ -1,6 +1,8 @@
 """The model's own answers, to train a draft on: prompts about the user's passages and questions
 the model writes itself, each answered with exactly the model's greedy tokens."""
 
+import pytest
+
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.corpus import Passage
 from rag_spec.engine.decoder import LookaheadDecoder
@@ -72,3 +74,48 @@ def test_the_questions_written_do_not_depend_on_which_draft_head_exists():
     publish_head(model, train_head(model, texts, vocabulary=32, epochs=1, progress=False))
     assert find_head(model) is not None  # a default decoder would draft with it now
     assert own_answers(model, tokenizer, **asked) == before
+
+
+def test_answers_are_kept_and_reused_until_the_model_or_the_question_changes(monkeypatch,
+                                                                             capsys):
+    import torch
+
+    import rag_spec.training.own_answers as answering
+    from rag_spec.paths import cache_dir
+
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    asked = {"written_share": 0.5, "seed": 4, "max_new_tokens": 6}
+    before = set((cache_dir() / "answers").glob("*.json"))
+    first = answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=False, **asked)
+    assert first == own_answers(model, tokenizer, PASSAGES, 4, progress=False, **asked)
+    [kept] = set((cache_dir() / "answers").glob("*.json")) - before
+
+    def answering_again(*args, **kwargs):
+        msg = "answered again"
+        raise AssertionError(msg)
+
+    real = answering.own_answers
+    monkeypatch.setattr(answering, "own_answers", answering_again)
+    assert answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=True,
+                                        **asked) == first
+    assert "4 answers, kept from an earlier run" in capsys.readouterr().err
+    for other in ({**asked, "seed": 5}, {**asked, "max_new_tokens": 7}):  # another question
+        with pytest.raises(AssertionError, match="answered again"):
+            answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=False, **other)
+    with pytest.raises(AssertionError, match="answered again"):  # fewer answers
+        answering.remembered_answers(model, tokenizer, PASSAGES, 3, progress=False, **asked)
+    tuned = tiny_llama(vocab_size=35, eos=2)
+    with torch.no_grad():
+        tuned.lm_head.weight.mul_(2)  # the same shape, another model
+    with pytest.raises(AssertionError, match="answered again"):
+        answering.remembered_answers(tuned, tokenizer, PASSAGES, 4, progress=False, **asked)
+
+    kept.write_text('[[1, 2], "damaged')  # a file cut short: answered again and replaced
+    monkeypatch.setattr(answering, "own_answers", real)
+    assert answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=False,
+                                        **asked) == first
+    assert "could not be read" in capsys.readouterr().err
+    monkeypatch.setattr(answering, "own_answers", answering_again)
+    assert answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=False,
+                                        **asked) == first

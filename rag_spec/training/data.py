@@ -30,9 +30,10 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
     """What a draft trains on: ``texts`` passages of ``sources``, ``answers`` of the model's
     own answers (``own_answers``) and ``written`` more, longer ones to questions it wrote
     itself, shuffled, as a function that makes them (answering takes minutes: only called
-    when nothing is cached), and a fingerprint of the passages."""
+    when no draft is cached, and answers kept from an earlier run are reused:
+    ``remembered_answers``), and a fingerprint of the passages."""
     from rag_spec.corpus import fingerprint, load_passages
-    from rag_spec.training.own_answers import own_answers
+    from rag_spec.training.own_answers import remembered_answers
 
     passages = load_passages(sources)
 
@@ -40,10 +41,12 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
         chosen = random.Random(0).sample(passages, min(texts, len(passages)))
         sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
                                  max_length=_LENGTH, add_special_tokens=False)["input_ids"]
-        answered = own_answers(lm.model, lm.tokenizer, passages, answers, progress=progress)
+        answered = remembered_answers(lm.model, lm.tokenizer, passages, answers,
+                                      progress=progress)
         if written:  # other questions than the first answers' (another seed)
-            answered += own_answers(lm.model, lm.tokenizer, passages, written, written_share=1.0,
-                                    max_new_tokens=128, seed=1000, progress=progress)
+            answered += remembered_answers(lm.model, lm.tokenizer, passages, written,
+                                           written_share=1.0, max_new_tokens=128, seed=1000,
+                                           progress=progress)
         sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in answered]
         random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
         return sequences

@@ -18,17 +18,21 @@ seeded draws plain sampling makes, whatever heads exist (one trained from them, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rag_spec.corpus import Passage
+from rag_spec.corpus import Passage, fingerprint
 from rag_spec.models.limits import context_window
 from rag_spec.progress import progress as progress_bar
 from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.types import Hit
 
 _BATCH = 8  # prompts answered at once
+_ASKED = 1  # bump when what ``own_answers`` asks changes: remembered answers are answered again
 _MARK = "\x00rag-spec\x00"  # stands for a message's content while the template is rendered
 
 
@@ -62,6 +66,39 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
         batch = prompts[start:start + _BATCH]
         answers = decoder.generate(batch, max_new_tokens=max_new_tokens)
         answered += [(prompt, answer.token_ids) for prompt, answer in zip(batch, answers)]
+    return answered
+
+
+def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: int,
+                       *, progress: bool = True, **asked: Any
+                       ) -> list[tuple[list[int], list[int]]]:
+    """``own_answers``, kept in rag-spec's cache: answering is most of a draft's training
+    (about 40 of the draft head's 87 minutes), and the answers depend only on the model, its
+    tokenizer, the passages and what is asked, so a training run that stopped, or a draft
+    trained with other settings on the same answers (the exit adapter's are the head's first
+    ones), answers nothing again. A damaged file is answered again and replaced."""
+    from rag_spec.drafters.draft_head import model_fingerprint
+    from rag_spec.paths import atomic_file, cache_dir
+
+    key = json.dumps([_ASKED, model_fingerprint(model), str(model.dtype), fingerprint(passages),
+                      count, sorted(asked.items()), type(tokenizer).__name__, len(tokenizer),
+                      getattr(tokenizer, "chat_template", None)])
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    path = cache_dir() / "answers" / f"{digest}.json"
+    if path.is_file():
+        try:
+            kept = [(list(map(int, prompt)), list(map(int, answer)))
+                    for prompt, answer in json.loads(path.read_text())]
+            if progress:
+                print(f"rag-spec: the model's {len(kept)} answers, kept from an earlier run "
+                      f"({path})", file=sys.stderr)
+            return kept
+        except (ValueError, TypeError) as err:  # unreadable: answered again below
+            print(f"rag-spec: the model's answers kept in {path} could not be read "
+                  f"({type(err).__name__}); answering again.", file=sys.stderr)
+    answered = own_answers(model, tokenizer, passages, count, progress=progress, **asked)
+    with atomic_file(path) as scratch:
+        scratch.write_text(json.dumps(answered))
     return answered
 
 
