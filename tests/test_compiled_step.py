@@ -1,6 +1,6 @@
 """Compiled verification steps (``LookaheadConfig(compile=True)``): a static KV cache and
 torch.compile, with generate's greedy tokens for every drafter kind, batches of one prompt
-length (static) and of several (the growing cache), and the user's model left alone."""
+length and of several (left-padded), and the user's model left alone."""
 
 import itertools
 import subprocess
@@ -50,15 +50,23 @@ def test_compiled_steps_give_generates_greedy_tokens(target, name):
     assert decoder.runner.compiled is not None
     if name == "trie":  # the repeats were drafted and kept: steps were trees, not one token
         assert min(steps) < 30
+    ragged = [repetitive_prompt(s, length=12 + 9 * s) for s in range(3)]  # left-padded
+    results = decoder.generate(ragged, 24)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 24) for p in ragged]
+    assert {r.stats.passes for r in results} == {"compiled"}
 
 
-def test_a_static_batch_and_a_ragged_one_give_each_row_its_tokens(target):
+def test_batches_of_one_prompt_length_and_of_several_decode_compiled_with_generates_tokens(
+        target):
     decoder = LookaheadDecoder(target, config=COMPILED)
-    same = [repetitive_prompt(s, length=24) for s in range(3)]  # one length: a static cache
-    ragged = [repetitive_prompt(s, length=10 + 7 * s) for s in range(3)]  # a growing one
-    for prompts in (same, ragged):
+    same = [repetitive_prompt(s, length=24) for s in range(3)]  # written into a static cache
+    ragged = [repetitive_prompt(s, length=10 + 7 * s) for s in range(3)]  # copied, left-padded
+    # lengths far apart: prefilled in groups, joined, then copied
+    apart = [repetitive_prompt(3, length=8), repetitive_prompt(4) * 6, repetitive_prompt(5)]
+    for prompts in (same, ragged, apart):
         results = decoder.generate(prompts, 20)
         assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in prompts]
+        assert {r.stats.passes for r in results} == {"compiled"}
 
 
 def test_a_static_batch_whose_rows_accept_unequal_paths_stays_inside_its_cache(target):

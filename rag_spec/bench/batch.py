@@ -5,7 +5,7 @@ hundred tokens each, so a batch's rows are ragged).
 Per batch the systems run interleaved, greedy: transformers ``generate`` on the left-padded
 batch (the baseline), our decoder, our decoder drafting nothing (``rag_spec_no_drafts``: the
 kernels without speculation), and our decoder prefilling every batch as one pass padded to its
-longest prompt (``rag_spec_padded_prefill``: the ablation of ``tree_cache.length_groups``, which
+longest prompt (``rag_spec_padded_prefill``: the ablation of ``prefill.length_groups``, which
 prefills rows of very different lengths in groups). Every row's tokens are compared with
 generate's; speedups are medians of per-batch ratios.
 """
@@ -38,7 +38,7 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
         ) -> dict[str, Any]:
     """Run the benchmark on the first ``limit`` RAG prompts in batches of ``batch``, print a
     table, write JSON and a PNG plot; return the report."""
-    import rag_spec.engine.cache.tree_cache as tree_cache
+    import rag_spec.engine.forward.prefill as prefill
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
@@ -54,7 +54,7 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
 
     def ours(decoder: Any, padded_prefill: bool = False) -> Any:
         def generate(prompts: list[list[int]]) -> Run:
-            with (mock.patch.object(tree_cache, "_PADDING_SHARE", math.inf) if padded_prefill
+            with (mock.patch.object(prefill, "_PADDING_SHARE", math.inf) if padded_prefill
                   else nullcontext()):
                 results = decoder.generate(prompts, max_new_tokens=max_new_tokens)
             return rows_run([r.token_ids for r in results], {

@@ -65,14 +65,14 @@ class LookaheadConfig:
     # models (with SDPA attention), on a CPU or a GPU; False: the fast kernels, whose rounding
     # differs from a one-token step's (in half precision that changes tokens where logits tie)
     exact: bool | Literal["auto"] = "auto"
-    # steps compiled on a static KV cache (gpt-fast style; prompts of one length, full
-    # attention). On a CPU every step, its products oneDNN's (one-token steps only where oneDNN
-    # is off); on a GPU every step, as CUDA graphs. "auto": on a CPU, where this machine holds
-    # the model's steps compiled ahead of time (``package_steps()``, ``rag-spec models
-    # compile``; loaded in about a second), else eager: never compiles. True: that package, or
-    # torch.compile at first use (minutes on a CPU; a GPU's CUDA graphs). Its rounding is
-    # inductor's, so half precision keeps exact numerics under "auto" and needs exact=False
-    # under True
+    # steps compiled on a static KV cache (gpt-fast style; full attention, a batch's shorter
+    # prompts left-padded). On a CPU every step, its products oneDNN's (one-token steps only
+    # where oneDNN is off); on a GPU every step, as CUDA graphs. "auto": on a CPU, where this
+    # machine holds the model's steps compiled ahead of time (``package_steps()``, ``rag-spec
+    # models compile``; loaded in about a second), else eager: never compiles. True: that
+    # package, or torch.compile at first use (minutes on a CPU; a GPU's CUDA graphs). Its
+    # rounding is inductor's, so half precision keeps exact numerics under "auto" and needs
+    # exact=False under True
     compile: bool | Literal["auto"] = "auto"
 
     @property
@@ -500,18 +500,17 @@ class LookaheadDecoder:
         return [rows[b] for b in keep], [rules[b] for b in keep]
 
     def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
-        """Slots of a static cache for a compiled runner: the prompt, its answer, and a round
-        (a draft's passes, then roots and trees: twice a step at most); None (a growing cache)
-        without one, or for prompts of several lengths or a sliding window, which the static
-        cache does not hold."""
-        lengths = {len(r.prompt) for r in rows}
-        if runner.compiled is None or len(lengths) > 1 or self._window is not None:
+        """Slots of a static cache for a compiled runner: the longest prompt (shorter ones are
+        left-padded), its answer, and a round (a draft's passes, then roots and trees: twice a
+        step at most); None (a growing cache) without one, or for a sliding window, which the
+        static cache does not hold."""
+        if runner.compiled is None or self._window is not None:
             return None
         answer = max(rule.max_new_tokens for rule in rules)
         # rows that accept unequal paths leave holes in each other's slots: a batch gets an
         # answer's length more for them (``_room`` keeps any batch inside)
         holes = answer if len(rows) > 1 else 0
-        return runner.compiled.capacity(lengths.pop() + answer + holes
+        return runner.compiled.capacity(max(len(r.prompt) for r in rows) + answer + holes
                                         + 2 * (self.config.budget + 1))
 
     def _room(self, cache: TreeKVCache, rows: list[_Row], rules: list[StopRule]) -> int | None:

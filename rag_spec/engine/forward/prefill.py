@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import attention_window, cache_argument, fill_only, new_cache
+from rag_spec.engine.cache.kv_cache import (
+    attention_window,
+    cache_argument,
+    fill_only,
+    layers,
+    new_cache,
+)
 from rag_spec.engine.cache.step_inputs import dense_mask
 from rag_spec.engine.cache.tree_cache import TreeKVCache, joined
 from rag_spec.engine.forward.passes import ModuleRunner
@@ -29,18 +35,36 @@ def prefill(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
     different lengths run in groups of similar length (``length_groups``), joined left-padded
     into one cache: a padded pass spends on padding what it spends on tokens (docs/concepts.md,
     "Why the defaults"). With ``capacity``, into a static cache of that many slots lent by the
-    runner's compiled step (prompts of one length); ``ModuleRunner.release`` returns it."""
+    runner's compiled step (written in place for prompts of one length, else copied there
+    left-padded, the padding masked as any hole is); ``ModuleRunner.release`` returns it."""
     prefixes = [list(p[:-1]) for p in prompts]
     roots = [p[-1] for p in prompts]
-    groups = length_groups([len(p) for p in prefixes])
-    if capacity is not None or len(groups) == 1:
+    if capacity is not None and len({len(p) for p in prefixes}) == 1:
         return padded_prefill(runner, prefixes, roots, capacity)
-    parts = [padded_prefill(runner, [prefixes[i] for i in group], [roots[i] for i in group])
-             for group in groups]
-    where = {b: (g, r) for g, group in enumerate(groups) for r, b in enumerate(group)}
-    cache, valid = joined([(part.cache, part.valid) for part in parts],
-                          [where[b] for b in range(len(prompts))])
-    return TreeKVCache(cache, valid, roots, attention_window(runner.config))
+    groups = length_groups([len(p) for p in prefixes])
+    if len(groups) == 1:
+        tree = padded_prefill(runner, prefixes, roots)
+    else:
+        parts = [padded_prefill(runner, [prefixes[i] for i in group], [roots[i] for i in group])
+                 for group in groups]
+        where = {b: (g, r) for g, group in enumerate(groups) for r, b in enumerate(group)}
+        cache, valid = joined([(part.cache, part.valid) for part in parts],
+                              [where[b] for b in range(len(prompts))])
+        tree = TreeKVCache(cache, valid, roots, attention_window(runner.config))
+    return tree if capacity is None else _lent(runner, tree, capacity)
+
+
+def _lent(runner: ModuleRunner, tree: TreeKVCache, capacity: int) -> TreeKVCache:
+    """``tree``'s entries copied into a static cache of ``capacity`` slots lent by the
+    runner's compiled step, so that a batch of prompts of several lengths decodes compiled
+    too (its rows left-padded: ``valid`` masks the padding)."""
+    if tree.window is not None or runner.compiled is None:
+        msg = "A static cache holds full-attention models' prompts, for a compiled step."
+        raise ValueError(msg)
+    static = runner.compiled.lend(len(tree.roots), capacity)
+    for index, layer in enumerate(layers(tree.cache)):
+        static.update(layer.keys, layer.values, index)  # its first slots, as a pass writes
+    return TreeKVCache(static, tree.valid, tree.roots, tree.window, capacity)
 
 
 def padded_prefill(runner: ModuleRunner, prefixes: Sequence[list[int]], roots: Sequence[int],
