@@ -98,6 +98,16 @@ def test_the_lookahead_bench_runs_the_model_it_is_given(capsys, monkeypatch):
     assert given["model_name"] == "smollm2-135m-instruct"
 
 
+def test_the_batch_benchs_ablation_prefills_every_batch_as_one_padded_pass():
+    # it once patched a constant the redesign had moved: the bench stopped at its start
+    from rag_spec.bench.batch import padded_prefills
+    from rag_spec.engine.forward.prefill import length_groups
+
+    assert len(length_groups([8, 600])) == 2  # far apart: grouped
+    with padded_prefills():
+        assert length_groups([8, 600]) == [[0, 1]]
+
+
 def test_milvus_index_build_and_its_flags(capsys, tmp_path):
     pytest.importorskip("milvus_lite")
     from rag_spec.retrieval.milvus_lite import LiteServer
