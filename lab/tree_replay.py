@@ -13,6 +13,11 @@ default (a token both drafted ranks by both chances, a copy that has held grows 
 Environment: ``TR_LIMIT`` prompts per set (default 8), ``TR_N`` new tokens (128),
 ``TR_HELD_OUT=1`` prompts the constants were not fitted on (the bench's next RAG questions, the
 open-ended prompts below); writes docs/benchmarks/tree_replay[_held_out].json and .png.
+
+``TR_TRUSTS=1,0.3,0.1`` instead decodes (no replay: each setting's own steps) at the same fixed
+16 nodes, the fitted and the held-out prompts, with each ``RECALLED_TRUST`` listed and with no
+memory of earlier answers: tokens per pass, medians over prompts and pooled; writes
+docs/benchmarks/memory_trust.json and .png.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ CEILING = "every drafted node, uncut (the ceiling)"
 
 
 def main() -> None:
+    if os.environ.get("TR_TRUSTS"):
+        trust_sweep([float(t) for t in os.environ["TR_TRUSTS"].split(",")])
+        return
     import rag_spec.drafters.merged_drafter as merged
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
-    from rag_spec.bench.report import figure, machine, save_figure
+    from rag_spec.bench.report import figure, machine
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
@@ -88,11 +96,65 @@ def main() -> None:
         for rule in rules:
             ax.plot(CUTS, [report[name][rule][str(c)] for c in CUTS], marker="o", label=rule)
         ax.axhline(report[name][CEILING], color="k", lw=0.8, ls="--", label=CEILING)
+    _save_panels(fig, axes, out, "nodes verified (a cut of the ranked tree)",
+                 "tokens per pass, replayed", "merged trees by ranking rule")
+
+
+def trust_sweep(trusts: list[float]) -> None:
+    """Tokens per pass at a fixed 16 nodes for each memory trust, and with no memory."""
+    import rag_spec.drafters.trie_drafter as trie_drafter
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+    from rag_spec.bench.report import figure, machine
+    from rag_spec.models import load_model
+
+    limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
+    lm = load_model("smollm2-135m-instruct")
+    sets = {"": prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit),
+            "held_out_": prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit,
+                                     HELD_OUT_OPEN_PROMPTS)}
+    shipped = trie_drafter.RECALLED_TRUST
+    report: dict[str, Any] = {"benchmark": "memory_trust", "model": "smollm2-135m-instruct",
+                              "machine": machine(), "max_new_tokens": n, "budget": 16,
+                              "default_trust": shipped, "settings": {}}
+    for label, trust in [*((str(t), t) for t in trusts), ("no memory", None)]:
+        trie_drafter.RECALLED_TRUST = shipped if trust is None else trust
+        row = report["settings"][label] = {}
+        for prefix, (rag, open_ended) in sets.items():  # a decoder per set: its own memory
+            decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(
+                budget=16, adaptive=False, compile=False, memory_mb=0 if trust is None else 64))
+            for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+                results = [decoder.generate(p, max_new_tokens=n) for p in prompts]
+                row[prefix + name] = {
+                    "median": round(statistics.median(r.stats.tokens_per_step for r in results), 3),
+                    "pooled": round(sum(r.stats.tokens_per_step * r.stats.steps for r in results)
+                                    / sum(r.stats.steps for r in results), 3)}
+        print(label, row, flush=True)
+    trie_drafter.RECALLED_TRUST = shipped
+    out = Path("docs/benchmarks/memory_trust.json")
+    out.write_text(json.dumps(report, indent=1))
+    fig, axes = figure(2, (10, 4), sharey=True)
+    labels = list(report["settings"])
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        for prefix, style in (("", "o-"), ("held_out_", "s--")):
+            ax.plot(labels, [report["settings"][k][prefix + name]["median"] for k in labels],
+                    style, label="held-out prompts" if prefix else "the bench's prompts")
+    _save_panels(fig, axes, out, "a copy only earlier answers hold counts (RECALLED_TRUST)",
+                 "tokens per pass at 16 nodes (median over prompts)",
+                 "copies from the memory of earlier answers")
+
+
+def _save_panels(fig: Any, axes: Any, out: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label the RAG and open-ended panels and write the figure beside ``out``."""
+    from rag_spec.bench.report import save_figure
+
+    for ax, name in zip(axes, ("rag", "open_ended")):
         ax.set_title(name)
-        ax.set_xlabel("nodes verified (a cut of the ranked tree)")
-    axes[0].set_ylabel("tokens per pass, replayed")
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel(ylabel)
     axes[0].legend()
-    save_figure(fig, out.with_suffix(".png"), "merged trees by ranking rule")
+    save_figure(fig, out.with_suffix(".png"), title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -115,6 +115,32 @@ def test_outputs_are_remembered_across_requests():
     assert drafter.session([5]).propose([30], budget=2).tokens == (31, 32)
 
 
+def test_a_copy_only_earlier_answers_hold_counts_less():
+    """The request's own continuation keeps its share; one only the memory holds (and what
+    follows it) counts ``RECALLED_TRUST`` of its share, so a merged tree ranks it after the
+    head's likely guesses; where the request holds it too, nothing is discounted."""
+    from rag_spec.drafters.trie_drafter import RECALLED_TRUST
+
+    drafter = TrieDrafter(branch_length=2)
+    drafter.session([1]).finish([30, 40, 41])  # an earlier answer: 30 -> 40 41
+    session = drafter.session([30, 50, 51])  # this request: 30 -> 50 51
+    tree = session.propose([30], budget=4)
+    share = dict(zip(tree.paths, tree.scores))
+    plain = TrieDrafter(branch_length=2, memory_mb=0).session([30, 50, 51]).propose([30], 4)
+    assert set(share) == {(50,), (50, 51), (40,), (40, 41)}
+    # counted alone, 50 follows 30 in 4 of 5 weighted sightings (the request's weigh 4), 40 in 1
+    assert share[(50,)] == pytest.approx(0.8) and share[(50, 51)] == pytest.approx(0.8)
+    assert share[(40,)] == pytest.approx(0.2 * RECALLED_TRUST)
+    assert share[(40, 41)] == pytest.approx(0.2 * RECALLED_TRUST)  # its subtree, once
+    assert plain.tokens == (50, 51)
+    # only the memory continues "40": discounted from its first node
+    recalled = drafter.session([7]).propose([40], budget=2)
+    assert recalled.tokens == (41,) and recalled.scores == pytest.approx((RECALLED_TRUST,))
+    # the request holds the same continuation: counted as it is
+    both = drafter.session([30, 40, 41]).propose([30], budget=2)
+    assert both.tokens == (40, 41) and both.scores == pytest.approx((1.0, 1.0))
+
+
 def test_chains_mode_gives_separate_branches():
     drafter = TrieDrafter(branch_length=3, mode="chains")
     session = drafter.session([1, 2, 3, 4, 1, 5, 6, 7, 1, 2, 3, 4])

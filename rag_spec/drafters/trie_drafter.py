@@ -30,6 +30,12 @@ REQUEST_WEIGHT, MEMORY_WEIGHT = 4.0, 1.0
 # What a corpus continuation that followed every occurrence of the match counts (a share of
 # the occurrences, so a frequent match does not drown the request's own n-grams).
 CORPUS_WEIGHT = 2.0
+# A continuation only earlier answers hold (neither this request nor the corpus has it) holds
+# far less often than its share says: another answer's next words, where this one's context
+# matched a few tokens. Its share (and its subtree's) counts this much, which ranks it after
+# the draft head's likely guesses in a merged tree: it fills the budget they leave (swept at
+# a fixed 16 nodes: docs/benchmarks/README.md, "Copies only earlier answers hold").
+RECALLED_TRUST = 0.1
 
 
 @dataclass(frozen=True)
@@ -120,19 +126,19 @@ class TrieSession:
             if found:
                 corpus.append((found, CORPUS_WEIGHT / sum(count for count, _ in found.values())))
         with self.drafter._lock:  # the shared memory must not change while it is walked
-            tries: list[tuple[Children, float]] = []
-            for trie, weight in ((self.request, REQUEST_WEIGHT),
-                                 (self.drafter.memory, MEMORY_WEIGHT)):
-                found = trie.continuations(context)
-                if found:
-                    tries.append((found, weight))
-            tries += corpus
+            own = self.request.continuations(context)
+            trusted = [found for found in (own,) if found] + [found for found, _ in corpus]
+            recalled = self.drafter.memory.continuations(context)
+            tries = ([(own, REQUEST_WEIGHT)] if own else []) \
+                + ([(recalled, MEMORY_WEIGHT)] if recalled else []) + corpus
             if not tries:
                 return TokenTree.empty()
             depth = self.drafter.branch_length
             if self.drafter.mode == "chains":
                 return _chains(tries, budget, depth)
             tokens, parents, shares = best_nodes(tries, budget, depth)
+            if recalled:
+                shares = _discounted(tokens, parents, shares, trusted)
             return TokenTree(tuple(tokens), tuple(parents), scores=tuple(shares))
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
@@ -145,6 +151,22 @@ class TrieSession:
     def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
         for document in documents:
             self.request.insert(document)
+
+
+def _discounted(tokens: list[int], parents: list[int], shares: list[float],
+                trusted: list[Children]) -> list[float]:
+    """``shares`` with each node that only the memory holds (its path in none of the
+    ``trusted`` continuations: the request's, the corpus's), and its subtree, counted at
+    ``RECALLED_TRUST``."""
+    below: list[list[Children]] = []  # each node's continuations in the trusted tries
+    factor: list[float] = []
+    for token, parent in zip(tokens, parents):
+        levels = trusted if parent < 0 else below[parent]
+        below.append([level[token][1] for level in levels if token in level])
+        above = 1.0 if parent < 0 else factor[parent]
+        first_recalled = not below[-1] and (parent < 0 or bool(below[parent]))
+        factor.append(above * (RECALLED_TRUST if first_recalled else 1.0))
+    return [share * f for share, f in zip(shares, factor)]
 
 
 def _chains(tries: list[tuple[Children, float]], budget: int, depth: int) -> TokenTree:
