@@ -218,7 +218,8 @@ def _merged(guess: TokenTree, copies: TokenTree,
 
 def _followed(prefix: tuple[int, ...], copies: TokenTree) -> dict[tuple[int, ...], float]:
     """Each copied path (after ``prefix``) with how often its last token followed the rest
-    where the trie saw it (1 where the copies carry no scores)."""
+    where the trie saw it (1 where the copies carry no scores; a tenth of it where only earlier
+    answers hold the path: ``trie_drafter.RECALLED_TRUST``)."""
     if copies.scores is None:
         return {prefix + path: 1.0 for path in copies.paths}
     return {prefix + path: share / (copies.scores[parent] if parent >= 0 else 1.0)

@@ -125,9 +125,9 @@ class TrieSession:
             found, _ = self.drafter.corpus.continuations(context, self.drafter.branch_length)
             if found:
                 corpus.append((found, CORPUS_WEIGHT / sum(count for count, _ in found.values())))
+        own = self.request.continuations(context)
+        trusted = ([own] if own else []) + [found for found, _ in corpus]
         with self.drafter._lock:  # the shared memory must not change while it is walked
-            own = self.request.continuations(context)
-            trusted = [found for found in (own,) if found] + [found for found, _ in corpus]
             recalled = self.drafter.memory.continuations(context)
             tries = ([(own, REQUEST_WEIGHT)] if own else []) \
                 + ([(recalled, MEMORY_WEIGHT)] if recalled else []) + corpus
@@ -137,9 +137,9 @@ class TrieSession:
             if self.drafter.mode == "chains":
                 return _chains(tries, budget, depth)
             tokens, parents, shares = best_nodes(tries, budget, depth)
-            if recalled:
-                shares = _discounted(tokens, parents, shares, trusted)
-            return TokenTree(tuple(tokens), tuple(parents), scores=tuple(shares))
+        if recalled:  # reads only this request's trie and the corpus: outside the lock
+            shares = _discounted(tokens, parents, shares, trusted)
+        return TokenTree(tuple(tokens), tuple(parents), scores=tuple(shares))
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
         # The output's own n-grams: answers often repeat themselves.
