@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rag_spec.engine.cache.kv_cache import (
+    SlidingWindow,
     attention_window,
     cache_argument,
     fill_only,
@@ -58,13 +59,20 @@ def _lent(runner: ModuleRunner, tree: TreeKVCache, capacity: int) -> TreeKVCache
     """``tree``'s entries copied into a static cache of ``capacity`` slots lent by the
     runner's compiled step, so that a batch of prompts of several lengths decodes compiled
     too (its rows left-padded: ``valid`` masks the padding)."""
-    if tree.window is not None or runner.compiled is None:
-        msg = "A static cache holds full-attention models' prompts, for a compiled step."
-        raise ValueError(msg)
-    static = runner.compiled.lend(len(tree.roots), capacity)
+    static = _static(runner, len(tree.roots), capacity, tree.window)
     for index, layer in enumerate(layers(tree.cache)):
         static.update(layer.keys, layer.values, index)  # its first slots, as a pass writes
     return TreeKVCache(static, tree.valid, tree.roots, tree.window, capacity)
+
+
+def _static(runner: ModuleRunner, rows: int, capacity: int, window: SlidingWindow | None
+            ) -> Any:
+    """A static cache of ``capacity`` slots for ``rows`` rows, lent by the runner's compiled
+    step: only full-attention models' steps are compiled on one."""
+    if window is not None or runner.compiled is None:
+        msg = "A static cache holds full-attention models' prompts, for a compiled step."
+        raise ValueError(msg)
+    return runner.compiled.lend(rows, capacity)
 
 
 def padded_prefill(runner: ModuleRunner, prefixes: Sequence[list[int]], roots: Sequence[int],
@@ -81,11 +89,11 @@ def padded_prefill(runner: ModuleRunner, prefixes: Sequence[list[int]], roots: S
     window = attention_window(runner.config)
     if capacity is None:
         tree = TreeKVCache(new_cache(), valid, roots, window)
-    elif window is None and bool(valid.all()) and runner.compiled is not None:
-        tree = TreeKVCache(runner.compiled.lend(len(prefixes), capacity), valid, roots, window,
-                           capacity)
+    elif bool(valid.all()):  # prompts of several lengths are copied there (``_lent``)
+        tree = TreeKVCache(_static(runner, len(prefixes), capacity, window), valid, roots,
+                           window, capacity)
     else:
-        msg = "A static cache holds prompts of one length for full-attention models."
+        msg = "A static cache is written in place only by prompts of one length."
         raise ValueError(msg)
     if width:
         fill(runner, tree, ids.to(device))
