@@ -383,6 +383,27 @@ def test_our_cpu_kernels_are_offered_where_their_instructions_are_and_they_build
     assert ("gcc: not found" in caplog.text) == tried
 
 
+def test_a_lock_a_killed_build_left_does_not_stall_the_next_process(tmp_path, monkeypatch):
+    """torch's extension loader waits forever on the lock file of a process killed while it
+    built or checked the kernels; under our own lock (dropped when its holder dies) the
+    leftover is removed before torch looks."""
+    import torch.utils.cpp_extension as extension
+
+    import rag_spec_kernels.cpu_extension as builder
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / f"rag_spec_cpu_kernels_avx2-torch{torch.__version__}"
+    build.mkdir()
+    (build / "lock").write_text("")  # left by a killed process
+    seen = []
+    monkeypatch.setattr(extension, "load",
+                        lambda **kwargs: seen.append((build / "lock").exists()))
+    builder.cpu_extension.__wrapped__()
+    assert seen == [False]
+
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype, kernel, monkeypatch):

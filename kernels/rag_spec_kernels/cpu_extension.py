@@ -9,10 +9,12 @@ not build."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,14 +45,34 @@ def cpu_extension() -> None:
     name = f"rag_spec_cpu_kernels_{isa.lower()}"  # one build per instruction set
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build = Path(root) / f"{name}-torch{torch.__version__}"
-    with _build_lock:
+    build.mkdir(parents=True, exist_ok=True)
+    with _build_lock, _builders_lock(build):
+        # torch's own lock file, which a process killed while building or checking leaves
+        # behind, making every later process wait for it forever: under ours no one holds it
+        (build / "lock").unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
             print(f"rag-spec: building the CPU kernels for this machine in {build} "
                   "(once, ~60 s)", file=sys.stderr)
-        build.mkdir(parents=True, exist_ok=True)
         here = Path(__file__).parent
         # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
         # runtime (not linked here), so the kernels share torch's threads
         load(name=name, sources=[str(here / source) for source in _SOURCES],
              build_directory=str(build), is_python_module=False,
              extra_cflags=["-O3", *_FLAGS[isa], "-fopenmp"])
+
+
+@contextlib.contextmanager
+def _builders_lock(build: Path) -> Iterator[None]:
+    """One process at a time builds or loads the kernels into ``build``: an advisory lock the
+    kernel drops when its holder dies, so a killed build never blocks the next."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): torch's own lock alone
+        yield
+        return
+    with open(build / "rag-spec.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
