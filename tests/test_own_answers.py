@@ -119,3 +119,48 @@ def test_answers_are_kept_and_reused_until_the_model_or_the_question_changes(mon
     monkeypatch.setattr(answering, "own_answers", answering_again)
     assert answering.remembered_answers(model, tokenizer, PASSAGES, 4, progress=False,
                                         **asked) == first
+
+
+def test_answering_that_stopped_goes_on_from_its_last_batch_with_the_same_answers(monkeypatch,
+                                                                                  capsys):
+    import rag_spec.training.own_answers as answering
+    from rag_spec.paths import cache_dir
+
+    model, tokenizer = tiny_llama(vocab_size=35, eos=2), char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    asked = {"written_share": 0.5, "seed": 6, "max_new_tokens": 6}
+    whole = own_answers(model, tokenizer, PASSAGES, 24, progress=False, **asked)
+    assert len(whole) > 2 * answering._BATCH  # three batches: the run stops in the second
+    real, calls = LookaheadDecoder.generate, []
+
+    def generate(decoder, prompts, **kwargs):
+        calls.append("writing" if kwargs.get("do_sample") else "answering")
+        if calls.count("answering") == 2 and stop:
+            raise KeyboardInterrupt
+        return real(decoder, prompts, **kwargs)
+
+    monkeypatch.setattr(LookaheadDecoder, "generate", generate)
+    stop = True
+    with pytest.raises(KeyboardInterrupt):
+        answering.remembered_answers(model, tokenizer, PASSAGES, 24, progress=False, **asked)
+    stop, calls[:] = False, []
+    assert answering.remembered_answers(model, tokenizer, PASSAGES, 24, progress=True,
+                                        **asked) == whole
+    assert calls == ["answering", "answering"]  # no question written again, batch 1 kept
+    assert f"({answering._BATCH} answered," in capsys.readouterr().err
+    assert not list((cache_dir() / "answers").glob("*.partial.json"))
+
+
+@pytest.mark.parametrize("kept", ['{"prompts": [[1, 2]], "answ', '{"prompts": [[1]], "answers": 3}',
+                                  '{"prompts": [[1], [2]], "answers": [[3], [4], [5]]}',
+                                  '{"prompts": [[1]] , "answers": []}'])
+def test_what_a_stopped_run_kept_is_taken_up_only_when_it_is_whole_batches_of_its_prompts(
+        tmp_path, kept):
+    from rag_spec.training.own_answers import PartialAnswers
+
+    partial = PartialAnswers(tmp_path / "partial.json")
+    partial.path.write_text(kept)
+    taken = partial.load()
+    assert taken == (([[1]], []) if kept.endswith("[]}") else ([], []))
+    partial.save([[1], [2]], [([1], [7, 8]), ([2], [9])])  # every prompt answered
+    assert partial.load() == ([[1], [2]], [([1], [7, 8]), ([2], [9])])

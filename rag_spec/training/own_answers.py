@@ -23,6 +23,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rag_spec.corpus import Passage, fingerprint
@@ -36,17 +37,44 @@ _ASKED = 1  # bump when what ``own_answers`` asks changes: remembered answers ar
 _MARK = "\x00rag-spec\x00"  # stands for a message's content while the template is rendered
 
 
+Answer = tuple[list[int], list[int]]  # a prompt's token ids and the model's answer's
+
+
 def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: int, *,
                 written_share: float = 0.5, max_new_tokens: int = 64, seed: int = 0,
-                progress: bool = True) -> list[tuple[list[int], list[int]]]:
+                progress: bool = True, partial: PartialAnswers | None = None) -> list[Answer]:
     """``count`` chat prompts and the model's greedy answers to them (token ids): questions the
     model writes itself (``written_share`` of them), the rest questions about ``passages`` (all
     of them where its tokenizer has no chat template), fewer where some do not fit the model's
-    context window. The model is only read."""
+    context window. The model is only read. With ``partial``, the prompts and each batch's
+    answers are kept there as they come, and an interrupted run's are taken up where it
+    stopped (answering takes most of an hour for a draft head)."""
     from rag_spec.drafters.trie_drafter import TrieDrafter
     from rag_spec.engine.decoder import LookaheadDecoder
 
     decoder = LookaheadDecoder(model, tokenizer, drafter=TrieDrafter())
+    prompts, answered = partial.load() if partial is not None else ([], [])
+    if not prompts:
+        prompts = _prompts(decoder, passages, count, written_share, max_new_tokens, seed,
+                           progress)
+        if partial is not None:
+            partial.save(prompts, answered)
+    for start in progress_bar(range(len(answered), len(prompts), _BATCH),
+                              f"the model answering {len(prompts)} prompts"
+                              + (f" ({len(answered)} answered before)" if answered else ""),
+                              "batch", enabled=progress):
+        batch = prompts[start:start + _BATCH]
+        answers = decoder.generate(batch, max_new_tokens=max_new_tokens)
+        answered += [(prompt, answer.token_ids) for prompt, answer in zip(batch, answers)]
+        if partial is not None:
+            partial.save(prompts, answered)
+    return answered
+
+
+def _prompts(decoder: Any, passages: Sequence[Passage], count: int, written_share: float,
+             max_new_tokens: int, seed: int, progress: bool) -> list[list[int]]:
+    """The chat prompts ``own_answers`` answers, its questions written first."""
+    model, tokenizer = decoder.model, decoder.tokenizer
     questions = written_questions(decoder, count - int(count * (1 - written_share)), seed=seed,
                                   progress=progress)
     chosen = random.Random(seed).sample(range(len(passages)), min(count - len(questions),
@@ -59,24 +87,47 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
     window = context_window(model.config, tokenizer)
     if window is not None:  # a model of a short window is asked what fits
         prompts = [p for p in prompts if len(p) + max_new_tokens <= window]
-    answered = []
-    for start in progress_bar(range(0, len(prompts), _BATCH),
-                              f"the model answering {len(prompts)} prompts", "batch",
-                              enabled=progress):
-        batch = prompts[start:start + _BATCH]
-        answers = decoder.generate(batch, max_new_tokens=max_new_tokens)
-        answered += [(prompt, answer.token_ids) for prompt, answer in zip(batch, answers)]
-    return answered
+    return prompts
+
+
+class PartialAnswers:
+    """The prompts and answers so far of one ``own_answers`` run, in a file: a run that stops
+    (interrupted, killed) is taken up at its last whole batch, so the batches, and the answers,
+    are those of a run that never stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> tuple[list[list[int]], list[Answer]]:
+        """The kept prompts and answers; none where no run stopped or what it kept is
+        unreadable or not a run's."""
+        try:
+            kept = json.loads(self.path.read_text())
+            prompts = [list(map(int, prompt)) for prompt in kept["prompts"]]
+            answered = [(prompts[i], list(map(int, answer)))
+                        for i, answer in enumerate(kept["answers"])]
+        except (OSError, ValueError, TypeError, KeyError, IndexError):
+            return [], []
+        if len(answered) % _BATCH and len(answered) != len(prompts):
+            return [], []
+        return prompts, answered
+
+    def save(self, prompts: Sequence[Sequence[int]], answered: Sequence[Answer]) -> None:
+        from rag_spec.paths import atomic_file
+
+        with atomic_file(self.path) as scratch:
+            scratch.write_text(json.dumps({"prompts": prompts,
+                                           "answers": [answer for _, answer in answered]}))
 
 
 def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: int,
-                       *, progress: bool = True, **asked: Any
-                       ) -> list[tuple[list[int], list[int]]]:
+                       *, progress: bool = True, **asked: Any) -> list[Answer]:
     """``own_answers``, kept in rag-spec's cache: answering is most of a draft's training
     (about 40 of the draft head's 87 minutes), and the answers depend only on the model, its
     tokenizer, the passages and what is asked, so a training run that stopped, or a draft
     trained with other settings on the same answers (the exit adapter's are the head's first
-    ones), answers nothing again. A damaged file is answered again and replaced."""
+    ones), answers nothing again; one stopped while answering goes on from its last batch. A
+    damaged file is answered again and replaced."""
     from rag_spec.drafters.draft_head import model_fingerprint
     from rag_spec.paths import atomic_file, cache_dir
 
@@ -96,9 +147,15 @@ def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], 
         except (ValueError, TypeError) as err:  # unreadable: answered again below
             print(f"rag-spec: the model's answers kept in {path} could not be read "
                   f"({type(err).__name__}); answering again.", file=sys.stderr)
-    answered = own_answers(model, tokenizer, passages, count, progress=progress, **asked)
+    partial = PartialAnswers(path.with_name(f"{digest}.partial.json"))
+    if progress and (answered := len(partial.load()[1])):
+        print(f"rag-spec: going on with the model's answers where a stopped run left them "
+              f"({answered} answered, {partial.path})", file=sys.stderr)
+    answered = own_answers(model, tokenizer, passages, count, progress=progress,
+                           partial=partial, **asked)
     with atomic_file(path) as scratch:
         scratch.write_text(json.dumps(answered))
+    partial.path.unlink(missing_ok=True)
     return answered
 
 
