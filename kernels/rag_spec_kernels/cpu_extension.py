@@ -46,10 +46,10 @@ def cpu_extension() -> None:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build = Path(root) / f"{name}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
-    with _build_lock, _builders_lock(build):
-        # torch's own lock file, which a process killed while building or checking leaves
-        # behind, making every later process wait for it forever: under ours no one holds it
-        (build / "lock").unlink(missing_ok=True)
+    with _build_lock, _builders_lock(build) as alone:
+        if alone:  # torch's own lock file is a leftover: a process killed while building or
+            # checking left it, and every later process would wait for it forever
+            (build / "lock").unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
             print(f"rag-spec: building the CPU kernels for this machine in {build} "
                   "(once, ~60 s)", file=sys.stderr)
@@ -62,17 +62,18 @@ def cpu_extension() -> None:
 
 
 @contextlib.contextmanager
-def _builders_lock(build: Path) -> Iterator[None]:
+def _builders_lock(build: Path) -> Iterator[bool]:
     """One process at a time builds or loads the kernels into ``build``: an advisory lock the
-    kernel drops when its holder dies, so a killed build never blocks the next."""
+    kernel drops when its holder dies, so a killed build never blocks the next. Yields whether
+    it is held (not where there is no ``fcntl``: torch's own lock alone)."""
     try:
         import fcntl
-    except ImportError:  # no fcntl (Windows): torch's own lock alone
-        yield
+    except ImportError:
+        yield False
         return
     with open(build / "rag-spec.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
