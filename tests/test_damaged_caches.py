@@ -260,9 +260,12 @@ def test_a_damaged_draft_is_set_aside_and_trained_again_only_when_asked(tmp_path
     lm, trained = SimpleNamespace(name=f"{tmp_path.name}-tiny"), []
     recipe = DraftRecipe("draft head", "rag-spec draft train --head", "about 25 minutes")
 
-    def train():
+    def train(checkpoint):  # where the training may keep its progress: beside the draft
+        assert checkpoint.parent == cache_dir() / "drafts"
+        assert checkpoint.name.startswith(f"{lm.name}-head-") and checkpoint.suffix == ".partial"
         trained.append(1)
-        return train_head(target, sequences(12), vocabulary=48, epochs=1, progress=False)
+        return train_head(target, sequences(12), vocabulary=48, epochs=1, progress=False,
+                          checkpoint=checkpoint)
 
     def cached(serving=False):
         return cached_draft(lm, "head", "key", lambda path: load_head(target, path),

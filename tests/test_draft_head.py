@@ -421,3 +421,40 @@ def test_every_shipped_head_is_small_and_names_the_model_it_was_trained_for():
         assert path.stat().st_size < 10 * 2**20
         with safe_open(str(path), framework="pt") as file:
             assert file.metadata()["trained_for"] == path.stem
+
+
+def test_training_that_stopped_goes_on_from_its_last_epoch_to_the_same_head(target, tmp_path,
+                                                                            monkeypatch):
+    import rag_spec.training.train_head as training
+
+    texts = sequences(20)
+    whole = train_head(target, texts, vocabulary=48, epochs=3, lr=5e-3, progress=False)
+    real, calls = training._loss, []
+
+    def loss(*args):
+        calls.append(1)
+        if stop and len(calls) == 25:  # in the second epoch (18 texts each, 2 held out)
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(training, "_loss", loss)
+    checkpoint, stop = tmp_path / "head.partial", True
+    with pytest.raises(KeyboardInterrupt):
+        train_head(target, texts, vocabulary=48, epochs=3, lr=5e-3, progress=False,
+                   checkpoint=checkpoint)
+    assert checkpoint.is_file()
+    stop, calls[:] = False, []
+    resumed = train_head(target, texts, vocabulary=48, epochs=3, lr=5e-3, progress=False,
+                         checkpoint=checkpoint)
+    assert len(calls) == 2 * 18  # the first epoch was kept
+    assert not checkpoint.exists()
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    checkpoint.write_bytes(b"cut short")  # unreadable: trained afresh, the same head
+    calls[:] = []
+    again = train_head(target, texts, vocabulary=48, epochs=3, lr=5e-3, progress=False,
+                       checkpoint=checkpoint)
+    assert len(calls) == 3 * 18
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(),
+                                                 again.state_dict().values()))

@@ -76,10 +76,11 @@ def train_command(lm: Any, sources: Sequence[str], flags: str) -> str:
 
 
 def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
-                 train: Callable[[], Trained] | None, save: Callable[[Trained, Path], None],
-                 recipe: DraftRecipe) -> Trained:
+                 train: Callable[[Path], Trained] | None,
+                 save: Callable[[Trained, Path], None], recipe: DraftRecipe) -> Trained:
     """A trained draft (``kind``: what it is) for ``lm`` from rag-spec's cache, under a hash of
-    ``key`` (what it was trained from).
+    ``key`` (what it was trained from). ``train`` is given a path beside it where it may keep
+    its progress (``train_head``'s checkpoints).
 
     ``train`` None is serving, which never trains: a missing draft is a RagSpecError naming
     ``recipe.command`` and its duration. A damaged one is set aside (``*.damaged``, kept for a
@@ -105,7 +106,7 @@ def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
         raise RagSpecError(msg)
     if damaged:
         print(f"rag-spec: {damaged}Training it again.", file=sys.stderr)
-    trained = train()
+    trained = train(path.with_name(path.name + ".partial"))
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as scratch:
         save(trained, scratch)

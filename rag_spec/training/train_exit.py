@@ -39,7 +39,7 @@ def cached_exit(lm: Any, layers: int, sources: Sequence[str] = ("stdlib",), *,
     recipe = DraftRecipe(f"exit adapter after {layers} layers",
                          train_command(lm, sources, f"--layers {layers}"), "about 9 minutes")
     return cached_draft(lm, f"exit{layers}", key, ExitAdapter.load,
-                        (lambda: train_exit(lm.model, layers, sequences(), progress=progress))
+                        (lambda _: train_exit(lm.model, layers, sequences(), progress=progress))
                         if train else None, ExitAdapter.save, recipe)
 
 

@@ -3,7 +3,9 @@ one token ahead, and caching it per (model, corpus, sizes)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,8 +51,9 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
     recipe = DraftRecipe("draft head", train_command(lm, sources, "--head"),
                          "about an hour and a half")
     head = cached_draft(lm, "head", key, lambda path: load_head(lm.model, path),
-                        (lambda: train_head(lm.model, sequences(), epochs=epochs,
-                                            progress=progress)) if train else None,
+                        (lambda partial: train_head(lm.model, sequences(), epochs=epochs,
+                                                    progress=progress, checkpoint=partial))
+                        if train else None,
                         save_head, recipe)
     if train:  # every decoder on this model drafts with it by default from now on
         publish_head(lm.model, head)
@@ -58,11 +61,16 @@ def cached_head(lm: Any, sources: Sequence[str] = ("stdlib",), *, texts: int = 8
 
 
 def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: int = 8192,
-               epochs: int = _EPOCHS, lr: float = 5e-4, progress: bool = True) -> DraftHead:
+               epochs: int = _EPOCHS, lr: float = 5e-4, progress: bool = True,
+               checkpoint: Path | None = None) -> DraftHead:
     """Train a draft head to predict ``model``'s next-token distribution one to three tokens
     ahead of its hidden state (deeper ones from its own guessed states), on token
     ``sequences`` (a tenth held out to measure agreement). The model is only read (its
-    predictions come from rag-spec's private copy)."""
+    predictions come from rag-spec's private copy).
+
+    With ``checkpoint``, the training's state is kept there after each epoch, and a run that
+    stopped goes on from its last one: the head is the one a run that never stopped trains
+    (training is ~40 minutes of the embedded model's head). Removed once trained."""
     data = training_set(model, sequences, -1, vocabulary, "a draft head", progress)
     head = DraftHead(model, data.subset).float().train()
     table = model.get_input_embeddings().weight.detach().float()
@@ -71,15 +79,67 @@ def train_head(model: Any, sequences: Sequence[Sequence[int]], *, vocabulary: in
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     samples = data.shuffled(epochs)
     schedule = torch.optim.lr_scheduler.LinearLR(optimiser, 1.0, 0.0, total_iters=len(samples))
-    for sample in progress_bar(samples, "training the draft head", "text", enabled=progress):
-        loss = _loss(head, table, position, sample)
+    state = _TrainingState(checkpoint, head, optimiser, schedule, len(samples))
+    done = state.resumed()
+    for at in progress_bar(range(done, len(samples)), "training the draft head"
+                           + (f" (from text {done}: a stopped run's)" if done else ""), "text",
+                           enabled=progress):
+        loss = _loss(head, table, position, samples[at])
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
         schedule.step()
+        if (at + 1) % len(data.train) == 0 and at + 1 < len(samples):  # an epoch's end
+            state.keep(at + 1)
+    state.finished()
     head.agreement = {"untrained": _agreement_of(before),
                       "trained": _agreement_of(_agreement(head, table, data.held_out))}
     return head.to(model.dtype).eval().requires_grad_(False)
+
+
+class _TrainingState:
+    """A head's training as it stands (weights, optimiser, schedule, texts done) in a file, so
+    a stopped run goes on where it was. What cannot be read, or is another training's, is
+    trained afresh."""
+
+    def __init__(self, path: Path | None, head: DraftHead, optimiser: torch.optim.Optimizer,
+                 schedule: Any, total: int) -> None:
+        self.path, self.head, self.optimiser, self.schedule = path, head, optimiser, schedule
+        self.total = total
+
+    def resumed(self) -> int:
+        """Texts done by the run that left the state (loaded into the training), or 0."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        fresh = (copy.deepcopy(self.head.state_dict()), copy.deepcopy(self.optimiser.state_dict()),
+                 self.schedule.state_dict())
+        try:
+            kept = torch.load(self.path, map_location="cpu", weights_only=True)
+            if kept["total"] != self.total:
+                return 0
+            self.head.load_state_dict(kept["head"])
+            self.optimiser.load_state_dict(kept["optimiser"])
+            self.schedule.load_state_dict(kept["schedule"])
+            return int(kept["done"])
+        except Exception:  # unreadable, or another training's: trained afresh
+            self.head.load_state_dict(fresh[0])
+            self.optimiser.load_state_dict(fresh[1])
+            self.schedule.load_state_dict(fresh[2])
+            return 0
+
+    def keep(self, done: int) -> None:
+        if self.path is None:
+            return
+        from rag_spec.paths import atomic_file
+
+        with atomic_file(self.path) as scratch:
+            torch.save({"done": done, "total": self.total, "head": self.head.state_dict(),
+                        "optimiser": self.optimiser.state_dict(),
+                        "schedule": self.schedule.state_dict()}, scratch)
+
+    def finished(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def _unrolled(head: DraftHead, table: torch.Tensor, sample: TrainingSample, depth: int
