@@ -424,7 +424,7 @@ def test_every_shipped_head_is_small_and_names_the_model_it_was_trained_for():
 
 
 def test_training_that_stopped_goes_on_from_its_last_epoch_to_the_same_head(target, tmp_path,
-                                                                            monkeypatch):
+                                                                            monkeypatch, capsys):
     import rag_spec.training.train_head as training
 
     texts = sequences(20)
@@ -451,10 +451,11 @@ def test_training_that_stopped_goes_on_from_its_last_epoch_to_the_same_head(targ
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
-    checkpoint.write_bytes(b"cut short")  # unreadable: trained afresh, the same head
+    checkpoint.write_bytes(b"cut short")  # unreadable: said, trained afresh, the same head
     calls[:] = []
     again = train_head(target, texts, vocabulary=48, epochs=3, lr=5e-3, progress=False,
                        checkpoint=checkpoint)
     assert len(calls) == 3 * 18
+    assert "could not be taken up" in capsys.readouterr().err
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(),
                                                  again.state_dict().values()))

@@ -4,6 +4,7 @@ one token ahead, and caching it per (model, corpus, sizes)."""
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,9 @@ class _TrainingState:
             self.optimiser.load_state_dict(kept["optimiser"])
             self.schedule.load_state_dict(kept["schedule"])
             return int(kept["done"])
-        except Exception:  # unreadable, or another training's: trained afresh
+        except Exception as err:  # unreadable, or another training's: trained afresh
+            print(f"rag-spec: the draft head's training state in {self.path} could not be "
+                  f"taken up ({type(err).__name__}); training from the start.", file=sys.stderr)
             self.head.load_state_dict(fresh[0])
             self.optimiser.load_state_dict(fresh[1])
             self.schedule.load_state_dict(fresh[2])
