@@ -56,7 +56,7 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
     prompts, answered = partial.load() if partial is not None else ([], [])
     if not prompts:
         prompts = _prompts(decoder, passages, count, written_share, max_new_tokens, seed,
-                           progress)
+                           progress, partial)
         if partial is not None:
             partial.save(prompts, answered)
     for start in progress_bar(range(len(answered), len(prompts), _BATCH),
@@ -72,11 +72,12 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
 
 
 def _prompts(decoder: Any, passages: Sequence[Passage], count: int, written_share: float,
-             max_new_tokens: int, seed: int, progress: bool) -> list[list[int]]:
+             max_new_tokens: int, seed: int, progress: bool, partial: PartialAnswers | None
+             ) -> list[list[int]]:
     """The chat prompts ``own_answers`` answers, its questions written first."""
     model, tokenizer = decoder.model, decoder.tokenizer
     questions = written_questions(decoder, count - int(count * (1 - written_share)), seed=seed,
-                                  progress=progress)
+                                  progress=progress, partial=partial)
     chosen = random.Random(seed).sample(range(len(passages)), min(count - len(questions),
                                                                   len(passages)))
     prompts = [chat_input_ids(tokenizer, rag_messages(
@@ -91,15 +92,28 @@ def _prompts(decoder: Any, passages: Sequence[Passage], count: int, written_shar
 
 
 class PartialAnswers:
-    """The prompts and answers so far of one ``own_answers`` run, in a file: a run that stops
-    (interrupted, killed) is taken up at its last whole batch, so the batches, and the answers,
+    """What one ``own_answers`` run has so far, in a file: the questions it wrote (and the
+    batches that wrote them), then its prompts and answers. A run that stops (interrupted,
+    killed) is taken up at its last whole batch, so the batches, the questions and the answers
     are those of a run that never stopped."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    def questions(self) -> tuple[list[str], int]:
+        """The questions kept and the batches that wrote them; none where none are kept."""
+        try:
+            kept = json.loads(self.path.read_text())
+            questions, batches = [str(q) for q in kept["questions"]], int(kept["batches"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return [], 0
+        return questions, batches
+
+    def save_questions(self, questions: Sequence[str], batches: int) -> None:
+        self._write({"questions": list(questions), "batches": batches})
+
     def load(self) -> tuple[list[list[int]], list[Answer]]:
-        """The kept prompts and answers; none where no run stopped or what it kept is
+        """The kept prompts and answers; none where no run got that far or what it kept is
         unreadable or not a run's."""
         try:
             kept = json.loads(self.path.read_text())
@@ -113,11 +127,13 @@ class PartialAnswers:
         return prompts, answered
 
     def save(self, prompts: Sequence[Sequence[int]], answered: Sequence[Answer]) -> None:
+        self._write({"prompts": prompts, "answers": [answer for _, answer in answered]})
+
+    def _write(self, kept: dict[str, Any]) -> None:
         from rag_spec.paths import atomic_file
 
         with atomic_file(self.path) as scratch:
-            scratch.write_text(json.dumps({"prompts": prompts,
-                                           "answers": [answer for _, answer in answered]}))
+            scratch.write_text(json.dumps(kept))
 
 
 def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: int,
@@ -160,24 +176,28 @@ def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], 
 
 
 def written_questions(decoder: Any, count: int, *, seed: int = 0, attempts: int = 3,
-                      max_new_tokens: int = 48, progress: bool = False) -> list[str]:
+                      max_new_tokens: int = 48, progress: bool = False,
+                      partial: PartialAnswers | None = None) -> list[str]:
     """Up to ``count`` questions the model writes when its chat template opens a user turn
-    (sampled, seeded; only those it ends itself are kept, in at most ``attempts`` times the
-    batches ``count`` needs). None without a chat template."""
+    (sampled, seeded per batch; only those it ends itself are kept, in at most ``attempts``
+    times the batches ``count`` needs). None without a chat template. With ``partial``, each
+    batch's questions are kept there and a stopped run's taken up after its last batch."""
     opening = user_turn_opening(decoder.tokenizer)
     if opening is None or count <= 0:
         return []
     ids = decoder.tokenizer(opening, add_special_tokens=False)["input_ids"]
-    questions: list[str] = []
+    questions, done = partial.questions() if partial is not None else ([], 0)
     batches = attempts * -(-count // _BATCH)
-    for batch in progress_bar(range(batches), f"the model writing {count} questions", "batch",
-                              enabled=progress):
+    for batch in progress_bar(range(done, batches), f"the model writing {count} questions",
+                              "batch", enabled=progress and len(questions) < count):
+        if len(questions) >= count:
+            break
         rows = decoder.generate([ids] * _BATCH, max_new_tokens=max_new_tokens, do_sample=True,
                                 temperature=1.0, top_p=0.95, seed=seed + batch * _BATCH)
         questions += [text for r in rows if r.finish_reason == "eos"
                       and (text := r.text.strip())]
-        if len(questions) >= count:
-            break
+        if partial is not None:
+            partial.save_questions(questions, batch + 1)
     return questions[:count]
 
 
