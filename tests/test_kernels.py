@@ -404,6 +404,33 @@ def test_a_lock_a_killed_build_left_does_not_stall_the_next_process(tmp_path, mo
 
 
 
+def test_kernels_a_killed_build_left_unreadable_are_built_again(tmp_path, monkeypatch, capsys):
+    import torch.utils.cpp_extension as extension
+
+    import rag_spec_kernels.cpu_extension as builder
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / f"rag_spec_cpu_kernels_avx2-torch{torch.__version__}"
+    build.mkdir()
+    for output in ("rag_spec_cpu_kernels_avx2.so", "bindings.o", "build.ninja"):
+        (build / output).write_bytes(b"cut short")
+    loads = []
+
+    def load(**kwargs):
+        loads.append(sorted(path.name for path in build.iterdir()))
+        if len(loads) == 1:
+            msg = "rag_spec_cpu_kernels_avx2.so: invalid ELF header"
+            raise OSError(msg)
+
+    monkeypatch.setattr(extension, "load", load)
+    builder.cpu_extension.__wrapped__()
+    assert loads == [["bindings.o", "build.ninja", "rag-spec.lock", "rag_spec_cpu_kernels_avx2.so"],
+                     ["rag-spec.lock"]]  # built again from the sources
+    assert "could not be loaded" in capsys.readouterr().err
+
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moved_slots_match_torchs_gather_in_every_tensor_of_a_step(dtype, kernel, monkeypatch):

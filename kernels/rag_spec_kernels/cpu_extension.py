@@ -54,11 +54,23 @@ def cpu_extension() -> None:
             print(f"rag-spec: building the CPU kernels for this machine in {build} "
                   "(once, ~60 s)", file=sys.stderr)
         here = Path(__file__).parent
-        # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
-        # runtime (not linked here), so the kernels share torch's threads
-        load(name=name, sources=[str(here / source) for source in _SOURCES],
-             build_directory=str(build), is_python_module=False,
-             extra_cflags=["-O3", *_FLAGS[isa], "-fopenmp"])
+
+        def built() -> None:
+            # -fopenmp for at::parallel_for's pragma; its calls resolve to torch's own OpenMP
+            # runtime (not linked here), so the kernels share torch's threads
+            load(name=name, sources=[str(here / source) for source in _SOURCES],
+                 build_directory=str(build), is_python_module=False,
+                 extra_cflags=["-O3", *_FLAGS[isa], "-fopenmp"])
+
+        try:
+            built()
+        except OSError as err:  # a library the loader cannot read (a build killed while it
+            # wrote it): its newer date keeps the build tool from redoing it, so it is removed
+            print(f"rag-spec: the CPU kernels built in {build} could not be loaded ({err}); "
+                  "building them again (~60 s)", file=sys.stderr)
+            for output in (*build.glob("*.so"), *build.glob("*.o"), build / "build.ninja"):
+                output.unlink(missing_ok=True)
+            built()
 
 
 @contextlib.contextmanager
