@@ -66,6 +66,8 @@ def cpu_extension() -> None:
             built()
         except OSError as err:  # a library the loader cannot read (a build killed while it
             # wrote it): its newer date keeps the build tool from redoing it, so it is removed
+            if not (build / f"{name}.so").exists():  # not the library's fault (no compiler)
+                raise
             print(f"rag-spec: the CPU kernels built in {build} could not be loaded ({err}); "
                   "building them again (~60 s)", file=sys.stderr)
             for output in (*build.glob("*.so"), *build.glob("*.o"), build / "build.ninja"):
