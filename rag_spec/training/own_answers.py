@@ -54,6 +54,9 @@ def own_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], count: 
 
     decoder = LookaheadDecoder(model, tokenizer, drafter=TrieDrafter())
     prompts, answered = partial.load() if partial is not None else ([], [])
+    if progress and answered and partial is not None:
+        print(f"rag-spec: going on with the model's answers where a stopped run left them "
+              f"({len(answered)} answered, {partial.path})", file=sys.stderr)
     if not prompts:
         prompts = _prompts(decoder, passages, count, written_share, max_new_tokens, seed,
                            progress, partial)
@@ -164,9 +167,6 @@ def remembered_answers(model: Any, tokenizer: Any, passages: Sequence[Passage], 
             print(f"rag-spec: the model's answers kept in {path} could not be read "
                   f"({type(err).__name__}); answering again.", file=sys.stderr)
     partial = PartialAnswers(path.with_name(f"{digest}.partial.json"))
-    if progress and (answered := len(partial.load()[1])):
-        print(f"rag-spec: going on with the model's answers where a stopped run left them "
-              f"({answered} answered, {partial.path})", file=sys.stderr)
     answered = own_answers(model, tokenizer, passages, count, progress=progress,
                            partial=partial, **asked)
     with atomic_file(path) as scratch:
