@@ -144,7 +144,9 @@ def test_a_package_built_by_other_code_is_named_and_decoding_goes_on_eagerly(
         assert decoder.runner.compiled is None
         assert "builtbyothercode" in caplog.text and "rag-spec models compile" in caplog.text
         caplog.clear()
-        LookaheadDecoder(tiny_llama(seed=0, layers=4, hidden=64))  # another model: none stale
+        assert LookaheadDecoder(tiny_llama(seed=0, layers=4, hidden=64)).runner  # another model
+        other_kernels = LookaheadConfig(onednn_linear=False)  # an ablation: not stale either
+        assert LookaheadDecoder(model, config=other_kernels).runner.stacks == []
         assert "built by other code" not in caplog.text
     prompt = repetitive_prompt(0)
     assert decoder.generate(prompt, 12).token_ids == hf_greedy(model, prompt, 12)

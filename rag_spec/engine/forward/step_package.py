@@ -116,6 +116,14 @@ def _model(step: CompiledStep) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def _kernels(step: CompiledStep) -> list[list[bool]]:
+    """Which kernel families the step's linear layers take (ours or not, streamed or not): a
+    package for other kernels (an ablation's) is not this step's, stale or not."""
+    kinds = {(m.stack is not None, m.stack is not None and m.stack.streamed)
+             for m in step.module.modules() if isinstance(m, TracedLinear)}
+    return [list(kind) for kind in sorted(kinds)]  # as JSON gives it back
+
+
 @functools.cache
 def _sources_digest() -> str:
     """A digest of the kernels' and the step's code, read once per process (every runner
@@ -175,7 +183,7 @@ def load(step: CompiledStep) -> LoadedPackage | None:
     folder = package_dir(step)
     if folder is None or not folder.is_dir():
         if folder is not None:
-            _name_stale(folder, _model(step))
+            _name_stale(folder, {"model": _model(step), "kernels": _kernels(step)})
         return None
     graphs = {}
     try:
@@ -210,16 +218,19 @@ def _load_graph(path: Path) -> Any:
     return AOTICompiledModel(loader(str(path), "model", False, 1, -1))
 
 
-def _name_stale(folder: Path, model: str) -> None:
-    """Warn (once a process per package) where this model's steps were compiled by other code
-    (rag-spec, torch or transformers upgraded, another CPU): the user would otherwise get
-    eager steps, slower, without a word."""
+def _name_stale(folder: Path, step: dict[str, Any]) -> None:
+    """Warn (once a process per package) where this model's steps, on the same kernels, were
+    compiled by other code (rag-spec, torch or transformers upgraded, another CPU): the user
+    would otherwise get eager steps, slower, without a word. A package built before packages
+    named their kernels is taken to be on the same ones."""
     if folder in _named:
         return
     _named.add(folder)
     for other in sorted(folder.parent.glob("*/package.json")):
         try:
-            stale = json.loads(other.read_text()).get("model") == model
+            built = json.loads(other.read_text())
+            stale = built.get("model") == step["model"] \
+                and built.get("kernels", step["kernels"]) == step["kernels"]
         except (OSError, ValueError, AttributeError):
             continue
         if stale:
@@ -264,7 +275,8 @@ def build(step: CompiledStep, progress: Callable[[Iterable[str]], Iterable[str]]
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(scratch / f"{name}.pt2"), inductor_configs=_INDUCTOR)
         (scratch / "package.json").write_text(json.dumps({"features": wrapper.features,
-                                                          "model": _model(step)}))
+                                                          "model": _model(step),
+                                                          "kernels": _kernels(step)}))
     return folder
 
 
