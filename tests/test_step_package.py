@@ -144,7 +144,8 @@ def test_a_package_built_by_other_code_is_named_and_decoding_goes_on_eagerly(
         assert decoder.runner.compiled is None
         assert "builtbyothercode" in caplog.text and "rag-spec models compile" in caplog.text
         caplog.clear()
-        assert LookaheadDecoder(tiny_llama(seed=0, layers=4, hidden=64)).runner  # another model
+        other_model = LookaheadDecoder(tiny_llama(seed=0, layers=4, hidden=64))
+        assert other_model.runner.compiled is None  # no package: eager, and none stale
         other_kernels = LookaheadConfig(onednn_linear=False)  # an ablation: not stale either
         assert LookaheadDecoder(model, config=other_kernels).runner.stacks == []
         assert "built by other code" not in caplog.text

@@ -183,7 +183,7 @@ def load(step: CompiledStep) -> LoadedPackage | None:
     folder = package_dir(step)
     if folder is None or not folder.is_dir():
         if folder is not None:
-            _name_stale(folder, {"model": _model(step), "kernels": _kernels(step)})
+            _name_stale(folder, _model(step), _kernels(step))
         return None
     graphs = {}
     try:
@@ -218,7 +218,7 @@ def _load_graph(path: Path) -> Any:
     return AOTICompiledModel(loader(str(path), "model", False, 1, -1))
 
 
-def _name_stale(folder: Path, step: dict[str, Any]) -> None:
+def _name_stale(folder: Path, model: str, kernels: list[list[bool]]) -> None:
     """Warn (once a process per package) where this model's steps, on the same kernels, were
     compiled by other code (rag-spec, torch or transformers upgraded, another CPU): the user
     would otherwise get eager steps, slower, without a word. A package built before packages
@@ -229,8 +229,7 @@ def _name_stale(folder: Path, step: dict[str, Any]) -> None:
     for other in sorted(folder.parent.glob("*/package.json")):
         try:
             built = json.loads(other.read_text())
-            stale = built.get("model") == step["model"] \
-                and built.get("kernels", step["kernels"]) == step["kernels"]
+            stale = built.get("model") == model and built.get("kernels", kernels) == kernels
         except (OSError, ValueError, AttributeError):
             continue
         if stale:
