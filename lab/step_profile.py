@@ -11,7 +11,8 @@ tokens and nodes per pass, the speedup over no drafts and the step's cost over a
 the parts of those a drafting step adds (``CALLS``: the head's pass, its round, the trie's
 lookups, the merge, the trie learning the new tokens, verification, compaction). Then the
 forward pass alone, 1 to 17 tokens wide after a RAG-length prompt, which says what the width
-costs on this CPU. Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new
+costs on this CPU: eager passes (``lab.floor.runner_step_seconds`` grows its cache, so steps
+compiled ahead of time do not run there; the decoder's own passes are in the split above). Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new
 tokens (128); writes docs/benchmarks/step_profile.json and .png.
 """
 
@@ -163,7 +164,7 @@ def _print_table(report: dict[str, Any]) -> None:
         calls = report[name]["default"]["calls_ms_per_pass"]
         print("  default, ms per pass in calls:", ", ".join(f"{k} {v:.2f}"
                                                           for k, v in calls.items()))
-    print("forward pass by width (x one token):", report["forward_over_one_token"])
+    print("eager forward pass by width (x one token):", report["forward_over_one_token"])
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
@@ -186,7 +187,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     width_axis.plot([int(w) for w in widths], list(widths.values()), marker="o")
     width_axis.axhline(1.3, color="k", lw=0.8, ls="--")
     width_axis.set_xlabel(f"tokens in the pass (after {report['context_tokens']} of context)")
-    width_axis.set_ylabel("forward pass / one-token pass")
+    width_axis.set_ylabel("eager forward pass / one-token pass")
     save_figure(fig, path, f"{setting(report)}: where a step's cost goes")
 
 
