@@ -12,8 +12,9 @@ the parts of those a drafting step adds (``CALLS``: the head's pass, its round, 
 lookups, the merge, the trie learning the new tokens, verification, compaction). Then the
 forward pass alone, 1 to 17 tokens wide after a RAG-length prompt, which says what the width
 costs on this CPU: eager passes (``lab.floor.runner_step_seconds`` grows its cache, so steps
-compiled ahead of time do not run there; the decoder's own passes are in the split above). Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new
-tokens (128); writes docs/benchmarks/step_profile.json and .png.
+compiled ahead of time do not run there; the decoder's own passes are in the split above).
+Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new tokens (128); writes
+docs/benchmarks/step_profile.json and .png.
 """
 
 from __future__ import annotations
