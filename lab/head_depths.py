@@ -7,7 +7,9 @@ steps where packaged, as a user gets them): ``generate`` (the peer), our decoder
 deep, each below a path of at least 20%: ``Expansion(max_depth=4, grow_prob=0.2)``), then with
 its trees one pass deep, two past a first guess of 50% (the default before) and two always;
 with ``HD_OLD`` (a head file for the same model, e.g. ``git show
-3010838:rag_spec/drafters/heads/<fingerprint>.safetensors``) that head one deep too. Per
+3010838:rag_spec/drafters/heads/<fingerprint>.safetensors``) that head in the default's shape
+and one deep too (the head under test is the one the default finds: one trained with ``rag-spec
+draft train --head`` in rag-spec's cache before the shipped one). Per
 system, medians over prompts of the speedup over no drafts and over ``generate``, mean and
 median tokens per pass, and how many outputs equal ``generate``'s. Environment: ``HD_LIMIT``
 prompts per set (default 8; up to 16, the held-out open-ended prompts after the bench's: a
@@ -64,8 +66,9 @@ def main() -> None:
                                               drafter=TrieDrafter()),
                 **{name: merged(shipped, shape) for name, shape in shapes.items()}}
     if os.environ.get("HD_OLD"):
-        decoders["old_head_one_deep"] = merged(load_head(lm.model, Path(os.environ["HD_OLD"])),
-                                               shapes["head_one_deep"])
+        old = load_head(lm.model, Path(os.environ["HD_OLD"]))
+        decoders["old_head_default"] = merged(old, None)
+        decoders["old_head_one_deep"] = merged(old, shapes["head_one_deep"])
     for decoder in decoders.values():  # first use: kernels prepared, step costs timed
         decoder.generate(rag[0], 16)
 
