@@ -21,8 +21,10 @@ import torch
 
 _SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "move_slots.cpp", "bindings.cpp")
 _build_lock = threading.Lock()
-# compiler flags per instruction set torch reports (``get_cpu_capability``)
-_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+# compiler flags per instruction set torch reports (``get_cpu_capability``: its AVX512 means
+# the F, DQ, BW and VL extensions)
+_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
+          "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 def vector_isa() -> str | None:

@@ -10,8 +10,11 @@
 // are in the core's cache. Blocks that no row sees (holes, padding) are skipped.
 //
 // Work items are (batch row, KV head, slice of SPLIT_KEYS committed slots), merged per query
-// row in slice order: a row's result depends on its own keys and mask only, never on the other
-// rows of the batch or the number of query tokens beside it.
+// row in slice order, and for a step of several tokens each query head of a KV head is an item
+// of its own: a model with fewer KV heads than twice the cores (3 on the default model) would
+// leave a core idle for a third of a tree step's attention. Every row's sums run in the same
+// order whichever rows share its item, so a row's result depends on its own keys and mask only,
+// never on the other rows of the batch or the number of query tokens beside it.
 #if defined(__AVX512F__)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -205,17 +208,31 @@ struct Step {
   float scale;
 };
 
-// Query rows of (b, kv head) against committed slots [first, last) and, with ``round``, the
-// round's slots; state: per row max, sum, then ``dim`` outputs, at ``state`` (rows * (dim + 2)).
+// The 32 bits of ``n`` (<= 32) mask bytes: which are not zero.
+inline uint32_t nonzero_bits(const uint8_t* bytes, int64_t n) {
+  if (n == KEYS) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i loaded = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    return _mm256_cmpneq_epi8_mask(loaded, _mm256_setzero_si256());
+#endif
+  }
+  uint32_t bits = 0;
+  for (int64_t j = 0; j < n; ++j) bits |= static_cast<uint32_t>(bytes[j] != 0) << j;
+  return bits;
+}
+
+// Query rows of (b, kv head)'s query heads [g0, g1) against committed slots [first, last) and,
+// with ``round``, the round's slots; state: per row max, sum, then ``dim`` outputs, at ``state``
+// (rows * (dim + 2)).
 template <int CHUNKS>
-void attend_slice(const Step& s, int64_t b, int64_t kv_head, int64_t first, int64_t last,
-                  bool round, float* state) {
-  const int64_t rows = s.groups * s.q_len, dim = s.dim, width = dim + 2;
-  std::vector<float> queries(rows * dim);  // scaled, row = group * q_len + token
-  for (int64_t g = 0; g < s.groups; ++g)
+void attend_slice(const Step& s, int64_t b, int64_t kv_head, int64_t g0, int64_t g1,
+                  int64_t first, int64_t last, bool round, float* state) {
+  const int64_t rows = (g1 - g0) * s.q_len, dim = s.dim, width = dim + 2;
+  std::vector<float> queries(rows * dim);  // scaled, row = (group - g0) * q_len + token
+  for (int64_t g = g0; g < g1; ++g)
     for (int64_t t = 0; t < s.q_len; ++t) {
       const float* q = s.query + b * s.q_b + (kv_head * s.groups + g) * s.q_h + t * s.q_t;
-      float* to = queries.data() + (g * s.q_len + t) * dim;
+      float* to = queries.data() + ((g - g0) * s.q_len + t) * dim;
       for (int64_t d = 0; d < dim; ++d) to[d] = q[d] * s.scale;
     }
   for (int64_t r = 0; r < rows; ++r) {
@@ -236,8 +253,7 @@ void attend_slice(const Step& s, int64_t b, int64_t kv_head, int64_t first, int6
   const int64_t* select = s.select ? s.select + b * s.n_committed : nullptr;
   for (int64_t start = first; start < last; start += KEYS) {
     const int64_t n = std::min(KEYS, last - start);
-    uint32_t bits = 0;
-    for (int64_t j = 0; j < n; ++j) bits |= static_cast<uint32_t>(committed[start + j] != 0) << j;
+    const uint32_t bits = nonzero_bits(committed + start, n);
     if (!bits) continue;
     const int64_t spare = start + __builtin_ctz(bits);  // lanes not seen read a seen key
     for (int64_t j = 0; j < KEYS; ++j) {
@@ -251,18 +267,19 @@ void attend_slice(const Step& s, int64_t b, int64_t kv_head, int64_t first, int6
   const uint8_t* recent = s.recent + b * s.q_len * s.n_round;
   for (int64_t start = 0; start < s.n_round; start += KEYS) {
     const int64_t n = std::min(KEYS, s.n_round - start);
-    for (int64_t j = 0; j < KEYS; ++j) point(j, s.round_start + start + std::min(j, n - 1));
+    uint32_t any = 0;  // a compiled step's round spans every slot: most blocks no row sees
     for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* sees = recent + (r % s.q_len) * s.n_round + start;
-      uint32_t bits = 0;
-      for (int64_t j = 0; j < n; ++j) bits |= static_cast<uint32_t>(sees[j] != 0) << j;
-      seen[r] = bits;
+      seen[r] = nonzero_bits(recent + (r % s.q_len) * s.n_round + start, n);
+      any |= seen[r];
     }
+    if (!any) continue;
+    for (int64_t j = 0; j < KEYS; ++j) point(j, s.round_start + start + std::min(j, n - 1));
     attend_block<CHUNKS>(queries.data(), rows, keys, values, seen.data(), state, weights.data());
   }
 }
 
-using Slice = void (*)(const Step&, int64_t, int64_t, int64_t, int64_t, bool, float*);
+using Slice = void (*)(const Step&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                       float*);
 
 template <int... C>
 constexpr std::array<Slice, sizeof...(C)> slices(std::integer_sequence<int, C...>) {
@@ -310,15 +327,20 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
                   heads / kv_heads, dim, static_cast<float>(scale)};
   const int64_t groups = step.groups, rows = groups * q_len, width = dim + 2;
   const int64_t splits = std::max<int64_t>(1, (step.n_committed + SPLIT_KEYS - 1) / SPLIT_KEYS);
+  // one token's query heads share an item (two rows read each key once); a tree's each its own
+  const int64_t per_item = q_len > 1 ? 1 : groups, item_rows = per_item * q_len;
   auto state = torch::empty({batch * kv_heads, splits, rows, width}, query.options());
   float* states = state.data_ptr<float>();
   const Slice slice = SLICES[dim / 16 - 1];
-  at::parallel_for(0, batch * kv_heads * splits, 1, [&](int64_t first, int64_t last) {
+  const int64_t parts = groups / per_item;
+  at::parallel_for(0, batch * kv_heads * parts * splits, 1, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t pair = item / splits, part = item % splits;
-      slice(step, pair / kv_heads, pair % kv_heads, part * SPLIT_KEYS,
-            std::min(step.n_committed, (part + 1) * SPLIT_KEYS), part == splits - 1,
-            states + item * rows * width);
+      const int64_t pair = item / (parts * splits), part = item / splits % parts,
+                    split = item % splits;
+      slice(step, pair / kv_heads, pair % kv_heads, part * per_item, (part + 1) * per_item,
+            split * SPLIT_KEYS, std::min(step.n_committed, (split + 1) * SPLIT_KEYS),
+            split == splits - 1,
+            states + ((pair * splits + split) * rows + part * item_rows) * width);
     }
   });
   auto out = torch::empty({batch, q_len, heads, dim}, query.options());
