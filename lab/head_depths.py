@@ -10,8 +10,10 @@ with ``HD_OLD`` (a head file for the same model, e.g. ``git show
 3010838:rag_spec/drafters/heads/<fingerprint>.safetensors``) that head in the default's shape
 and one deep too (the head under test is the one the default finds: one trained with ``rag-spec
 draft train --head`` in rag-spec's cache before the shipped one). Per
-system, medians over prompts of the speedup over no drafts and over ``generate``, mean and
-median tokens per pass, and how many outputs equal ``generate``'s. Environment: ``HD_LIMIT``
+system, medians over prompts of the speedup over no drafts and over ``generate``, tokens per
+pass (the mean over prompts, the median, and pooled: all tokens over all passes; with more than 8
+prompts, also over the bench's first 8 and over the held-out rest), and how many outputs equal
+``generate``'s. Environment: ``HD_LIMIT``
 prompts per set (default 8; up to 16, the held-out open-ended prompts after the bench's: a
 prompt asked twice would be copied from its first answer), ``HD_N`` new tokens (128),
 ``HD_FIXED`` a fixed tree of that many nodes for every drafting system instead of the adaptive
@@ -90,14 +92,22 @@ def main() -> None:
                                                   for p, m in zip(plain, mine)]), 3),
             "speedup_vs_generate": round(median([g.seconds / m.seconds
                                                  for g, m in zip(peer, mine)]), 3),
-            "tokens_per_pass": round(statistics.mean(m.extra.get("tokens_per_step", 1.0)
-                                                      for m in mine), 3),
-            "tokens_per_pass_median": round(median([m.extra.get("tokens_per_step", 1.0)
-                                                    for m in mine]), 3),
+            **_passes(mine, ""), **(_passes(mine[:8], "_bench_prompts")
+                                    | _passes(mine[8:], "_held_out") if len(mine) > 8 else {}),
             "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
             for system, mine in runs.items()}}
     publish(report, None, f"head_depths_fixed{fixed}" if fixed else "head_depths", _plot,
             _print_table)
+
+
+def _passes(runs: list[Any], suffix: str) -> dict[str, float]:
+    """Tokens per pass of ``runs``: the mean over prompts (what the lookahead bench reports),
+    the median, and pooled (all tokens over all passes)."""
+    per_prompt = [m.extra.get("tokens_per_step", 1.0) for m in runs]
+    passes = sum(len(m.tokens) / t for m, t in zip(runs, per_prompt))
+    return {f"tokens_per_pass{suffix}": round(statistics.mean(per_prompt), 3),
+            f"tokens_per_pass_median{suffix}": round(median(per_prompt), 3),
+            f"tokens_per_pass_pooled{suffix}": round(sum(len(m.tokens) for m in runs) / passes, 3)}
 
 
 def _print_table(report: dict[str, Any]) -> None:
@@ -108,7 +118,8 @@ def _print_table(report: dict[str, Any]) -> None:
                 print(f"  {system:24} {row['speedup_vs_no_drafts']:.3f}x no drafts  "
                       f"{row['speedup_vs_generate']:.3f}x generate  "
                       f"{row['tokens_per_pass']:.2f} tok/pass "
-                      f"(median {row['tokens_per_pass_median']:.2f})  "
+                      f"(median {row['tokens_per_pass_median']:.2f}, pooled "
+                      f"{row['tokens_per_pass_pooled']:.2f})  "
                       f"{row['identical_to_generate']}/{report[name]['prompts']} identical")
 
 
