@@ -10,11 +10,11 @@
 // are in the core's cache. Blocks that no row sees (holes, padding) are skipped.
 //
 // Work items are (batch row, KV head, slice of SPLIT_KEYS committed slots), merged per query
-// row in slice order, and for a step of several tokens each query head of a KV head is an item
-// of its own: a model with fewer KV heads than twice the cores (3 on the default model) would
-// leave a core idle for a third of a tree step's attention. Every row's sums run in the same
-// order whichever rows share its item, so a row's result depends on its own keys and mask only,
-// never on the other rows of the batch or the number of query tokens beside it.
+// row in slice order. Where those are fewer than twice the cores, a step of several tokens makes
+// each query head of a KV head an item of its own: one row's 3 KV heads (the default model) on
+// two cores left one core idle for a third of a tree step's attention. Every row's sums run in
+// the same order whichever rows share its item, so a row's result depends on its own keys and
+// mask only, never on the other rows of the batch or the number of query tokens beside it.
 #if defined(__AVX512F__)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -327,16 +327,19 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
                   heads / kv_heads, dim, static_cast<float>(scale)};
   const int64_t groups = step.groups, rows = groups * q_len, width = dim + 2;
   const int64_t splits = std::max<int64_t>(1, (step.n_committed + SPLIT_KEYS - 1) / SPLIT_KEYS);
-  // one token's query heads share an item (two rows read each key once); a tree's each its own
-  const int64_t per_item = q_len > 1 ? 1 : groups, item_rows = per_item * q_len;
+  // a KV head's query heads share an item (two rows read each key once), unless that leaves
+  // cores idle in a step of several tokens; items of one slice run one after another (its keys
+  // stay in the core's cache)
+  const bool few = batch * kv_heads * splits < 2 * at::get_num_threads();
+  const int64_t per_item = q_len > 1 && few ? 1 : groups, item_rows = per_item * q_len;
   auto state = torch::empty({batch * kv_heads, splits, rows, width}, query.options());
   float* states = state.data_ptr<float>();
   const Slice slice = SLICES[dim / 16 - 1];
   const int64_t parts = groups / per_item;
-  at::parallel_for(0, batch * kv_heads * parts * splits, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, batch * kv_heads * splits * parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t pair = item / (parts * splits), part = item / splits % parts,
-                    split = item % splits;
+      const int64_t pair = item / (splits * parts), split = item / parts % splits,
+                    part = item % parts;
       slice(step, pair / kv_heads, pair % kv_heads, part * per_item, (part + 1) * per_item,
             split * SPLIT_KEYS, std::min(step.n_committed, (split + 1) * SPLIT_KEYS),
             split == splits - 1,
