@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.bench.report import figure, machine, save_figure
+from rag_spec.bench.report import figure, machine, pass_statistics, save_figure
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
@@ -212,7 +212,7 @@ def _greedy(target: Any, draft_layers: int, new_tokens: int) -> dict[str, Any]:
             "batch1": sum(r.token_ids == e for r, e in zip(alone, expected)),
             "batch4": sum(r.token_ids == e for r, e in zip(batch, expected)),
             "of": len(prompts),
-            "tokens_per_step": round(sum(r.stats.tokens_per_step for r in alone) / len(alone), 3)}
+            **pass_statistics([r.stats for r in alone])}
     return results
 
 
@@ -360,7 +360,7 @@ def _our_system(decoder: Any, new_tokens: int) -> Any:
 
     def generate(prompt: list[int]) -> Any:
         result = decoder.generate(prompt, new_tokens)
-        return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step})
+        return Run(0.0, result.token_ids, {"stats": [result.stats]})
     return generate
 
 
@@ -391,8 +391,7 @@ def _race(systems: dict[str, Any], prompts: list[list[int]], new_tokens: int
         if name.startswith("rag_spec"):  # against the ablation on the same kernels
             suffix = next((s for s in ("_fast", "_compiled") if name.endswith(s)), "")
             entry["speedup_vs_no_drafts"] = ratios(name, f"rag_spec_no_drafts{suffix}")
-            entry["tokens_per_step"] = round(median([r.extra["tokens_per_step"]
-                                                     for r in system_runs]), 3)
+            entry.update(pass_statistics([s for r in system_runs for s in r.extra["stats"]]))
         report[name] = entry
     return report
 

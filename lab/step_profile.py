@@ -31,6 +31,7 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
+    pass_statistics,
     publish,
     save_figure,
     setting,
@@ -113,8 +114,9 @@ def _system(decoder: Any, n: int, calls: dict[str, float]) -> Any:
 
 
 def _summarise(runs: dict[str, list[Run]]) -> dict[str, Any]:
-    """Per system: medians over prompts of tokens and nodes per pass, the speedup and the step's
-    cost over no drafts, and milliseconds per pass in each part of a step."""
+    """Per system: tokens per pass (``pass_statistics``); medians over prompts of nodes per
+    pass, the speedup and the step's cost over no drafts, and milliseconds per pass in each
+    part of a step."""
     def step_ms(run: Run) -> float:  # wall time per pass, the prefill excluded
         stats = run.extra["stats"]
         return 1000 * (run.seconds - stats.prefill_seconds) / stats.steps
@@ -125,7 +127,7 @@ def _summarise(runs: dict[str, list[Run]]) -> dict[str, Any]:
     for name, mine in runs.items():
         stats = [r.extra["stats"] for r in mine]
         summary[name] = {
-            "tokens_per_pass": round(median([s.tokens_per_step for s in stats]), 3),
+            **pass_statistics(stats),
             "nodes_per_pass": round(median([s.drafted / s.steps for s in stats]), 2),
             "speedup_vs_no_drafts": round(median([p.seconds / m.seconds
                                                   for p, m in zip(plain, mine)]), 3),
@@ -159,7 +161,7 @@ def _print_table(report: dict[str, Any]) -> None:
             if system == "prompts":
                 continue
             ms = " / ".join(f"{v:.1f}" for v in entry["ms_per_pass"].values())
-            print(f"  {system} | {entry['tokens_per_pass']} | {entry['nodes_per_pass']} | "
+            print(f"  {system} | {entry['tokens_per_step']} | {entry['nodes_per_pass']} | "
                   f"{entry['speedup_vs_no_drafts']}x | {entry['step_over_no_draft_step']}x | "
                   f"{entry['forward_over_no_draft_forward']}x | {ms}")
         calls = report[name]["default"]["calls_ms_per_pass"]

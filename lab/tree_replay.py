@@ -106,7 +106,7 @@ def trust_sweep(trusts: list[float]) -> None:
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
-    from rag_spec.bench.report import figure, machine
+    from rag_spec.bench.report import figure, machine, pass_statistics
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
@@ -126,10 +126,7 @@ def trust_sweep(trusts: list[float]) -> None:
                 budget=16, adaptive=False, compile=False, memory_mb=0 if trust is None else 64))
             for name, prompts in (("rag", rag), ("open_ended", open_ended)):
                 results = [decoder.generate(p, max_new_tokens=n) for p in prompts]
-                row[prefix + name] = {
-                    "median": round(statistics.median(r.stats.tokens_per_step for r in results), 3),
-                    "pooled": round(sum(r.stats.tokens_per_step * r.stats.steps for r in results)
-                                    / sum(r.stats.steps for r in results), 3)}
+                row[prefix + name] = pass_statistics([r.stats for r in results])
         print(label, row, flush=True)
     trie_drafter.RECALLED_TRUST = shipped
     out = Path("docs/benchmarks/memory_trust.json")
@@ -138,7 +135,8 @@ def trust_sweep(trusts: list[float]) -> None:
     labels = list(report["settings"])
     for ax, name in zip(axes, ("rag", "open_ended")):
         for prefix, style in (("", "o-"), ("held_out_", "s--")):
-            ax.plot(labels, [report["settings"][k][prefix + name]["median"] for k in labels],
+            ax.plot(labels, [report["settings"][k][prefix + name]["tokens_per_step_median"]
+                              for k in labels],
                     style, label="held-out prompts" if prefix else "the bench's prompts")
     _save_panels(fig, axes, out, "a copy only earlier answers hold counts (RECALLED_TRUST)",
                  "tokens per pass at 16 nodes (median over prompts)",

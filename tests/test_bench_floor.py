@@ -202,3 +202,18 @@ def test_the_gpu_projection_divides_tokens_per_pass_by_the_tree_steps_measured_c
     report.write_text(json.dumps({"step_ms": {"rag_spec_1": 40.0, "rag_spec_16": 30.0}}))
     assert gpu_projection(3.0, 13, report)["speedup_vs_no_drafts"] == 3.0  # never below plain
     assert gpu_projection(3.0, 13, tmp_path / "none.json") is None
+
+
+def test_tokens_per_pass_are_stated_as_a_mean_a_median_and_pooled():
+    from rag_spec.bench.report import pass_statistics
+    from rag_spec.engine.decoder import DecodeStats
+
+    short = DecodeStats(steps=2, accepted_per_step=[3, 1])  # 6 tokens in 2 passes: 3.0
+    long = DecodeStats(steps=8, accepted_per_step=[0] * 8)  # 8 tokens in 8 passes: 1.0
+    middle = DecodeStats(steps=4, accepted_per_step=[1, 1, 1, 1])  # 2.0
+    assert pass_statistics([short, long, middle]) == {
+        "tokens_per_step": 2.0, "tokens_per_step_median": 2.0,
+        "tokens_per_step_pooled": round(22 / 14, 3)}  # the long answer weighs most
+    assert pass_statistics([short, long]) == {
+        "tokens_per_step": 2.0, "tokens_per_step_median": 2.0, "tokens_per_step_pooled": 1.4}
+    assert pass_statistics([]) == {}

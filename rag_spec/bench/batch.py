@@ -65,7 +65,7 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
             with padded_prefills() if padded_prefill else nullcontext():
                 results = decoder.generate(prompts, max_new_tokens=max_new_tokens)
             return rows_run([r.token_ids for r in results], {
-                "tokens_per_step": sum(r.stats.tokens_per_step for r in results) / len(results),
+                "stats": [r.stats for r in results],
                 "prefill_seconds": results[0].stats.prefill_seconds})
         return generate
 

@@ -136,7 +136,7 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
             results = decoder.generate(prompts, max_new_tokens=max_new_tokens, seed=0, **options)
             results = results if isinstance(results, list) else [results]
             return rows_run([r.token_ids for r in results], {
-                "tokens_per_step": median([r.stats.tokens_per_step for r in results]),
+                "stats": [r.stats for r in results],
                 "seconds_per_step": median([(r.stats.draft_seconds + r.stats.forward_seconds
                                              + r.stats.bookkeeping_seconds) / r.stats.steps
                                             for r in results]),

@@ -26,6 +26,7 @@ from rag_spec.bench.report import (
     machine,
     median,
     padded_generate,
+    pass_statistics,
     peak_rss_mb,
     publish,
     reset_peak_rss,
@@ -184,7 +185,7 @@ def _ours(decoder: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[s
     rows = [r.token_ids for r in results]
     return {"rows": rows, "prefill_seconds": prefill,
             "decode_tokens_per_second": sum(map(len, rows)) / max(elapsed - prefill, 1e-9),
-            "tokens_per_step": median([r.stats.tokens_per_step for r in results]),
+            **pass_statistics([r.stats for r in results]),
             "peak_rss_mb": round(peak_rss_mb())}
 
 

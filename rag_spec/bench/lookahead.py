@@ -33,6 +33,7 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
+    pass_statistics,
     peak_rss_mb,
     publish,
     reset_peak_rss,
@@ -147,7 +148,7 @@ def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[
     def ours(decoder: Any, prompt: list[int]) -> Run:
         reset_peak_rss()
         result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
-        return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step,
+        return Run(0.0, result.token_ids, {"stats": [result.stats],
                                            "rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()})
 
     systems: dict[str, Any] = {"hf": hf,
@@ -192,9 +193,8 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
         # them (one process holds every system: the model and each runner's copies count).
         entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
         entry["peak_rss_mb"] = round(max(r.extra["peak_rss_mb"] for r in system_runs), 1)
-        steps = [r.extra["tokens_per_step"] for r in system_runs if "tokens_per_step" in r.extra]
-        if steps:
-            entry["tokens_per_step"] = round(sum(steps) / len(steps), 3)
+        entry.update(pass_statistics([s for r in system_runs for s in r.extra.get("stats", [])]))
+        if "tokens_per_step" in entry:
             projection = gpu_projection(entry["tokens_per_step"], 1 + LookaheadConfig.budget)
             if projection is not None:
                 entry["gpu_projection"] = projection

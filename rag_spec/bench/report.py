@@ -70,6 +70,21 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def pass_statistics(stats: Sequence[Any]) -> dict[str, float]:
+    """Tokens per forward pass of generations (their ``DecodeStats``), the three ways every
+    bench states them: ``tokens_per_step``, the mean over generations (the headline's and the
+    issue goals' statistic); ``tokens_per_step_median``; ``tokens_per_step_pooled``, every
+    token over every pass (a long answer weighs more). One helper, so that no two reports
+    disagree only in how they averaged. Empty without generations (the ``hf`` peers)."""
+    if not stats:
+        return {}
+    per = [s.tokens_per_step for s in stats]
+    tokens = sum(sum(s.accepted_per_step) + s.steps for s in stats)
+    return {"tokens_per_step": round(statistics.mean(per), 3),
+            "tokens_per_step_median": round(median(per), 3),
+            "tokens_per_step_pooled": round(tokens / max(sum(s.steps for s in stats), 1), 3)}
+
+
 def rss_mb() -> float:
     """Resident memory of this process now, in MB (Linux; NaN elsewhere)."""
     return _status_mb("VmRSS:")
@@ -223,8 +238,9 @@ def rows_run(rows: list[list[int]], extra: dict[str, Any] | None = None) -> Run:
 
 def rows_summary(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
     """Each system's ``rows_run`` runs against transformers' (``hf``), and against assisted
-    generation's (``hf_assisted``) where it ran: medians of per-item ratios, and with
-    ``check`` how many items gave every row generate's tokens."""
+    generation's (``hf_assisted``) where it ran: medians of per-item ratios, tokens per pass
+    over every row's ``DecodeStats`` (``extra["stats"]``), and with ``check`` how many items
+    gave every row generate's tokens."""
     baseline = runs["hf"]
     systems: dict[str, Any] = {}
     for name, system_runs in runs.items():
@@ -238,7 +254,8 @@ def rows_summary(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
         if check:
             entry["identical_to_hf"] = sum(r.extra["rows"] == b.extra["rows"]
                                            for b, r in zip(baseline, system_runs))
-        for key in ("tokens_per_step", "seconds_per_step", "accepted_share", "prefill_seconds"):
+        entry.update(pass_statistics([s for r in system_runs for s in r.extra.get("stats", [])]))
+        for key in ("seconds_per_step", "accepted_share", "prefill_seconds"):
             values = [r.extra[key] for r in system_runs if key in r.extra]
             if values:
                 entry[key] = round(median(values), 4)

@@ -18,7 +18,15 @@ import torch
 from pydantic import BaseModel, Field
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
-from rag_spec.bench.report import Run, interleaved, machine, median, publish, setting
+from rag_spec.bench.report import (
+    Run,
+    interleaved,
+    machine,
+    median,
+    pass_statistics,
+    publish,
+    setting,
+)
 
 _HELD_OUT = 12  # the lookahead bench reads the first questions; these come after them
 
@@ -125,7 +133,7 @@ def _systems(lm: Any, schema: type[BaseModel], decoders: dict[str, Any],
     def ours(decoder: Any) -> Any:
         def call(prompt: list[int]) -> Run:
             result = decoder.generate(prompt, max_new_tokens, json_schema=schema)
-            return Run(0.0, result.token_ids, {"tokens_per_step": result.stats.tokens_per_step})
+            return Run(0.0, result.token_ids, {"stats": [result.stats]})
         return call
 
     return {"hf_xgrammar": peer, **{name: ours(d) for name, d in decoders.items()}}
@@ -140,13 +148,13 @@ def _summarise(tokenizer: Any, schema: type[BaseModel], runs: dict[str, list[Any
         ratios = [(len(m.tokens) / m.seconds) / (len(p.tokens) / p.seconds)
                   for m, p in zip(mine, peer)]
         valid = sum(_valid(tokenizer, schema, m.tokens) for m in mine)
-        steps = [m.extra["tokens_per_step"] for m in mine if "tokens_per_step" in m.extra]
         systems[name] = {
             "tok_per_s": round(sum(len(m.tokens) for m in mine) / sum(m.seconds for m in mine), 2),
             "speedup_vs_peer": round(median(ratios), 3),
             "valid": valid,
             "identical_to_nodraft": sum(m.tokens == r.tokens for m, r in zip(mine, reference)),
-            "tokens_per_step": round(median(steps), 3) if steps else 1.0,
+            **(pass_statistics([s for m in mine for s in m.extra.get("stats", [])])
+               or {"tokens_per_step": 1.0}),
             "per_prompt_speedup": [round(r, 3) for r in ratios],
         }
     return {"prompts": len(peer), "systems": systems}
