@@ -25,6 +25,7 @@ builds); writes docs/benchmarks/head_depths.json (``head_depths_fixed16.json`` w
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,6 @@ from rag_spec.bench.report import (
     figure,
     interleaved,
     machine,
-    median,
     pass_statistics,
     publish,
     save_figure,
@@ -95,9 +95,9 @@ def main() -> None:
         runs = interleaved(systems, prompts)
         plain, peer = runs["no_drafts"], runs["generate"]
         report[name] = {"prompts": len(prompts), **{system: {
-            "speedup_vs_no_drafts": round(median([p.seconds / m.seconds
+            "speedup_vs_no_drafts": round(statistics.median([p.seconds / m.seconds
                                                   for p, m in zip(plain, mine)]), 3),
-            "speedup_vs_generate": round(median([g.seconds / m.seconds
+            "speedup_vs_generate": round(statistics.median([g.seconds / m.seconds
                                                  for g, m in zip(peer, mine)]), 3),
             **_passes(mine, ""), **(_passes(mine[:8], "_bench_prompts")
                                     | _passes(mine[8:], "_held_out") if len(mine) > 8 else {}),

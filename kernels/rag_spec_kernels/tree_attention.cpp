@@ -210,12 +210,12 @@ struct Step {
 
 // The 32 bits of ``n`` (<= 32) mask bytes: which are not zero.
 inline uint32_t nonzero_bits(const uint8_t* bytes, int64_t n) {
-  if (n == KEYS) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (n == KEYS) {  // a whole block: its 32 bytes in one compare
     const __m256i loaded = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
     return _mm256_cmpneq_epi8_mask(loaded, _mm256_setzero_si256());
-#endif
   }
+#endif
   uint32_t bits = 0;
   for (int64_t j = 0; j < n; ++j) bits |= static_cast<uint32_t>(bytes[j] != 0) << j;
   return bits;
