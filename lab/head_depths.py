@@ -95,10 +95,10 @@ def main() -> None:
         runs = interleaved(systems, prompts)
         plain, peer = runs["no_drafts"], runs["generate"]
         report[name] = {"prompts": len(prompts), **{system: {
-            "speedup_vs_no_drafts": round(statistics.median([p.seconds / m.seconds
-                                                  for p, m in zip(plain, mine)]), 3),
-            "speedup_vs_generate": round(statistics.median([g.seconds / m.seconds
-                                                 for g, m in zip(peer, mine)]), 3),
+            "speedup_vs_no_drafts": round(statistics.median(
+                [p.seconds / m.seconds for p, m in zip(plain, mine)]), 3),
+            "speedup_vs_generate": round(statistics.median(
+                [g.seconds / m.seconds for g, m in zip(peer, mine)]), 3),
             **_passes(mine, ""), **(_passes(mine[:8], "_bench_prompts")
                                     | _passes(mine[8:], "_held_out") if len(mine) > 8 else {}),
             "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
