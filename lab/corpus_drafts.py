@@ -27,8 +27,8 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
-    pass_statistics,
     publish,
+    runs_pass_statistics,
     save_figure,
     setting,
 )
@@ -114,7 +114,7 @@ def main() -> None:
                                            zip(base, runs[s])]), 3),
             "over_no_drafts": round(median([p.seconds / r.seconds for p, r in
                                             zip(plain, runs[s])]), 3),
-            **pass_statistics([st for r in runs[s] for st in r.extra["stats"]]),
+            **runs_pass_statistics(runs[s]),
             "identical_to_hf": sum(r.tokens == b.tokens for b, r in zip(base, runs[s])),
             "per_prompt_speedup": [round(b.seconds / r.seconds, 3)
                                    for b, r in zip(base, runs[s])],

@@ -46,7 +46,13 @@ from typing import Any
 
 import torch
 
-from rag_spec.bench.report import figure, machine, pass_statistics, save_figure
+from rag_spec.bench.report import (
+    figure,
+    machine,
+    pass_statistics,
+    runs_pass_statistics,
+    save_figure,
+)
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
@@ -391,7 +397,7 @@ def _race(systems: dict[str, Any], prompts: list[list[int]], new_tokens: int
         if name.startswith("rag_spec"):  # against the ablation on the same kernels
             suffix = next((s for s in ("_fast", "_compiled") if name.endswith(s)), "")
             entry["speedup_vs_no_drafts"] = ratios(name, f"rag_spec_no_drafts{suffix}")
-            entry.update(pass_statistics([s for r in system_runs for s in r.extra["stats"]]))
+            entry.update(runs_pass_statistics(system_runs))
         report[name] = entry
     return report
 

@@ -35,8 +35,8 @@ from rag_spec.bench.report import (
     figure,
     interleaved,
     machine,
-    pass_statistics,
     publish,
+    runs_pass_statistics,
     save_figure,
 )
 
@@ -108,9 +108,9 @@ def main() -> None:
 
 
 def _passes(runs: list[Any], suffix: str) -> dict[str, float]:
-    """Tokens per pass of ``runs`` (``pass_statistics``: the mean over prompts, the median,
+    """Tokens per pass of ``runs`` (``runs_pass_statistics``: the mean over prompts, the median,
     pooled), named as this lab's reports name them; 1 for ``generate``."""
-    found = pass_statistics([s for m in runs for s in m.extra.get("stats", [])]) or {
+    found = runs_pass_statistics(runs) or {
         key: 1.0 for key in ("tokens_per_step", "tokens_per_step_median",
                              "tokens_per_step_pooled")}
     return {key.replace("tokens_per_step", "tokens_per_pass") + suffix: value

@@ -205,7 +205,7 @@ def test_the_gpu_projection_divides_tokens_per_pass_by_the_tree_steps_measured_c
 
 
 def test_tokens_per_pass_are_stated_as_a_mean_a_median_and_pooled():
-    from rag_spec.bench.report import pass_statistics
+    from rag_spec.bench.report import Run, pass_statistics, runs_pass_statistics
     from rag_spec.engine.decoder import DecodeStats
 
     short = DecodeStats(steps=2, accepted_per_step=[3, 1])  # 6 tokens in 2 passes: 3.0
@@ -217,3 +217,5 @@ def test_tokens_per_pass_are_stated_as_a_mean_a_median_and_pooled():
     assert pass_statistics([short, long]) == {
         "tokens_per_step": 2.0, "tokens_per_step_median": 2.0, "tokens_per_step_pooled": 1.4}
     assert pass_statistics([]) == {}
+    runs = [Run(0.0, [], {"stats": [short, long]}), Run(0.0, []), Run(0.0, [], {"stats": [middle]})]
+    assert runs_pass_statistics(runs) == pass_statistics([short, long, middle])  # peers add none

@@ -33,11 +33,11 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
-    pass_statistics,
     peak_rss_mb,
     publish,
     reset_peak_rss,
     rss_mb,
+    runs_pass_statistics,
     save_figure,
     setting,
 )
@@ -193,7 +193,7 @@ def _summarise(model: Any, prompts: Sequence[list[int]], runs: dict[str, list[Ru
         # them (one process holds every system: the model and each runner's copies count).
         entry["rss_mb"] = round(max(r.extra["rss_mb"] for r in system_runs), 1)
         entry["peak_rss_mb"] = round(max(r.extra["peak_rss_mb"] for r in system_runs), 1)
-        entry.update(pass_statistics([s for r in system_runs for s in r.extra.get("stats", [])]))
+        entry.update(runs_pass_statistics(system_runs))
         if "tokens_per_step" in entry:
             projection = gpu_projection(entry["tokens_per_step"], 1 + LookaheadConfig.budget)
             if projection is not None:

@@ -79,10 +79,16 @@ def pass_statistics(stats: Sequence[Any]) -> dict[str, float]:
     if not stats:
         return {}
     per = [s.tokens_per_step for s in stats]
-    tokens = sum(sum(s.accepted_per_step) + s.steps for s in stats)
+    tokens = sum(s.tokens_per_step * s.steps for s in stats)
     return {"tokens_per_step": round(statistics.mean(per), 3),
             "tokens_per_step_median": round(median(per), 3),
             "tokens_per_step_pooled": round(tokens / max(sum(s.steps for s in stats), 1), 3)}
+
+
+def runs_pass_statistics(runs: Sequence[Run]) -> dict[str, float]:
+    """``pass_statistics`` of every generation in ``runs`` (each run's ``extra["stats"]``, a
+    list: a batch's rows; none for a peer)."""
+    return pass_statistics([s for r in runs for s in r.extra.get("stats", [])])
 
 
 def rss_mb() -> float:
@@ -254,7 +260,7 @@ def rows_summary(runs: dict[str, list[Run]], check: bool) -> dict[str, Any]:
         if check:
             entry["identical_to_hf"] = sum(r.extra["rows"] == b.extra["rows"]
                                            for b, r in zip(baseline, system_runs))
-        entry.update(pass_statistics([s for r in system_runs for s in r.extra.get("stats", [])]))
+        entry.update(runs_pass_statistics(system_runs))
         for key in ("seconds_per_step", "accepted_share", "prefill_seconds"):
             values = [r.extra[key] for r in system_runs if key in r.extra]
             if values:

@@ -23,8 +23,8 @@ from rag_spec.bench.report import (
     interleaved,
     machine,
     median,
-    pass_statistics,
     publish,
+    runs_pass_statistics,
     setting,
 )
 
@@ -153,8 +153,7 @@ def _summarise(tokenizer: Any, schema: type[BaseModel], runs: dict[str, list[Any
             "speedup_vs_peer": round(median(ratios), 3),
             "valid": valid,
             "identical_to_nodraft": sum(m.tokens == r.tokens for m, r in zip(mine, reference)),
-            **(pass_statistics([s for m in mine for s in m.extra.get("stats", [])])
-               or {"tokens_per_step": 1.0}),
+            **(runs_pass_statistics(mine) or {"tokens_per_step": 1.0}),
             "per_prompt_speedup": [round(r, 3) for r in ratios],
         }
     return {"prompts": len(peer), "systems": systems}
