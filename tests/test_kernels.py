@@ -226,6 +226,31 @@ def test_the_cpu_maker_decides_where_single_rows_and_a_prompts_rows_go(vendor, m
     assert rows == (128 if vendor == "Intel" and mkl else None)
 
 
+def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monkeypatch):
+    from rag_spec.bench.report import machine
+    from rag_spec_kernels import cpu_extension
+
+    text = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+            "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu sse4_2 avx2 fma "
+            "avx512f amx_tile amx_bf16 pku\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\n")
+    fields = cpu_extension._first_processor(text)
+    assert (fields["vendor_id"], fields["cpu family"], fields["model"]) == ("GenuineIntel", "6",
+                                                                            "143")
+    monkeypatch.setattr(cpu_extension, "cpu_info", lambda: fields)
+    monkeypatch.setattr(kernel, "cpu_info", lambda: fields)
+    assert cpu_extension.vector_flags() == ["amx_bf16", "amx_tile", "avx2", "avx512f", "fma",
+                                            "sse4_2"]
+    assert kernel._cpu_vendor() == "Intel"
+    import rag_spec_kernels
+
+    monkeypatch.setattr(rag_spec_kernels, "cpu_info", lambda: fields)
+    monkeypatch.setattr(rag_spec_kernels, "vector_flags", cpu_extension.vector_flags)
+    report = machine()
+    assert (report["cpu"], report["cpu_family"], report["cpu_model"]) == (
+        "Intel(R) Xeon(R) Platinum 8480+", "6", "143")
+    assert "amx_bf16" in report["vector_flags"]
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (2, 13, 24)])

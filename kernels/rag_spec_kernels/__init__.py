@@ -10,6 +10,7 @@ from rag_spec_kernels.cpu_attention import (
     cpu_attention_fits,
     cpu_tree_attention,
 )
+from rag_spec_kernels.cpu_extension import cpu_info, vector_flags
 from rag_spec_kernels.exact import (
     EXACT_TREE_ATTENTION,
     RowChunkedLinear,
@@ -42,9 +43,10 @@ from rag_spec_kernels.tree_attention import (
 
 __all__ = ["EXACT_TREE_ATTENTION", "LinearStack", "OneDNNLinear", "RowChunkedLinear", "SparseView",
            "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "TracedLinear", "TreeMask",
-           "cpu_attention_available", "cpu_attention_fits", "cpu_tree_attention",
+           "cpu_attention_available", "cpu_attention_fits", "cpu_info", "cpu_tree_attention",
            "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
            "move_slots", "onednn_available", "onednn_ops_available", "onednn_packs",
            "pack_streamed", "pack_weight", "packed_linear", "reference_attention",
            "register_tree_attention", "slots_kernel_available", "stack_table",
-           "streamed_available", "streamed_linear", "tree_attention", "tree_pass", "whole_rows"]
+           "streamed_available", "streamed_linear", "tree_attention", "tree_pass", "vector_flags",
+           "whole_rows"]

@@ -27,6 +27,30 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
           "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """This CPU as Linux describes it (the first processor's ``/proc/cpuinfo`` fields:
+    ``vendor_id``, ``cpu family``, ``model``, ``model name``, ``flags`` ...); empty where not
+    known (not Linux). One reader for what kernels choose by and benchmarks report."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return _first_processor(cpuinfo.read())
+    except OSError:
+        return {}
+
+
+def _first_processor(text: str) -> dict[str, str]:
+    """The fields of ``/proc/cpuinfo``'s first block (one block per logical processor)."""
+    fields = (line.partition(":") for line in text.split("\n\n")[0].splitlines())
+    return {key.strip(): value.strip() for key, colon, value in fields if colon}
+
+
+def vector_flags() -> list[str]:
+    """The vector instruction sets the CPU reports (AVX, AMX, FMA, F16C, SSE4), sorted."""
+    return sorted(f for f in cpu_info().get("flags", "").split()
+                  if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+
+
 def vector_isa() -> str | None:
     """The instruction set our kernels are built for here ("AVX512" or "AVX2"), or None where
     torch runs neither (an older or non-x86 CPU)."""

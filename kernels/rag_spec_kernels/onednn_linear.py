@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rag_spec_kernels.cpu_extension import cpu_info
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
 # oneDNN's inner product on a reordered weight, taking and returning dense tensors (no layout
@@ -103,13 +104,8 @@ def blas_from_rows(dtype: torch.dtype) -> int | None:
 
 def _cpu_vendor() -> str:
     """The CPU's maker: AMD, Intel, or an empty string where not known (not Linux, another)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            vendor = next((line.split(":")[1].strip() for line in cpuinfo
-                           if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, "")
+    return {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(cpu_info().get("vendor_id", ""),
+                                                                "")
 
 
 def is_plain_linear(module: Any) -> bool:

@@ -125,7 +125,14 @@ def machine() -> dict[str, Any]:
     import torch
     import transformers
 
+    from rag_spec_kernels import cpu_info, vector_flags
+
+    cpu = cpu_info()
     return {"platform": platform.platform(), "processor": platform.processor(),
+            # which VM class ran it (a Zen 4, an AMX Xeon, an AVX2 machine): the figures move
+            # with it
+            "cpu": cpu.get("model name", ""), "cpu_family": cpu.get("cpu family", ""),
+            "cpu_model": cpu.get("model", ""), "vector_flags": vector_flags(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}

@@ -101,7 +101,7 @@ def fingerprint(step: CompiledStep) -> str:
              "attention": (module.config._attn_implementation, kernel), "layers": layers,
              "sources": _sources_digest(),
              "torch": torch.__version__, "transformers": transformers.__version__,
-             "machine": platform.machine(), "cpu": _cpu_flags()}
+             "machine": platform.machine(), "cpu": rag_spec_kernels.vector_flags()}
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -151,17 +151,6 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
 
 
 @functools.cache
-def _cpu_flags() -> list[str]:
-    """The vector instruction sets the CPU reports (inductor's code is built for them)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted(f for f in line.split(":")[-1].split()
-                  if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-
-
 def package_dir(step: CompiledStep) -> Path | None:
     """Where ``step``'s package lives (it may not exist yet); None where rag-spec keeps no
     cache (a machine with only torch and transformers)."""
