@@ -14,8 +14,9 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -28,15 +29,16 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
 
 
 @functools.cache
-def cpu_info() -> dict[str, str]:
+def cpu_info() -> Mapping[str, str]:
     """This CPU as Linux describes it (the first processor's ``/proc/cpuinfo`` fields:
     ``vendor_id``, ``cpu family``, ``model``, ``model name``, ``flags`` ...); empty where not
-    known (not Linux). One reader for what kernels choose by and benchmarks report."""
+    known (not Linux). One reader for what kernels choose by and benchmarks report; read-only,
+    as every caller shares the one read."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return _first_processor(cpuinfo.read())
+            return MappingProxyType(_first_processor(cpuinfo.read()))
     except OSError:
-        return {}
+        return MappingProxyType({})
 
 
 def _first_processor(text: str) -> dict[str, str]:
