@@ -244,7 +244,6 @@ def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monk
     import rag_spec_kernels
 
     monkeypatch.setattr(rag_spec_kernels, "cpu_info", lambda: fields)
-    monkeypatch.setattr(rag_spec_kernels, "vector_flags", cpu_extension.vector_flags)
     report = machine()
     assert (report["cpu"], report["cpu_family"], report["cpu_model"]) == (
         "Intel(R) Xeon(R) Platinum 8480+", "6", "143")

@@ -150,7 +150,6 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
     return tree
 
 
-@functools.cache
 def package_dir(step: CompiledStep) -> Path | None:
     """Where ``step``'s package lives (it may not exist yet); None where rag-spec keeps no
     cache (a machine with only torch and transformers)."""
