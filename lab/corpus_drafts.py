@@ -8,6 +8,15 @@ medians of per-prompt speedups over ``generate`` and over no drafts, tokens per 
 identical to ``generate``. Environment: ``CD_LIMIT`` prompts per set (default 8), ``CD_N`` new
 tokens (96), ``CD_ROWS`` some rows only (comma-separated; no drafts always runs); writes
 docs/benchmarks/corpus_drafts.json and .png.
+
+The model's own earlier answers as a source (SuffixDecoding's corpus of outputs):
+``CD_ANSWERS=N`` adds two rows beside head + trie, with the head's training answers (its 240
+RAG answers and the first ``N`` written ones, from rag-spec's cache: answered first where
+absent, about 15 minutes for 600 on two cores): ``head_trie_answers`` indexes them as the
+trie's corpus, ``head_trie_memory`` puts them in the trie's memory of earlier answers.
+``CD_FIXED=16`` verifies a fixed tree of that many nodes (tokens per pass at the issue's budget)
+instead of the sized one; ``CD_HELD_OUT=1`` adds the held-out prompts (the bench's next RAG
+questions, ``HELD_OUT_OPEN_PROMPTS``). Either writes corpus_drafts_answers.json instead.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any
 import torch
 
 from rag_spec.bench.lookahead import prompt_sets
-from rag_spec.bench.prompts import RAG_QUESTIONS
+from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
 from rag_spec.bench.report import (
     Run,
     figure,
@@ -57,8 +66,13 @@ def main() -> None:
     from rag_spec.retrieval import KnowledgeBase
 
     limit, n = int(os.environ.get("CD_LIMIT", 8)), int(os.environ.get("CD_N", 96))
+    written, fixed = int(os.environ.get("CD_ANSWERS", 0)), int(os.environ.get("CD_FIXED", 0))
     lm = load_model("smollm2-135m-instruct")
-    rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
+    sets = dict(zip(("rag", "open_ended"),
+                    prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)))
+    if os.environ.get("CD_HELD_OUT") == "1":
+        sets.update(zip(("held_out_rag", "held_out_open_ended"), prompt_sets(
+            lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit, HELD_OUT_OPEN_PROMPTS)))
     kb = KnowledgeBase.load_default("flat")
     started = time.perf_counter()
     index = SuffixIndex.from_texts([p.text for p in kb.passages], lm.tokenizer, progress=True)
@@ -69,6 +83,8 @@ def main() -> None:
         raise SystemExit(msg)
 
     def decoder(drafter: Any, **config: Any) -> Any:
+        if fixed and "budget" not in config:
+            config.update(budget=fixed, adaptive=False)
         return LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(**config),
                                 drafter=drafter)
 
@@ -82,6 +98,14 @@ def main() -> None:
         "head_trie_corpus": decoder(MergedDrafter(FeatureDrafter(head),
                                                   TrieDrafter(corpus=index))),
     }
+    answers: list[list[int]] = own_answers(lm, written) if written else []
+    if answers:
+        memory = TrieDrafter()
+        for answer in answers:
+            memory.remember(answer)
+        decoders["head_trie_answers"] = decoder(MergedDrafter(
+            FeatureDrafter(head), TrieDrafter(corpus=SuffixIndex(answers))))
+        decoders["head_trie_memory"] = decoder(MergedDrafter(FeatureDrafter(head), memory))
 
     def hf(prompt: list[int]) -> Run:
         ids = torch.tensor([prompt])
@@ -100,13 +124,14 @@ def main() -> None:
     systems: dict[str, Any] = {"hf": hf}
     systems.update({name: (lambda p, d=d: ours(d, p)) for name, d in decoders.items()})
     for system in systems.values():
-        system(rag[0][:64])  # warm-up
+        system(sets["rag"][0][:64])  # warm-up
     report: dict[str, Any] = {
         "benchmark": "corpus_drafts", "model": "smollm2-135m-instruct", "dtype": "float32",
-        "max_new_tokens": n, "machine": machine(),
+        "max_new_tokens": n, "machine": machine(), "fixed_nodes": fixed or None,
         "corpus": {"passages": len(kb.passages), "tokens": len(index),
-                   "build_s": round(built_s, 2), "mb": round(index.nbytes / 2**20, 1)}}
-    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+                   "build_s": round(built_s, 2), "mb": round(index.nbytes / 2**20, 1)},
+        "answers": {"answers": len(answers), "tokens": sum(map(len, answers))}}
+    for name, prompts in sets.items():
         runs = interleaved(systems, prompts)
         base, plain = runs["hf"], runs["no_drafts"]
         report[name] = {"prompts": len(prompts), "systems": {s: {
@@ -119,26 +144,44 @@ def main() -> None:
             "per_prompt_speedup": [round(b.seconds / r.seconds, 3)
                                    for b, r in zip(base, runs[s])],
         } for s in decoders}}
-    publish(report, None, "corpus_drafts", _plot, _table)
+    variant = written or fixed or len(sets) > 2  # not the sources' default comparison
+    publish(report, None, "corpus_drafts_answers" if variant else "corpus_drafts", _plot,
+            _table)
+
+
+def own_answers(lm: Any, written: int) -> list[list[int]]:
+    """The answers the shipped head trained on (``training_sequences``' first 240 and the first
+    ``written`` of its written ones), without their prompts."""
+    from rag_spec.corpus import load_passages
+    from rag_spec.training.own_answers import remembered_answers
+
+    passages = load_passages()
+    answered = remembered_answers(lm.model, lm.tokenizer, passages, 240)
+    answered += remembered_answers(lm.model, lm.tokenizer, passages, written, written_share=1.0,
+                                   max_new_tokens=128, seed=1000)
+    return [answer for _, answer in answered]
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    fig, axes = figure(2, (12, 4.5), sharey=True)
-    for ax, name in zip(axes, ("rag", "open_ended")):
+    names = [k for k in report if k.endswith(("rag", "open_ended"))]
+    fig, axes = figure(len(names), (6 * len(names), 4.5), sharey=True)
+    for ax, name in zip(axes, names):
         data = report[name]["systems"]
         ax.bar(list(data), [s["speedup_vs_hf"] for s in data.values()])
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.tick_params(axis="x", rotation=45)
         ax.set_title(f"{name}: {report[name]['prompts']} prompts")
         ax.set_ylabel("median speedup vs transformers greedy")
-    save_figure(fig, path, f"{setting(report)}, {report['max_new_tokens']} new tokens")
+    fixed = report.get("fixed_nodes")
+    save_figure(fig, path, f"{setting(report)}, {report['max_new_tokens']} new tokens"
+                + (f", fixed {fixed}-node trees" if fixed else ""))
 
 
 def _table(report: dict[str, Any]) -> None:
     corpus = report["corpus"]
     print(f"suffix index: {corpus['passages']} passages, {corpus['tokens']} tokens, "
           f"built in {corpus['build_s']} s, {corpus['mb']} MB")
-    for name in ("rag", "open_ended"):
+    for name in (k for k in report if k.endswith(("rag", "open_ended"))):
         print(f"\n{name} ({report[name]['prompts']} prompts)")
         print(f"{'drafts':18} {'vs generate':>12} {'vs no drafts':>13} {'tok/pass':>9} "
               f"{'identical':>10}")
