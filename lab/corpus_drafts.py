@@ -16,7 +16,8 @@ absent, about 15 minutes for 600 on two cores): ``head_trie_answers`` indexes th
 trie's corpus, ``head_trie_memory`` puts them in the trie's memory of earlier answers.
 ``CD_FIXED=16`` verifies a fixed tree of that many nodes (tokens per pass at the issue's budget)
 instead of the sized one; ``CD_HELD_OUT=1`` adds the held-out prompts (the bench's next RAG
-questions, ``HELD_OUT_OPEN_PROMPTS``). Either writes corpus_drafts_answers.json instead.
+questions, ``HELD_OUT_OPEN_PROMPTS``). Either writes corpus_drafts_answers.json instead;
+``CD_JSON`` names another file.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def main() -> None:
                                    for b, r in zip(base, runs[s])],
         } for s in decoders}}
     variant = written or fixed or len(sets) > 2  # not the sources' default comparison
-    publish(report, None, "corpus_drafts_answers" if variant else "corpus_drafts", _plot,
-            _table)
+    publish(report, os.environ.get("CD_JSON"),
+            "corpus_drafts_answers" if variant else "corpus_drafts", _plot, _table)
 
 
 def own_answers(lm: Any, written: int) -> list[list[int]]:
