@@ -99,7 +99,7 @@ def main() -> None:
         "head_trie_corpus": decoder(MergedDrafter(FeatureDrafter(head),
                                                   TrieDrafter(corpus=index))),
     }
-    answers: list[list[int]] = own_answers(lm, written) if written else []
+    answers: list[list[int]] = head_answers(lm, written) if written else []
     if answers:
         memory = TrieDrafter()
         for answer in answers:
@@ -150,17 +150,13 @@ def main() -> None:
             "corpus_drafts_answers" if variant else "corpus_drafts", _plot, _table)
 
 
-def own_answers(lm: Any, written: int) -> list[list[int]]:
-    """The answers the shipped head trained on (``training_sequences``' first 240 and the first
-    ``written`` of its written ones), without their prompts."""
+def head_answers(lm: Any, written: int) -> list[list[int]]:
+    """The answers the shipped head trained on (its 240 and the first ``written`` of its
+    written ones), without their prompts."""
     from rag_spec.corpus import load_passages
-    from rag_spec.training.own_answers import remembered_answers
+    from rag_spec.training.data import training_answers
 
-    passages = load_passages()
-    answered = remembered_answers(lm.model, lm.tokenizer, passages, 240)
-    answered += remembered_answers(lm.model, lm.tokenizer, passages, written, written_share=1.0,
-                                   max_new_tokens=128, seed=1000)
-    return [answer for _, answer in answered]
+    return [answer for _, answer in training_answers(lm, load_passages(), 240, written)]
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

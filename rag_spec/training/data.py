@@ -12,12 +12,16 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from rag_spec.errors import RagSpecError
 from rag_spec.progress import progress as progress_bar
+
+if TYPE_CHECKING:
+    from rag_spec.corpus import Passage
+    from rag_spec.training.own_answers import Answer
 
 _TOP = 32  # teacher probabilities kept per position (the rest of its mass is negligible)
 _LENGTH = 256  # tokens of a text trained on (the last ones of an answer)
@@ -33,7 +37,6 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
     when no draft is cached, and answers kept from an earlier run are reused:
     ``remembered_answers``), and a fingerprint of the passages."""
     from rag_spec.corpus import fingerprint, load_passages
-    from rag_spec.training.own_answers import remembered_answers
 
     passages = load_passages(sources)
 
@@ -41,17 +44,27 @@ def training_sequences(lm: Any, sources: Sequence[str], texts: int, answers: int
         chosen = random.Random(0).sample(passages, min(texts, len(passages)))
         sequences = lm.tokenizer([f"{p.title}\n{p.text}" for p in chosen], truncation=True,
                                  max_length=_LENGTH, add_special_tokens=False)["input_ids"]
-        answered = remembered_answers(lm.model, lm.tokenizer, passages, answers,
-                                      progress=progress)
-        if written:  # other questions than the first answers' (another seed)
-            answered += remembered_answers(lm.model, lm.tokenizer, passages, written,
-                                           written_share=1.0, max_new_tokens=128, seed=1000,
-                                           progress=progress)
+        answered = training_answers(lm, passages, answers, written, progress=progress)
         sequences += [(prompt + answer)[-_LENGTH:] for prompt, answer in answered]
         random.Random(0).shuffle(sequences)  # the held-out tenth has both kinds
         return sequences
 
     return make, fingerprint(passages)
+
+
+def training_answers(lm: Any, passages: Sequence[Passage], answers: int, written: int = 0, *,
+                     progress: bool = True) -> list[Answer]:
+    """The model's own answers a draft trains on, as (prompt, answer) token ids: ``answers``
+    of them (``own_answers``' mix), then ``written`` more, longer ones to questions it wrote
+    itself, from rag-spec's cache where an earlier run answered them."""
+    from rag_spec.training.own_answers import remembered_answers
+
+    answered = remembered_answers(lm.model, lm.tokenizer, passages, answers, progress=progress)
+    if written:  # other questions than the first answers' (another seed)
+        answered += remembered_answers(lm.model, lm.tokenizer, passages, written,
+                                       written_share=1.0, max_new_tokens=128, seed=1000,
+                                       progress=progress)
+    return answered
 
 
 @dataclass(frozen=True)
