@@ -31,8 +31,6 @@ from rag_spec.drafters.draft_head import SubsetHead
 
 
 @dataclass
-
-
 class ExitAdapter:
     """A trained exit after the target's first ``layers`` layers."""
 

@@ -68,8 +68,6 @@ def training_answers(lm: Any, passages: Sequence[Passage], answers: int, written
 
 
 @dataclass(frozen=True)
-
-
 class DraftRecipe:
     """What a trained draft is and how a user trains it: named in every message about it."""
 
@@ -127,8 +125,6 @@ def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
 
 
 @dataclass
-
-
 class TrainingSample:
     """One text: its tokens, the model's hidden states after some layer (the last: the states
     its LM head reads), and its top tokens and log-probs at each position."""
@@ -140,8 +136,6 @@ class TrainingSample:
 
 
 @torch.no_grad()
-
-
 def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress: bool
                     ) -> list[TrainingSample]:
     """The model's states after ``layer`` layers (-1: after its final norm) and predictions on
@@ -163,8 +157,6 @@ def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress
 
 
 @dataclass
-
-
 class TrainingSet:
     """A draft's training data: the held-out tenth (agreement is measured on it), the rest,
     and the tokens its read-out scores."""

@@ -121,8 +121,6 @@ def _key_value_parameters(layer: torch.nn.Module) -> set[str]:
 
 
 @torch.inference_mode()
-
-
 def _untrained(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The plain early exit's greedy tokens: the final norm and full head on the exit's state."""
     decoder = model.get_decoder()
