@@ -15,9 +15,9 @@ RAG answers and the first ``N`` written ones, from rag-spec's cache: answered fi
 absent, about 15 minutes for 600 on two cores): ``head_trie_answers`` indexes them as the
 trie's corpus, ``head_trie_memory`` puts them in the trie's memory of earlier answers.
 ``CD_FIXED=16`` verifies a fixed tree of that many nodes (tokens per pass at the issue's budget)
-instead of the sized one; ``CD_HELD_OUT=1`` adds the held-out prompts (the bench's next RAG
-questions, ``HELD_OUT_OPEN_PROMPTS``). Either writes corpus_drafts_answers.json instead;
-``CD_JSON`` names another file.
+instead of the sized one; ``CD_HELD_OUT=1`` adds the held-out prompts (``HELD_OUT_RAG_QUESTIONS``:
+the bench's next RAG questions, ``HELD_OUT_OPEN_PROMPTS``). Either writes
+corpus_drafts_answers.json instead; ``CD_JSON`` names another file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from typing import Any
 import torch
 
 from rag_spec.bench.lookahead import prompt_sets
-from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+from rag_spec.bench.prompts import (
+    HELD_OUT_OPEN_PROMPTS,
+    HELD_OUT_RAG_QUESTIONS,
+    RAG_QUESTIONS,
+)
 from rag_spec.bench.report import (
     Run,
     figure,
@@ -73,7 +77,7 @@ def main() -> None:
                     prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)))
     if os.environ.get("CD_HELD_OUT") == "1":
         sets.update(zip(("held_out_rag", "held_out_open_ended"), prompt_sets(
-            lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit, HELD_OUT_OPEN_PROMPTS)))
+            lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit, HELD_OUT_OPEN_PROMPTS)))
     kb = KnowledgeBase.load_default("flat")
     started = time.perf_counter()
     index = SuffixIndex.from_texts([p.text for p in kb.passages], lm.tokenizer, progress=True)

@@ -24,7 +24,7 @@ import torch
 def main(paths: list[str]) -> None:
     from rag_spec import LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
-    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS, RAG_QUESTIONS
     from rag_spec.bench.report import machine
     from rag_spec.drafters.draft_head import SHIPPED, load_head, model_fingerprint
     from rag_spec.drafters.trie_drafter import TrieDrafter
@@ -34,7 +34,8 @@ def main(paths: list[str]) -> None:
     lm = load_model("smollm2-135m-instruct")
     heads = [Path(p) for p in paths] or [SHIPPED / f"{model_fingerprint(lm.model)}.safetensors"]
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:8], 8)
-    held_rag, held_open = prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:16], 8, HELD_OUT_OPEN_PROMPTS)
+    held_rag, held_open = prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:8], 8,
+                                      HELD_OUT_OPEN_PROMPTS)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter())
     sets = {"rag": rag, "open_ended": open_ended, "held_out_rag": held_rag,
             "held_out_open_ended": held_open}

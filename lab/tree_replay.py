@@ -39,14 +39,14 @@ def main() -> None:
     import rag_spec.drafters.merged_drafter as merged
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
-    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
     held_out = os.environ.get("TR_HELD_OUT") == "1"
     lm = load_model("smollm2-135m-instruct")
-    rag, open_ended = (prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit,
+    rag, open_ended = (prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit,
                                    HELD_OUT_OPEN_PROMPTS) if held_out
                        else prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit))
     steps: list[dict[str, Any]] = []
@@ -105,14 +105,14 @@ def trust_sweep(trusts: list[float]) -> None:
     import rag_spec.drafters.trie_drafter as trie_drafter
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.bench.lookahead import prompt_sets
-    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, RAG_QUESTIONS
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine, pass_statistics
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
     lm = load_model("smollm2-135m-instruct")
     sets = {"": prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit),
-            "held_out_": prompt_sets(lm.tokenizer, RAG_QUESTIONS[8:8 + limit], limit,
+            "held_out_": prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit,
                                      HELD_OUT_OPEN_PROMPTS)}
     shipped = trie_drafter.RECALLED_TRUST
     report: dict[str, Any] = {"benchmark": "memory_trust", "model": "smollm2-135m-instruct",
