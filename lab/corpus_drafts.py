@@ -104,7 +104,7 @@ def main() -> None:
                                                   TrieDrafter(corpus=index))),
     }
     answers: list[list[int]] = head_answers(lm, written) if written else []
-    if answers:
+    if written:
         memory = TrieDrafter()
         for answer in answers:
             memory.remember(answer)
@@ -163,8 +163,13 @@ def head_answers(lm: Any, written: int) -> list[list[int]]:
     return [answer for _, answer in training_answers(lm, load_passages(), 240, written)]
 
 
+def _prompt_sets(report: dict[str, Any]) -> list[str]:
+    """The report's prompt sets (RAG and open-ended, then any held out), in the order run."""
+    return [k for k in report if k.endswith(("rag", "open_ended"))]
+
+
 def _plot(report: dict[str, Any], path: Path) -> None:
-    names = [k for k in report if k.endswith(("rag", "open_ended"))]
+    names = _prompt_sets(report)
     fig, axes = figure(len(names), (6 * len(names), 4.5), sharey=True)
     for ax, name in zip(axes, names):
         data = report[name]["systems"]
@@ -182,7 +187,7 @@ def _table(report: dict[str, Any]) -> None:
     corpus = report["corpus"]
     print(f"suffix index: {corpus['passages']} passages, {corpus['tokens']} tokens, "
           f"built in {corpus['build_s']} s, {corpus['mb']} MB")
-    for name in (k for k in report if k.endswith(("rag", "open_ended"))):
+    for name in _prompt_sets(report):
         print(f"\n{name} ({report[name]['prompts']} prompts)")
         print(f"{'drafts':18} {'vs generate':>12} {'vs no drafts':>13} {'tok/pass':>9} "
               f"{'identical':>10}")
