@@ -20,7 +20,12 @@ from rag_spec_kernels import (
     stack_table,
 )
 from rag_spec_kernels.slots import move_slots, slots_kernel_available
-from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import (
+    pack_streamed,
+    quantized,
+    streamed_available,
+    streamed_linear,
+)
 
 
 class Tiny(torch.nn.Module):
@@ -310,19 +315,53 @@ def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_featu
                                atol=1e-4)
 
 
-def test_a_half_precision_stack_streams_every_row_count_from_half_the_bytes():
-    # BLAS would read the float32 weight: single rows and prompts take the half copy too
+@pytest.mark.parametrize("rows", [1, 2, 9, 17, 100])
+@pytest.mark.parametrize("out_features", [16, 40, 1000])
+def test_an_8_bit_weight_streams_as_its_integers_times_each_outputs_scale(rows, out_features):
+    streamed_or_skip()
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 72), torch.randn(out_features, 72), torch.randn(
+        out_features)
+    integers, scale = quantized(weight)
+    assert integers.dtype == torch.int8 and integers.abs().amax(1).eq(127).all()
+    rounded = integers.float() * scale[:, None]  # each weight within half a step of its own
+    assert ((rounded - weight).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
+    packed = pack_streamed(integers)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-out_features // 16), 72, 16)
+    torch.testing.assert_close(streamed_linear(x, packed, out_features, bias, scale),
+                               torch.nn.functional.linear(x, rounded, bias), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_an_8_bit_copy_of_a_weight_that_is_all_zeros_reads_zeros():
+    integers, scale = quantized(torch.zeros(3, 8))
+    assert not integers.any() and scale.gt(0).all()  # no division by zero
+
+
+@pytest.mark.parametrize(("stored", "share"), [(torch.float16, 2), (torch.int8, 4)])
+def test_a_narrow_stack_streams_every_row_count_from_fewer_bytes(stored, share):
+    # BLAS would read the float32 weight: single rows and prompts take the narrow copy too
     streamed_or_skip()
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
-    stack = LinearStack([linear], stored=torch.float16)
-    assert stack.nbytes == LinearStack([linear]).nbytes // 2
-    packed = pack_streamed(linear.weight, torch.float16)
+    stack = LinearStack([linear], stored=stored)
+    assert stack.nbytes == LinearStack([linear]).nbytes // share
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        if stored == torch.int8:
+            integers, scale = quantized(linear.weight)
+            return streamed_linear(x, pack_streamed(integers), 48, linear.bias, scale)
+        return streamed_linear(x, pack_streamed(linear.weight, stored), 48, linear.bias)
+
     with torch.inference_mode():
         for rows in (1, 3, 300):
             x = torch.randn(rows, 64)
-            assert torch.equal(stack.forward(0, x),
-                               streamed_linear(x, packed, 48, linear.bias))
+            assert torch.equal(stack.forward(0, x), expected(x))
+        with torch.no_grad():
+            linear.weight.mul_(3)  # a changed weight is packed again, its scales too
+        stack.refresh()
+        x = torch.randn(3, 64)
+        assert torch.equal(stack.forward(0, x), expected(x))
 
 
 # 576 inputs: 40 rows are three chunks of one group; 1,536 inputs: two chunks a group, so a
@@ -341,12 +380,14 @@ def test_a_streamed_row_does_not_depend_on_the_rows_beside_it(rows, inputs):
 
 
 @pytest.mark.parametrize("rows", [1, 9, 17])
-@pytest.mark.parametrize("stored", [None, torch.float16])
+@pytest.mark.parametrize("stored", [None, torch.float16, torch.int8])
 def test_an_output_has_the_same_bits_whichever_block_it_is_paired_with(rows, stored):
     # AVX-512 goes past blocks in pairs: outputs 16-31 paired with 0-15 here, with 32-47 there
     streamed_or_skip()
     torch.manual_seed(rows)
     x, weight = torch.randn(rows, 96), torch.randn(48, 96)
+    if stored == torch.int8:  # each output's integers and scale are its own row's
+        weight, stored = quantized(weight)[0], None
     whole = streamed_linear(x, pack_streamed(weight, stored), 48)
     shifted = streamed_linear(x, pack_streamed(weight[16:], stored), 32)
     alone = streamed_linear(x, pack_streamed(weight[16:32], stored), 16)

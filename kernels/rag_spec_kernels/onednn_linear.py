@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 from rag_spec_kernels.cpu_extension import cpu_info
-from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
+from rag_spec_kernels.streamed import (
+    pack_streamed,
+    quantized,
+    streamed_available,
+    streamed_linear,
+)
 
 # oneDNN's inner product on a reordered weight, taking and returning dense tensors (no layout
 # conversions per call), and the reorder into the blocked layout oneDNN picks for a batch size.
@@ -125,9 +130,11 @@ class LinearStack:
     copy. The weights
     are reordered when the stack is made and again by ``refresh`` if a layer's weight changed
     (checking costs ~2 us a layer, so it is done once per generation, not per product).
-    ``stored=torch.float16`` keeps the streamed copy in half precision, every row count through
-    the streamed kernel: half the bytes per product, for layers whose outputs need not equal
-    the float32 layers' (a draft head's); ignored where the streamed kernel is not available.
+    ``stored=torch.float16`` keeps the streamed copy in half precision, ``torch.int8`` as 8-bit
+    integers with a scale per output (``quantized``), every row count through the streamed
+    kernel: a half or a quarter of the bytes per product, for layers whose outputs need not
+    equal the float32 layers' (a draft head's); ignored where the streamed kernel is not
+    available.
     """
 
     def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True,
@@ -176,13 +183,17 @@ class LinearStack:
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in self.linears])
-            packed = pack_streamed(weight, self.stored) if self.streamed else pack_weight(weight)
+            scale = None
+            if self.stored == torch.int8:
+                weight, scale = quantized(weight)
+            packed = (pack_streamed(weight, None if scale is not None else self.stored)
+                      if self.streamed else pack_weight(weight))
             if self.streamed and self._version:  # traced layers hold these very tensors
-                self._packed[0].copy_(packed)
-                if bias is not None:
-                    self._packed[1].copy_(bias)
+                for held, made in zip(self._packed, (packed, bias, scale)):
+                    if made is not None:
+                        held.copy_(made)
             else:
-                self._packed = (packed, bias)
+                self._packed = (packed, bias, scale)
             self._version = version
             alone = list(self._alone.values())
         for stack in alone:
@@ -209,12 +220,14 @@ class LinearStack:
             alone = self._alone[index]
         return alone.product(x)
 
-    def product(self, x: torch.Tensor, packed: tuple[Any, Any] | None = None) -> torch.Tensor:
+    def product(self, x: torch.Tensor, packed: tuple[Any, Any, Any] | None = None
+                ) -> torch.Tensor:
         """Every layer's output for ``x``, side by side in the stack's order; ``packed``: the
-        stack's packed weight and bias as a traced layer holds them (the same tensors)."""
-        weight, bias = packed or self._packed
+        stack's packed weight, bias and scale as a traced layer holds them (the same
+        tensors)."""
+        weight, bias, scale = packed or self._packed
         rows = x.reshape(-1, x.shape[-1])
-        y = (streamed_linear(rows, weight, self.out_features, bias) if self.streamed
+        y = (streamed_linear(rows, weight, self.out_features, bias, scale) if self.streamed
              else packed_linear(rows, weight, bias))
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -338,6 +351,7 @@ class TracedLinear(_StandIn):
             if stack.streamed:  # buffers: the compiler checks a module's tensors cheaply
                 self.register_buffer("packed", stack._packed[0], persistent=False)
                 self.register_buffer("packed_bias", stack._packed[1], persistent=False)
+                self.register_buffer("packed_scale", stack._packed[2], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1]:
@@ -347,7 +361,8 @@ class TracedLinear(_StandIn):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
-            product = (self.stack.product(x, (self.packed, self.packed_bias))  # an operator
+            product = (self.stack.product(x, (self.packed, self.packed_bias,  # an operator
+                                              self.packed_scale))
                        if self.stack.streamed
                        else stack_product(x, self.key, self.stack.out_features))
             held = (x, product)

@@ -50,10 +50,13 @@ def streamed_available(dtype: torch.dtype) -> bool:
         cpu_extension()  # builds the kernel: the operator's implementation
         x, weight = torch.randn(20, 40, generator=generator), torch.randn(24, 40,
                                                                           generator=generator)
+        whole, scale = quantized(weight)
         ok = torch.allclose(streamed_linear(x, pack_streamed(weight), 24), x @ weight.T,
                             rtol=1e-4, atol=1e-4) and torch.allclose(
             streamed_linear(x, pack_streamed(weight, torch.float16), 24),
-            x @ weight.half().float().T, rtol=1e-4, atol=1e-4)
+            x @ weight.half().float().T, rtol=1e-4, atol=1e-4) and torch.allclose(
+            streamed_linear(x, pack_streamed(whole), 24, scale=scale),
+            x @ (whole.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4)
     except Exception as error:  # noqa: BLE001 - any build failure means: use oneDNN
         log.warning("rag-spec: the streamed-product kernel did not build (%s); oneDNN's "
                     "kernels run instead", error)
@@ -64,18 +67,31 @@ def streamed_available(dtype: torch.dtype) -> bool:
 def pack_streamed(weight: torch.Tensor, stored: torch.dtype | None = None) -> torch.Tensor:
     """A (out, in) weight as (blocks, in, 16) blocks of 16 outputs, zero-padded to whole blocks:
     a copy as large as the weight; ``stored=torch.float16`` keeps it in half precision (half
-    the bytes each product reads; the products still add in float32)."""
+    the bytes each product reads; the products still add in float32). An 8-bit weight
+    (``quantized``'s) is packed as it is."""
     out, inner = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out % _BLOCK))
     return padded.view(-1, _BLOCK, inner).transpose(1, 2).to(stored).contiguous()
 
 
+def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (out, in) weight as 8-bit integers and a float32 scale per output (``weight`` ~
+    ``integers * scale[:, None]``, each row's largest magnitude at 127): a quarter of float32's
+    bytes to read, for products that need not equal float32's (a draft head's)."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return (weight / scale[:, None]).round_().to(torch.int8), scale
+
+
 def streamed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_streamed`` result
-    (float32 or float16), where ``streamed_available`` (which builds the kernel) said yes;
-    traceable."""
+    (float32, float16, or 8-bit with ``quantized``'s ``scale``), where ``streamed_available``
+    (which builds the kernel) said yes; traceable."""
     y = torch.ops.rag_spec_cpu.streamed_linear.default(x.contiguous(), packed)
     if y.shape[-1] != out_features:
         y = y[:, :out_features].contiguous()
+    if scale is not None:
+        y = y.mul_(scale)
     return y if bias is None else y.add_(bias)

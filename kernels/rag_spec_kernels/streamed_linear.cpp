@@ -12,7 +12,8 @@
 // groups of chunks, each group past every block. A chunk's accumulators stay in registers: 14
 // rows of two 512-bit vectors (a pair of blocks), or 6 rows of two 256-bit ones (AVX2's 16
 // registers hold 12 accumulators, the line's two halves and a broadcast input).
-// A packed weight may be stored in half precision (a draft head's: half the bytes to read);
+// A packed weight may be stored in half precision, or as 8-bit integers (a draft head's: half
+// or a quarter of the bytes to read; the caller scales each output of an integer product);
 // each 16-weight group is widened to float32 as it is loaded, and the arithmetic stays float32.
 // Each output is summed over the inputs in one fixed order, whatever the number of rows or
 // blocks at once: a row's result does not depend on the rows beside it.
@@ -28,6 +29,10 @@
 namespace {
 
 constexpr int64_t GROUP_BYTES = 256 * 1024;
+// an input position's 16 weights take a whole cache line in float32, half of one in float16, a
+// quarter in 8 bits: the positions that share a line (and its prefetch)
+template <typename W>
+constexpr int64_t PER_LINE = 64 / (16 * sizeof(W));
 
 #if defined(__AVX512F__)
 constexpr int64_t CHUNK_ROWS = 14;
@@ -39,6 +44,10 @@ constexpr int64_t NEAR_BYTES = 4 * 1024, FAR_BYTES = 64 * 1024;
 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 inline __m512 load16(const uint16_t* w) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+inline __m512 load16(const int8_t* w) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
 // NB blocks at once (``stride`` apart): each broadcast input feeds NB lines, so a row costs
@@ -55,8 +64,10 @@ void block(const float* __restrict__ x, const W* __restrict__ w, float* __restri
     __m512 line[NB];
     for (int b = 0; b < NB; ++b) {
       const char* next = reinterpret_cast<const char*>(w + b * stride + k * 16);
-      if (next + NEAR_BYTES < stop) _mm_prefetch(next + NEAR_BYTES, _MM_HINT_T0);
-      if (next + FAR_BYTES < stop) _mm_prefetch(next + FAR_BYTES, _MM_HINT_T1);
+      if (k % PER_LINE<W> == 0) {  // one prefetch per cache line
+        if (next + NEAR_BYTES < stop) _mm_prefetch(next + NEAR_BYTES, _MM_HINT_T0);
+        if (next + FAR_BYTES < stop) _mm_prefetch(next + FAR_BYTES, _MM_HINT_T1);
+      }
       line[b] = load16(w + b * stride + k * 16);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -80,6 +91,11 @@ inline void load16(const uint16_t* w, __m256& low, __m256& high) {
   low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
 }
+inline void load16(const int8_t* w, __m256& low, __m256& high) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+}
 
 // Named accumulators, not an array: gcc stores an array of 12 vectors back to the stack at
 // every step of the loop, which made this kernel compute-bound at a third of the FMA rate.
@@ -98,7 +114,8 @@ void block(const float* __restrict__ x, const W* __restrict__ w, float* __restri
   }
   for (int64_t k = 0; k < in; ++k) {
     const char* next = reinterpret_cast<const char*>(w + k * 16);
-    if (next + PREFETCH_BYTES < stop) _mm_prefetch(next + PREFETCH_BYTES, _MM_HINT_T0);
+    if (k % PER_LINE<W> == 0 && next + PREFETCH_BYTES < stop)  // one prefetch per cache line
+      _mm_prefetch(next + PREFETCH_BYTES, _MM_HINT_T0);
     __m256 low, high;
     load16(w + k * 16, low, high);
     RAG_SPEC_ROW(0) RAG_SPEC_ROW(1) RAG_SPEC_ROW(2) RAG_SPEC_ROW(3) RAG_SPEC_ROW(4)
@@ -155,18 +172,22 @@ void product(const float* px, const W* w, float* py, int64_t rows, int64_t in, i
 
 }  // namespace
 
-// x: (rows, in) float32; packed: (blocks, in, 16) float32 or float16. Returns (rows, blocks * 16)
-// float32.
+// x: (rows, in) float32; packed: (blocks, in, 16) float32, float16 or int8 (unscaled). Returns
+// (rows, blocks * 16) float32.
 torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
-  const bool half = packed.scalar_type() == torch::kHalf;
+  const auto stored = packed.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  packed.dim() == 3 && (half || packed.scalar_type() == torch::kFloat) &&
+                  packed.dim() == 3 &&
+                  (stored == torch::kFloat || stored == torch::kHalf || stored == torch::kChar) &&
                   packed.size(2) == 16 && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) "
-              "float32 or float16 packed weight");
+              "float32, float16 or int8 packed weight");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0);
   auto y = torch::empty({rows, nblocks * 16}, x.options());
-  if (half)
+  if (stored == torch::kChar)
+    product(x.data_ptr<float>(), packed.data_ptr<int8_t>(), y.data_ptr<float>(), rows, in,
+            nblocks);
+  else if (stored == torch::kHalf)
     product(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>()),
             y.data_ptr<float>(), rows, in, nblocks);
   else

@@ -58,13 +58,18 @@ class _HeadPasses(SharedPasses):
         assert roots is not None
         first = 0 if self.states is None else self.states.shape[1]
         width = max(len(f) for f in feeds.values())
-        tokens = torch.zeros(rows, width, dtype=torch.long, device=roots.device)
-        before = roots.new_zeros(rows, width, roots.shape[-1])
+        # gathered in one indexing each (a pass follows the target's step, which has pushed
+        # torch's own code and data out of cache: every small operator costs more then): each
+        # fed state is a row of the roots' states, then every row's guessed ones
+        tokens, picks = [0] * (rows * width), [0] * (rows * width)  # padding: unread outputs
         for b, fed in feeds.items():
             for j, (token, _, slots) in enumerate(fed):
-                tokens[b, j] = token
-                before[b, j] = self.states[b, slots[-1]] if slots else roots[b]
-        states = self.head.advance(before.to(self.table.dtype), self.table[tokens])
+                tokens[b * width + j] = token
+                picks[b * width + j] = rows + b * first + slots[-1] if slots else b
+        held = roots if self.states is None else torch.cat([roots, self.states.flatten(0, 1)])
+        before = held[torch.tensor(picks, device=roots.device)].view(rows, width, -1)
+        embedded = self.table[torch.tensor(tokens, device=roots.device).view(rows, width)]
+        states = self.head.advance(before.to(self.table.dtype), embedded)
         logits = self.head.lm_head.readout(states)  # the subset's columns (``columns``)
         self.states = states if self.states is None else torch.cat([self.states, states], 1)
         return logits, first
@@ -110,10 +115,10 @@ class FeatureDrafter(ModelDrafter):
 
     def head_for(self, runner: Runner) -> DraftHead:
         """The head multiplying through the kernels ``runner`` multiplies through (a private
-        copy, built once per runner; called under the drafter's lock), from half-precision
-        weights where the streamed kernel runs: a pass follows the target's step, which has
-        pushed the head out of cache, so it costs what it reads, and a draft need not equal
-        float32 products (docs/concepts.md, "Why the defaults")."""
+        copy, built once per runner; called under the drafter's lock), from 8-bit weights
+        where the streamed kernel runs: a pass follows the target's step, which has pushed
+        the head out of cache, so it costs what it reads, and a draft need not equal float32
+        products (docs/concepts.md, "Why the defaults")."""
         fast = self._fast.get(runner)
         if fast is None:
             with torch.inference_mode(False):  # drafting runs in it; weights track versions
@@ -121,6 +126,6 @@ class FeatureDrafter(ModelDrafter):
             if runner.stacks:
                 own = {id(module) for module in fast.modules()}
                 for parent, name, stack, index in linear_stacks(
-                        fast, own, runner.settings.streamed_linear, torch.float16):
+                        fast, own, runner.settings.streamed_linear, torch.int8):
                     parent._modules[name] = stack.modules()[index]
         return fast
