@@ -151,9 +151,10 @@ class Block(torch.nn.Module):
         return torch.cat([q, k, v, mlp], dim=-1)
 
 
-def block(monkeypatch, one_row_packed, streamed=False):
-    """A seeded ``Block`` whose single rows go to the stack's kernel or not, as told, and whose
-    stacks take the streamed kernel or oneDNN's (skips where the one asked for is missing)."""
+def block(monkeypatch, one_row_packed, streamed=False, one_row_streamed=False):
+    """A seeded ``Block`` whose single rows go to the stack's kernel or not, as told (compiled
+    too with ``one_row_streamed``), and whose stacks take the streamed kernel or oneDNN's
+    (skips where the one asked for is missing)."""
     torch.manual_seed(0)
     model = Block().eval()
     if not onednn_available(model):
@@ -161,6 +162,7 @@ def block(monkeypatch, one_row_packed, streamed=False):
     if streamed and not streamed_available(torch.float32):
         pytest.skip("the streamed kernel needs AVX-512 or AVX2 and a build")
     monkeypatch.setattr(kernel, "one_row_packed", lambda dtype: one_row_packed)
+    monkeypatch.setattr(kernel, "one_row_streamed", lambda: one_row_streamed)
     monkeypatch.setattr(kernel, "streamed_available", lambda dtype: streamed)
     return model
 
@@ -180,18 +182,20 @@ def products_run(forward, model, x, other, monkeypatch):
     return got, expected, calls
 
 
-@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize(("streamed", "one_row_streamed"),
+                         [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("one_row_packed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 24), (2, 13, 24), (1, 24)])
 @pytest.mark.parametrize("shared", [True, False])
 def test_input_sharing_layers_multiply_once_with_the_same_results(shape, shared, one_row_packed,
-                                                                  streamed, monkeypatch):
+                                                                  streamed, one_row_streamed,
+                                                                  monkeypatch):
     # the CPU's choices for single rows and kernels, fixed here so that every path is tested
-    model = block(monkeypatch, one_row_packed, streamed)
+    model = block(monkeypatch, one_row_packed, streamed, one_row_streamed)
     x = torch.randn(shape)
     got, expected, calls = products_run(private_copy(model), model, x,
                                         None if shared else torch.randn(shape), monkeypatch)
-    if x.numel() == x.shape[-1] and not one_row_packed:  # BLAS's products, as F.linear
+    if x.numel() == x.shape[-1] and not (one_row_packed or one_row_streamed):  # F.linear's BLAS
         assert not calls
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         return
@@ -218,17 +222,20 @@ def test_the_cpu_maker_decides_where_single_rows_and_a_prompts_rows_go(vendor, m
     # MKL multiplies one row on one core on AMD CPUs (oneDNN's kernel takes it there); on
     # Intel CPUs it multiplies a prompt's many rows faster than the streamed kernel
     monkeypatch.setattr(kernel, "_cpu_vendor", lambda: vendor)
-    choices = (kernel.one_row_packed, kernel.blas_from_rows)
+    choices = (kernel.one_row_packed, kernel.blas_from_rows, kernel.one_row_streamed)
     for choice in choices:
         choice.cache_clear()
     try:
-        packed, rows = (choice(torch.float32) for choice in choices)
+        packed, rows = (choice(torch.float32) for choice in choices[:2])
+        streamed = kernel.one_row_streamed()
     finally:
         for choice in choices:
             choice.cache_clear()
     mkl = torch.backends.mkl.is_available()
     assert packed == (vendor == "AMD" and kernel.onednn_packs(torch.float32) and mkl)
     assert rows == (128 if vendor == "Intel" and mkl else None)
+    # single rows on the streamed kernel, eager and compiled, on Intel CPUs only
+    assert streamed == (vendor == "Intel")
 
 
 def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monkeypatch):
@@ -255,13 +262,16 @@ def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monk
     assert "amx_bf16" in report["vector_flags"]
 
 
-@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize(("streamed", "one_row_streamed"),
+                         [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (2, 13, 24)])
 @pytest.mark.parametrize("shared", [True, False])
 def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared, compiled,
-                                                                   streamed, monkeypatch):
-    model = block(monkeypatch, one_row_packed=True, streamed=streamed)
+                                                                   streamed, one_row_streamed,
+                                                                   monkeypatch):
+    model = block(monkeypatch, one_row_packed=True, streamed=streamed,
+                  one_row_streamed=one_row_streamed)
     traced = private_copy(model, traced=True)
     assert all(isinstance(traced.get_submodule(n), TracedLinear) for n in ("q_proj", "up_proj"))
     forward = torch.compile(traced, dynamic=True) if compiled else traced
@@ -272,8 +282,8 @@ def test_traced_layers_multiply_once_per_stack_single_rows_reduce(shape, shared,
     with table:
         _, _, calls = products_run(forward, model, x, None if shared else torch.randn(shape),
                                    monkeypatch)
-    if x.numel() == x.shape[-1]:  # a single row: reductions over the weights, no products
-        assert not calls
+    if x.numel() == x.shape[-1] and not one_row_streamed:  # a single row: reductions over
+        assert not calls  # the weights, no products
         return
     # shared: one product per stack; otherwise v and up compute their stacks again
     assert len(calls) == (2 if shared else 4)

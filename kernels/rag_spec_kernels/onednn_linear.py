@@ -17,7 +17,8 @@ built for a private copy of a model's module tree: the caller's own layers are n
 
 A compiled module tree takes ``TracedLinear`` layers: the stack's product on the same packed
 weights as the eager layers (no second copy), called by inductor around its fused kernels, and
-single rows as reductions inductor compiles itself. The streamed kernel is an operator in C++
+single rows as reductions inductor compiles itself (on Intel CPUs the streamed kernel's:
+``one_row_streamed``). The streamed kernel is an operator in C++
 (``rag_spec_cpu::streamed_linear``); oneDNN's reordered weight is an opaque tensor inductor
 cannot lower, so its products go through a Python operator (``rag_spec::stack_product``).
 """
@@ -98,6 +99,17 @@ def one_row_packed(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def one_row_streamed() -> bool:
+    """Whether single rows take the streamed kernel where a stack has it, in eager and compiled
+    steps alike: on Intel CPUs, where it reads a one-token step's weights faster than MKL's
+    matrix-vector product and than inductor's reduction (docs/benchmarks/README.md, "Single
+    rows on the streamed kernel"); a row then rounds as it does inside a tree. Not on AMD CPUs,
+    where inductor's reduction reads at the memory's pace. Decided by the CPU, not timed
+    (``one_row_packed``)."""
+    return _cpu_vendor() == "Intel"
+
+
+@functools.cache
 def blas_from_rows(dtype: torch.dtype) -> int | None:
     """The row count from which a stack's products take torch's BLAS instead of the streamed
     kernel, or None: on Intel CPUs, where MKL's large-matrix kernels win for a prompt's many
@@ -149,9 +161,12 @@ class LinearStack:
         self.streamed = streamed and streamed_available(linears[0].weight.dtype)
         self.stored = stored if self.streamed else None
         self.refresh()
-        # a half-precision copy takes the streamed kernel for every row count: BLAS would read
-        # the float32 weight
-        self.one_row_packed = one_row_packed(linears[0].weight.dtype) or bool(self.stored)
+        # single rows on the streamed kernel, compiled too (``one_row_streamed``)
+        self.one_row_streamed = self.streamed and one_row_streamed()
+        # a narrow copy takes the streamed kernel for every row count: BLAS would read the
+        # float32 weight
+        self.one_row_packed = (one_row_packed(linears[0].weight.dtype) or bool(self.stored)
+                               or self.one_row_streamed)
         self.blas_from_rows = (blas_from_rows(linears[0].weight.dtype)
                                if self.streamed and not self.stored else None)
 
@@ -331,6 +346,8 @@ class TracedLinear(_StandIn):
     reduction streaming the weight at ~40 GB/s on two Zen 4 cores, where oneDNN's one-row
     product reads ~23 GB/s and BLAS's ~11 (``python -m lab.floor --compiled``); run eagerly,
     that sum would build an (out, in) temporary, so these layers are for compiled trees only.
+    Where ``one_row_streamed`` says so (Intel CPUs), a single row takes the stack's streamed
+    product instead.
 
     Wider inputs go through the layer's ``LinearStack`` where it has one: the first sibling
     runs the stack's product, the others take their slice of it when handed the same input
@@ -354,7 +371,7 @@ class TracedLinear(_StandIn):
                 self.register_buffer("packed_scale", stack._packed[2], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:
+        if x.numel() == x.shape[-1] and (self.stack is None or not self.stack.one_row_streamed):
             y = (x.unsqueeze(-2) * self.weight).sum(-1)
             return y if self.bias is None else y + self.bias
         if self.stack is None:
