@@ -4,10 +4,10 @@ The stock CPU path (``F.linear`` on BLAS) is fast for one token but slow for 2-3
 kernels on a blocked weight layout make a few-token step cost much less, which is what lets a
 verified tree pay for itself (measured: docs/concepts.md, "Why the defaults"). On AVX-512 and
 AVX2 CPUs float32 stacks take ``streamed_linear`` instead, which also hides the weight's read
-behind the arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon BLAS's
-matrix-vector product does, on an AVX2 EPYC the stack's product does (MKL runs one-row products
-on one core there);
-``one_row_packed`` decides; on an Intel CPU, a prompt's products of many rows take BLAS too
+behind the arithmetic. Which kernel wins for a single row depends on the CPU: on an AMX Xeon the
+streamed kernel does (without it, BLAS's matrix-vector product beats oneDNN's), on an AVX2 EPYC
+the stack's product does (MKL runs one-row products on one core there); ``one_row_streamed``
+and ``one_row_packed`` decide; on an Intel CPU, a prompt's products of many rows take BLAS
 (``blas_from_rows``). Layers that read the same input (q/k/v, gate/up) multiply as one
 stacked weight: one call and one weight pass, bit-identical results.
 

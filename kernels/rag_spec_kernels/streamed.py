@@ -79,7 +79,7 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``integers * scale[:, None]``, each row's largest magnitude at 127): a quarter of float32's
     bytes to read, for products that need not equal float32's (a draft head's)."""
     weight = weight.detach().float()
-    scale = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    scale = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # 0 rows
     return (weight / scale[:, None]).round_().to(torch.int8), scale
 
 
