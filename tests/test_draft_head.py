@@ -23,6 +23,8 @@ from rag_spec.engine.forward.runner import Runner
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec.training.train_head import train_head
+from rag_spec_kernels.onednn_linear import OneDNNLinear
+from rag_spec_kernels.streamed import streamed_available
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 
@@ -96,12 +98,25 @@ def kept_with_generates_tokens(decoder, target) -> int:
 @pytest.mark.parametrize("budget", [1, 5, 16])
 def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
     config = LookaheadConfig(budget=budget, adaptive=False)
-    for drafter in (FeatureDrafter(head), MergedDrafter(FeatureDrafter(head), eager=True)):
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    for merged in (False, True):
+        feature = FeatureDrafter(head)
+        drafter = MergedDrafter(feature, eager=True) if merged else feature
         decoder = LookaheadDecoder(target, config=config, drafter=drafter)
         # acceptance was exercised, not only rejection
         assert kept_with_generates_tokens(decoder, target) > 0
+        # the head drafted from its own copy: 8-bit where the streamed kernel runs
+        stacks = {m.stack for m in feature.head_for(decoder.runner).modules()
+                  if isinstance(m, OneDNNLinear)}
+        if decoder.runner.stacks and streamed_available(torch.float32):
+            assert stacks and all(stack.stored == torch.int8 for stack in stacks)
     # steps asked for hidden states on rag-spec's copy of the model, never on the model itself
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
+    # and the caller's head keeps its layers, weights and precision
+    assert not any(isinstance(m, OneDNNLinear) for m in head.modules())
+    after = head.state_dict()
+    assert after.keys() == before.keys()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_a_single_row_sizes_the_heads_trees_and_carries_their_costs_over(target, head,
