@@ -6,8 +6,10 @@ The model answers the lookahead bench's RAG and open-ended prompts and the held-
 model's own states: its first guess (the token after next, as it drafts one pass deep) and its
 second (fed its own guessed state). Agreement on the answers a user gets, where a head's
 metadata measures its held-out training positions (passages, prompts and answers mixed).
-Without arguments, the shipped head. Environment: ``HA_N`` new tokens (default 128); writes
-docs/benchmarks/head_agreement.json.
+Beside each, ``in_subset``: the share of those answer tokens among the head's scored tokens
+(its subset), the most its first guess could get right. Without arguments, the shipped head.
+Environment: ``HA_N`` new tokens (default 128), ``HA_JSON`` the report's file (default
+docs/benchmarks/head_agreement.json).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def main(paths: list[str]) -> None:
         report["heads"][str(path)] = {name: _agreement(head, table, rows)
                                       for name, rows in read.items()}
         print(path, report["heads"][str(path)], flush=True)
-    out = Path("docs/benchmarks/head_agreement.json")
+    out = Path(os.environ.get("HA_JSON", "docs/benchmarks/head_agreement.json"))
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 
@@ -67,8 +69,9 @@ def _states(model: Any, prompt: list[int], answer: list[int]) -> tuple[torch.Ten
 def _agreement(head: Any, table: torch.Tensor, rows: list[tuple[torch.Tensor, ...]]
                ) -> dict[str, float]:
     """Over every answer token a guess reaches: the share the head's first guess (``top1``)
-    and its guess a token further (``top1_depth2``) got right."""
-    hits, totals = [0, 0], [0, 0]
+    and its guess a token further (``top1_depth2``) got right, and the share it scores at all
+    (``in_subset``)."""
+    hits, totals, scored = [0, 0], [0, 0], 0
     for ids, hidden, start in rows:
         first = head.advance(hidden[:-1], table[ids[1:]])  # first[i] guesses ids[i + 2]
         second = head.advance(first[:-1], table[ids[2:]])  # second[i] guesses ids[i + 3]
@@ -80,7 +83,10 @@ def _agreement(head: Any, table: torch.Tensor, rows: list[tuple[torch.Tensor, ..
             at = at[at - lead >= int(start) - 1]
             hits[depth] += int((guess[at - lead] == ids[at]).sum())
             totals[depth] += len(at)
-    return {"top1": round(hits[0] / totals[0], 3), "top1_depth2": round(hits[1] / totals[1], 3)}
+            if depth == 0:
+                scored += int(torch.isin(ids[at], head.subset).sum())
+    return {"top1": round(hits[0] / totals[0], 3), "top1_depth2": round(hits[1] / totals[1], 3),
+            "in_subset": round(scored / totals[0], 3)}
 
 
 if __name__ == "__main__":
