@@ -21,13 +21,16 @@ class TextStream:
         self.rule = rule
         self.sent_chars = 0
         self.sent_tokens = 0
-        if hasattr(sink, "put"):  # transformers streamers expect the prompt first
+        from transformers.generation.streamers import BaseStreamer
+
+        self.streamer = isinstance(sink, BaseStreamer)
+        if self.streamer:  # transformers streamers expect the prompt first
             import torch
 
             sink.put(torch.tensor([list(prompt)]))
 
     def update(self, output: Sequence[int], finished: bool) -> None:
-        if hasattr(self.sink, "put"):
+        if self.streamer:
             import torch
 
             if len(output) > self.sent_tokens:

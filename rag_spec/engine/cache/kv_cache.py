@@ -88,7 +88,7 @@ def keep_batch_rows(cache: Any, index: torch.Tensor) -> None:
     """Keep only the batch rows ``index`` of every layer of ``cache``, copied once; a slab
     layer keeps its spare room, so appends stay in place."""
     for layer in layers(cache):
-        slabs = getattr(layer, "slabs", None)
+        slabs = layer.slabs if isinstance(layer, _slab_layer()) else None
         length = layer.keys.shape[2]
         if slabs is not None and _prefix_of(slabs[0], layer.keys) \
                 and _prefix_of(slabs[1], layer.values):
