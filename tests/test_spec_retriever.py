@@ -69,6 +69,23 @@ def test_the_scorer_follows_what_the_retriever_offers(embedder, search_only):
     assert isinstance(spec.scorer, VectorScorer if search_only else IndexScorer)
 
 
+def test_guesses_embed_with_the_embedder_the_retriever_declares():
+    own = Embedder()  # not the process-wide default (its weights load on first use only)
+
+    class Store:  # a remote store's client that says which embedder ranks its passages
+        embedder = own
+
+        def search(self, queries, k=1):
+            return [[] for _ in queries]
+
+    class LangChainish(Store):
+        embedder = "an Embeddings object rag-spec cannot call"
+
+    assert SpecRetriever(Store()).scorer.embedder is own
+    assert SpecRetriever(LangChainish()).scorer.embedder is Embedder.default()
+    assert SpecRetriever(SearchOnly(Store())).scorer.embedder is Embedder.default()
+
+
 class CountingEmbedder:
     def __init__(self, embedder):
         self.embedder, self.texts = embedder, []

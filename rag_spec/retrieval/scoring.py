@@ -36,6 +36,14 @@ class LocalScoring(Protocol):
         ...
 
 
+@runtime_checkable
+class EmbedderSearch(Protocol):
+    """A retriever whose ranking is its ``embedder``'s vectors (Milvus): guesses embed with it
+    too, so they rank as the store does."""
+
+    embedder: Embedder
+
+
 class GuessScorer(Protocol):
     """Scores cached hits for one query; higher is better. Never calls the store."""
 
@@ -166,8 +174,10 @@ class VectorScorer:
 
 def scorer_for(retriever: object) -> GuessScorer:
     """The scorer that ranks like ``retriever``: its local ``score`` where it has one, else
-    vectors from its ``embedder`` attribute (or the default embedder)."""
+    vectors from its embedder (``EmbedderSearch``; the default embedder for any other)."""
     if isinstance(retriever, LocalScoring):
         return IndexScorer(retriever)
-    embedder = getattr(retriever, "embedder", None)
-    return VectorScorer(embedder if isinstance(embedder, Embedder) else None)
+    # a user's client may name something else ``embedder`` (a LangChain ``Embeddings``)
+    if isinstance(retriever, EmbedderSearch) and isinstance(retriever.embedder, Embedder):
+        return VectorScorer(retriever.embedder)
+    return VectorScorer()
