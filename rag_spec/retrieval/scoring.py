@@ -5,7 +5,8 @@ top-k is cached, the guess is right. Two scorers, chosen by what the retriever o
 
 - ``IndexScorer``: the retriever implements ``LocalScoring`` (``score(queries, doc_ids)``
   computed in this process), as rag_spec's local knowledge bases (faiss, BM25) do.
-- ``VectorScorer``: anything else, a remote store or a user's own client. The query is
+- ``VectorScorer``: anything else, a remote store or a user's own client, embedding with the
+  retriever's own embedder where it declares one (``EmbedderSearch``). The query is
   embedded here and compared with each cached passage's vector by inner product (cosine on
   unit vectors): the vector the store returned with the hit (Milvus does), or the passage's
   text embedded here once, while a round trip is in flight. With the store's own embedder and
