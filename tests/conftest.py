@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import string
-import time
 
 import numpy as np
 import pytest
@@ -118,13 +117,12 @@ class HashRetriever:
     unless ``lying`` makes the local scores disagree (forced mispredictions)."""
 
     def __init__(self, n: int = 40, lying: bool = False, raise_after: int | None = None,
-                 stable: bool = False, score_ms: float = 0.0):
+                 stable: bool = False):
         self.texts = [" ".join(WORDS[(i * j) % len(WORDS)] for j in range(1, 6)) for i in range(n)]
         self.lying = lying
         self.calls = 0
         self.raise_after = raise_after
         self.stable = stable  # the same top passage for every query
-        self.score_ms = score_ms  # extra cost of a local (cache) score
 
     def _score(self, query: str, doc: int, salt: str = "") -> float:
         key = "" if self.stable else query[-6:]
@@ -144,7 +142,6 @@ class HashRetriever:
         return out
 
     def score(self, queries, doc_ids):
-        time.sleep(self.score_ms / 1000)
         salt = "lie" if self.lying else ""
         return np.array([[self._score(q, d, salt) for d in doc_ids] for q in queries])
 

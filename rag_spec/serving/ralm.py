@@ -115,8 +115,8 @@ class IterativeRaLM:
     from one request to the next, so only the first request starts cold at stride 1.
     """
 
-    # what knowledge-base calls are timed with, on the thread that makes them (simulations
-    # and tests put a clock of their own here)
+    # what knowledge-base calls and cache guesses are timed with, on the thread that makes them
+    # (simulations and tests put a clock of their own here)
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
@@ -302,9 +302,9 @@ class _Guesses(Speculation[_Pending, list[Hit]]):
         query = self.loop._query(self.question_ids, state.output)
         guess = None  # no guess: asking the knowledge base costs no more
         if self.scheduler.worth_guessing():
-            guessed = time.perf_counter()
+            guessed = self.loop.clock()
             guess = self.session.guess(query, self.loop.k)
-            self.scheduler.record_guess(time.perf_counter() - guessed)
+            self.scheduler.record_guess(self.loop.clock() - guessed)
         self.point += 1
         return _Pending(self.point - 1, len(state.output), query, guess), False
 
