@@ -106,17 +106,18 @@ def test_add_context_reaches_only_the_calling_threads_next_generate(model, token
             return super().session(prompt, extra_context)
 
     decoder = LookaheadDecoder(model, tokenizer, drafter=Recording())
-    added = threading.Event()
+    added, other_done = threading.Event(), threading.Event()
 
     def with_context():
         decoder.add_context(["abc"])
         added.set()
-        time.sleep(0.2)  # another thread generates meanwhile
+        other_done.wait()  # the other thread generates between this one's add and generate
         decoder.generate(repetitive_prompt(0), 3)
 
     def without_context():
         added.wait()
         decoder.generate(repetitive_prompt(1), 3)
+        other_done.set()
 
     threads = [threading.Thread(target=with_context, name="a"),
                threading.Thread(target=without_context, name="b")]
