@@ -116,8 +116,10 @@ def test_add_context_reaches_only_the_calling_threads_next_generate(model, token
 
     def without_context():
         added.wait()
-        decoder.generate(repetitive_prompt(1), 3)
-        other_done.set()
+        try:
+            decoder.generate(repetitive_prompt(1), 3)
+        finally:  # a failure here must fail the test, not leave the other thread waiting
+            other_done.set()
 
     threads = [threading.Thread(target=with_context, name="a"),
                threading.Thread(target=without_context, name="b")]
