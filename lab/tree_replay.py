@@ -18,6 +18,12 @@ open-ended prompts below); writes docs/benchmarks/tree_replay[_held_out].json an
 16 nodes, the fitted and the held-out prompts, with each ``RECALLED_TRUST`` listed and with no
 memory of earlier answers: tokens per pass, medians over prompts and pooled; writes
 docs/benchmarks/memory_trust.json and .png.
+
+``TR_POOLS=1`` decodes the held-out prompts at the same fixed 16 nodes with the head's default
+shape and with a wider, deeper one offered 48 nodes (a larger pool for the ranking to cut from),
+and with the head at ``TR_HEAD`` (a file ``rag-spec draft train --head`` wrote) if given:
+tokens per pass decoded and the ceiling of each pool, against issue 54's goals (3.0 / 2.2);
+writes docs/benchmarks/draft_pools_held_out.json and .png.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ CEILING = "every drafted node, uncut (the ceiling)"
 
 
 def main() -> None:
+    if os.environ.get("TR_POOLS") == "1":
+        pool_sweep()
+        return
     if os.environ.get("TR_TRUSTS"):
         trust_sweep([float(t) for t in os.environ["TR_TRUSTS"].split(",")])
         return
@@ -141,6 +150,100 @@ def trust_sweep(trusts: list[float]) -> None:
     _save_panels(fig, axes, out, "a copy only earlier answers hold counts (RECALLED_TRUST)",
                  "tokens per pass at 16 nodes (median over prompts)",
                  "copies from the memory of earlier answers")
+
+
+def pool_sweep() -> None:
+    """Tokens per pass at a fixed 16 nodes, decoded, and every drafted node's (the ceiling),
+    per draft pool, interleaved prompt by prompt on the held-out prompts."""
+    import rag_spec.drafters.merged_drafter as merged
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS
+    from rag_spec.bench.report import machine
+    from rag_spec.drafters.draft_head import SHIPPED, load_head, model_fingerprint
+    from rag_spec.drafters.feature_drafter import FeatureDrafter
+    from rag_spec.drafters.tree_expansion import Expansion
+    from rag_spec.drafters.trie_drafter import TrieConfig, TrieDrafter
+    from rag_spec.models import load_model
+
+    limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
+    lm = load_model("smollm2-135m-instruct")
+    shipped = load_head(lm.model, SHIPPED / f"{model_fingerprint(lm.model)}.safetensors")
+    wide = Expansion(top=8, min_prob=0.01, max_depth=6, grow_prob=0.05)
+    pools = {"shipped head, default shape": (shipped, None, None),
+             "shipped head, 6 deep past 5%, 48 nodes drafted": (shipped, wide, 48)}
+    if os.environ.get("TR_HEAD"):
+        label = os.environ.get("TR_HEAD_LABEL", "TR_HEAD's head")
+        pools[f"{label}, default shape"] = (
+            load_head(lm.model, Path(os.environ["TR_HEAD"])), None, None)
+    share, merge, offered, steps = merged.merged_share, merged._merged, [None], []
+
+    def offering(budget: int, copies: int, *, ranked: bool = False) -> int:
+        return offered[0] if ranked and offered[0] else share(budget, copies, ranked=ranked)
+
+    def recording(guess: Any, copies: Any, grafts: Any, budget: int) -> Any:
+        steps.append((guess, copies, grafts))
+        return merge(guess, copies, grafts, budget)
+
+    # this process's decoders only: a lab run, not the library's use
+    merged.merged_share, merged._merged = offering, recording
+    config = LookaheadConfig(budget=16, adaptive=False, compile=False)
+    decoders = {name: (LookaheadDecoder(lm.model, lm.tokenizer, config, drafter=(
+        merged.MergedDrafter(FeatureDrafter(head, expansion=shape),
+                             TrieDrafter.from_config(TrieConfig())))), nodes)
+        for name, (head, shape, nodes) in pools.items()}
+    rag, open_ended = prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit,
+                                  HELD_OUT_OPEN_PROMPTS)
+    report: dict[str, Any] = {"benchmark": "draft_pools", "model": "smollm2-135m-instruct",
+                              "machine": machine(), "max_new_tokens": n, "budget": 16,
+                              "held_out": True, "goals": {"rag": 3.0, "open_ended": 2.2}}
+    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+        rows: dict[str, dict[str, list[float]]] = {
+            pool: {"decoded": [], "ceiling": [], "drafted_nodes": []} for pool in pools}
+        identical = dict.fromkeys(pools, 0)
+        for prompt in prompts:  # interleaved: every pool on a prompt before the next prompt
+            first = None
+            for pool, (decoder, nodes) in decoders.items():
+                offered[0] = nodes
+                steps.clear()
+                result = decoder.generate(prompt, max_new_tokens=n)
+                answer, first = result.token_ids, first or result.token_ids
+                identical[pool] += answer == first
+                starts = _step_starts(result)
+                assert len(starts) == len(steps), "a step merged no drafts: the replay misaligns"
+                uncut = [merge(*step, 10**6) for step in steps]
+                rows[pool]["decoded"].append(statistics.mean(
+                    1 + a for a in result.stats.accepted_per_step))
+                rows[pool]["ceiling"].append(statistics.mean(
+                    1 + len(tree.follow(answer[start:])) for start, tree in zip(starts, uncut)))
+                rows[pool]["drafted_nodes"].append(statistics.mean(len(t) for t in uncut))
+        report[name] = {pool: {**{k: round(statistics.median(v), 3) for k, v in row.items()},
+                               "identical_to_default": identical[pool]}
+                        for pool, row in rows.items()}
+        print(name, report[name], flush=True)
+    merged.merged_share, merged._merged = share, merge
+    report["extra_head"] = os.environ.get("TR_HEAD")
+    out = Path("docs/benchmarks/draft_pools_held_out.json")
+    out.write_text(json.dumps(report, indent=1))
+    plot_pools(report, out)
+
+
+def plot_pools(report: dict[str, Any], out: Path) -> None:
+    """The pools' bars beside the goals' lines, written beside ``out``."""
+    from rag_spec.bench.report import figure
+
+    pools = list(report["rag"])
+    fig, axes = figure(2, (11, 4), sharey=True)
+    for ax, name in zip(axes, ("rag", "open_ended")):
+        at = range(len(pools))
+        ax.bar([i - 0.2 for i in at], [report[name][p]["decoded"] for p in pools], 0.4,
+               label="decoded at 16 nodes")
+        ax.bar([i + 0.2 for i in at], [report[name][p]["ceiling"] for p in pools], 0.4,
+               label="every drafted node (ceiling)")
+        ax.axhline(report["goals"][name], color="k", lw=0.8, ls="--", label="issue 54's goal")
+        ax.set_xticks(list(at), [p.replace(", ", ",\n") for p in pools], fontsize=7)
+    _save_panels(fig, axes, out, "draft pool", "tokens per pass (median over prompts)",
+                 "held-out prompts: what the drafts hold at 16 nodes")
 
 
 def _save_panels(fig: Any, axes: Any, out: Path, xlabel: str, ylabel: str, title: str) -> None:
