@@ -171,7 +171,7 @@ def pool_sweep() -> None:
     shipped = load_head(lm.model, SHIPPED / f"{model_fingerprint(lm.model)}.safetensors")
     wide = Expansion(top=8, min_prob=0.01, max_depth=6, grow_prob=0.05)
     pools = {"shipped head, default shape": (shipped, None, None),
-             "shipped head, 6 deep past 5%, 48 nodes drafted": (shipped, wide, 48)}
+             "shipped head, 6 deep past 5%, offered 48 nodes": (shipped, wide, 48)}
     if os.environ.get("TR_HEAD"):
         label = os.environ.get("TR_HEAD_LABEL", "TR_HEAD's head")
         pools[f"{label}, default shape"] = (
@@ -185,47 +185,55 @@ def pool_sweep() -> None:
         steps.append((guess, copies, grafts))
         return merge(guess, copies, grafts, budget)
 
-    # this process's decoders only: a lab run, not the library's use
+    # this process's decoders only, put back after: a lab run, not the library's use
     merged.merged_share, merged._merged = offering, recording
-    config = LookaheadConfig(budget=16, adaptive=False, compile=False)
-    decoders = {name: (LookaheadDecoder(lm.model, lm.tokenizer, config, drafter=(
-        merged.MergedDrafter(FeatureDrafter(head, expansion=shape),
-                             TrieDrafter.from_config(TrieConfig())))), nodes)
-        for name, (head, shape, nodes) in pools.items()}
-    rag, open_ended = prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit,
-                                  HELD_OUT_OPEN_PROMPTS)
-    report: dict[str, Any] = {"benchmark": "draft_pools", "model": "smollm2-135m-instruct",
-                              "machine": machine(), "max_new_tokens": n, "budget": 16,
-                              "held_out": True, "goals": {"rag": 3.0, "open_ended": 2.2}}
-    for name, prompts in (("rag", rag), ("open_ended", open_ended)):
-        rows: dict[str, dict[str, list[float]]] = {
-            pool: {"decoded": [], "ceiling": [], "drafted_nodes": []} for pool in pools}
-        identical = dict.fromkeys(pools, 0)
-        for prompt in prompts:  # interleaved: every pool on a prompt before the next prompt
-            first = None
-            for pool, (decoder, nodes) in decoders.items():
-                offered[0] = nodes
-                steps.clear()
-                result = decoder.generate(prompt, max_new_tokens=n)
-                answer, first = result.token_ids, first or result.token_ids
-                identical[pool] += answer == first
-                starts = _step_starts(result)
-                assert len(starts) == len(steps), "a step merged no drafts: the replay misaligns"
-                uncut = [merge(*step, 10**6) for step in steps]
-                rows[pool]["decoded"].append(statistics.mean(
-                    1 + a for a in result.stats.accepted_per_step))
-                rows[pool]["ceiling"].append(statistics.mean(
-                    1 + len(tree.follow(answer[start:])) for start, tree in zip(starts, uncut)))
-                rows[pool]["drafted_nodes"].append(statistics.mean(len(t) for t in uncut))
-        report[name] = {pool: {**{k: round(statistics.median(v), 3) for k, v in row.items()},
-                               "identical_to_default": identical[pool]}
-                        for pool, row in rows.items()}
-        print(name, report[name], flush=True)
-    merged.merged_share, merged._merged = share, merge
+    try:
+        config = LookaheadConfig(budget=16, adaptive=False, compile=False)
+        decoders = {name: (LookaheadDecoder(lm.model, lm.tokenizer, config, drafter=(
+            merged.MergedDrafter(FeatureDrafter(head, expansion=shape),
+                                 TrieDrafter.from_config(TrieConfig())))), nodes)
+            for name, (head, shape, nodes) in pools.items()}
+        rag, open_ended = prompt_sets(lm.tokenizer, HELD_OUT_RAG_QUESTIONS[:limit], limit,
+                                      HELD_OUT_OPEN_PROMPTS)
+        report: dict[str, Any] = {"benchmark": "draft_pools", "model": "smollm2-135m-instruct",
+                                  "machine": machine(), "max_new_tokens": n, "budget": 16,
+                                  "held_out": True, "goals": {"rag": 3.0, "open_ended": 2.2}}
+        for name, prompts in (("rag", rag), ("open_ended", open_ended)):
+            report[name] = _pool_rows(decoders, prompts, n, steps, offered, merge)
+            print(name, report[name], flush=True)
+    finally:
+        merged.merged_share, merged._merged = share, merge
     report["extra_head"] = os.environ.get("TR_HEAD")
     out = Path("docs/benchmarks/draft_pools_held_out.json")
     out.write_text(json.dumps(report, indent=1))
     plot_pools(report, out)
+
+
+def _pool_rows(decoders: dict[str, Any], prompts: list, n: int, steps: list, offered: list,
+               merge: Any) -> dict[str, Any]:
+    """Per pool, medians over ``prompts`` of tokens per pass decoded and uncut, and of nodes
+    drafted; ``steps`` is what the recording merge kept, ``offered`` the head's share."""
+    rows: dict[str, dict[str, list[float]]] = {
+        pool: {"decoded": [], "ceiling": [], "drafted_nodes": []} for pool in decoders}
+    identical = dict.fromkeys(decoders, 0)
+    for prompt in prompts:  # interleaved: every pool on a prompt before the next prompt
+        first = None
+        for pool, (decoder, nodes) in decoders.items():
+            offered[0] = nodes
+            steps.clear()
+            result = decoder.generate(prompt, max_new_tokens=n)
+            answer, first = result.token_ids, first or result.token_ids
+            identical[pool] += answer == first
+            starts = _step_starts(result)
+            assert len(starts) == len(steps), "a step merged no drafts: the replay misaligns"
+            uncut = [merge(*step, 10**6) for step in steps]
+            rows[pool]["decoded"].append(statistics.mean(
+                1 + a for a in result.stats.accepted_per_step))
+            rows[pool]["ceiling"].append(statistics.mean(
+                1 + len(tree.follow(answer[start:])) for start, tree in zip(starts, uncut)))
+            rows[pool]["drafted_nodes"].append(statistics.mean(len(t) for t in uncut))
+    return {pool: {**{k: round(statistics.median(v), 3) for k, v in row.items()},
+                   "identical_to_default": identical[pool]} for pool, row in rows.items()}
 
 
 def plot_pools(report: dict[str, Any], out: Path) -> None:
