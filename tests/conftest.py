@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import string
+import threading
 
 import numpy as np
 import pytest
@@ -110,6 +111,24 @@ def user_cache(monkeypatch):
 
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+
+
+class SharedClock:
+    """An injected clock (``IterativeRaLM.clock``), one time for every thread, moved on only by
+    what waits on it (``wait``): a cost-driven choice is then the policy's, not this machine's
+    timing."""
+
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def wait(self, seconds):
+        self.now += seconds
+
+
+class VirtualClock(SharedClock, threading.local):
+    """Each thread's own time, moved on only by what that thread waits for."""
 
 
 class HashRetriever:

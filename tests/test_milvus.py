@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import WORDS, char_lm
+from conftest import WORDS, SharedClock, char_lm
 from rag_spec.bench.simulated import SearchOnly
 from rag_spec.corpus import load_passages
 from rag_spec.errors import RagSpecError
@@ -118,15 +118,18 @@ QUESTION = "which word comes after alpha beta?"
 
 class UntilEmbedded:
     """A store whose round trip lasts until the guess scorer has embedded every passage it
-    queued (the search runs on the I/O pool while the verifying thread embeds)."""
+    queued (the search runs on the I/O pool while the verifying thread embeds), and costs
+    ``latency`` on ``clock`` (a remote store: dearer than a guess, whatever this machine's
+    Milvus Lite and embedder take)."""
 
-    def __init__(self, retriever):
-        self.retriever = retriever
+    def __init__(self, retriever, clock, latency=0.05):
+        self.retriever, self.clock, self.latency = retriever, clock, latency
         self.scorer = None
 
     def search(self, queries, k=1):
         while self.scorer is not None and getattr(self.scorer, "queued", 0):
             time.sleep(0.001)  # waits for an event; asserts no duration
+        self.clock.wait(self.latency)
         return self.retriever.search(queries, k)
 
     def __getattr__(self, name):
@@ -137,10 +140,16 @@ class UntilEmbedded:
 def test_speculative_ralm_on_milvus_equals_the_naive_loop(lm, kb, wrap):
     expected = IterativeRaLM(lm, kb, stride=2, query_tokens=12).generate(QUESTION, 30)
     # a round trip that lasts until a search-only client's passages are embedded meanwhile
-    # (event order: a fixed delay left them unembedded, so unguessed, on busy cores)
-    store = UntilEmbedded(wrap(kb))
+    # (event order: a fixed delay left them unembedded, so unguessed, on busy cores); its cost
+    # on an injected clock, or a busy machine's timings could stop the guessing (a guess
+    # timed dearer than a call). One clock for the I/O pool's thread, where a search-only
+    # client's call waits, and the loop's, which times it; verification in the foreground, so
+    # no call's wait falls inside a guess's timing.
+    clock = SharedClock()
+    store = UntilEmbedded(wrap(kb), clock)
     spec = IterativeRaLM(lm, SpecRetriever(store), stride=2, query_tokens=12,
-                         speculation=RaLMSpeculation(stride=3, os3=False))
+                         speculation=RaLMSpeculation(stride=3, os3=False, asynchronous=False))
+    spec.clock = clock
     store.scorer = spec.retriever.scorer
     result = spec.generate(QUESTION, 30)
     assert result.token_ids == expected.token_ids

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from conftest import HashRetriever, char_lm, tiny_llama
+from conftest import HashRetriever, VirtualClock, char_lm, tiny_llama
 from rag_spec.bench.simulated import DelayedRetriever
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.spec_retriever import SpecRetriever
@@ -109,18 +109,6 @@ def test_requests_leave_no_state_behind(lm):
     # A session kept by mistake (its cache of prefetched hits) is ~4 KB a request; calls into
     # the model add ~0.8 KB a request that torch keeps internally, traced at our call lines.
     assert grown < 24 * 1024, f"{grown} bytes kept by 10 more requests"
-
-
-class VirtualClock(threading.local):
-    """Each thread's own time, moved on only by what it waits for (``wait``)."""
-
-    now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def wait(self, seconds):
-        self.now += seconds
 
 
 class WaitsForGeneration:

@@ -109,8 +109,10 @@ def test_add_context_reaches_only_the_calling_threads_next_generate(model, token
     added, other_done = threading.Event(), threading.Event()
 
     def with_context():
-        decoder.add_context(["abc"])
-        added.set()
+        try:
+            decoder.add_context(["abc"])
+        finally:  # as below: a failure here must fail the test, not leave the other waiting
+            added.set()
         other_done.wait()  # the other thread generates between this one's add and generate
         decoder.generate(repetitive_prompt(0), 3)
 
