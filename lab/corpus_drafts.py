@@ -58,7 +58,7 @@ class CorpusOnly(TrieDrafter):
 
     def session(self, prompt: Any, extra_context: Any = ()) -> TrieSession:
         blind = NGramTrie(branch_length=self.branch_length, max_key=self.max_key, max_nodes=0)
-        return TrieSession(self, blind, len(prompt))
+        return TrieSession(self, blind)
 
 
 def main() -> None:

@@ -307,7 +307,7 @@ def streamed_or_skip():
         pytest.skip("the streamed kernel needs AVX-512 or AVX2 and a build")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 14, 15, 17, 18, 35, 100])
+@pytest.mark.parametrize("rows", [0, 1, 2, 9, 14, 15, 17, 18, 35, 100])  # 0: an empty feed
 @pytest.mark.parametrize("out_features", [16, 40, 1000])
 @pytest.mark.parametrize("stored", [None, torch.float16, torch.int8])
 def test_streamed_products_match_f_linear_for_any_rows_and_sizes(rows, out_features, stored):

@@ -184,6 +184,7 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packe
               "float32, float16 or int8 packed weight");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0);
   auto y = torch::empty({rows, nblocks * 16}, x.options());
+  if (rows == 0 || in == 0) return y.zero_();  // nothing to split into chunks and groups
   if (stored == torch::kChar)
     product(x.data_ptr<float>(), packed.data_ptr<int8_t>(), y.data_ptr<float>(), rows, in,
             nblocks);

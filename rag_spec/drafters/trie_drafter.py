@@ -102,7 +102,7 @@ class TrieDrafter(Drafter):
         for document in extra_context:
             request.insert(document)
         request.insert(prompt)
-        return TrieSession(self, request, len(prompt))
+        return TrieSession(self, request)
 
     def remember(self, output: Sequence[int]) -> None:
         with self._lock:
@@ -112,10 +112,9 @@ class TrieDrafter(Drafter):
 class TrieSession:
     """One request's view: its own n-grams plus the shared memory."""
 
-    def __init__(self, drafter: TrieDrafter, request: NGramTrie, prompt_len: int) -> None:
+    def __init__(self, drafter: TrieDrafter, request: NGramTrie) -> None:
         self.drafter = drafter
         self.request = request
-        self.prompt_len = prompt_len
 
     def propose(self, context: Sequence[int], budget: int) -> TokenTree:
         if budget <= 0:
@@ -142,8 +141,11 @@ class TrieSession:
         return TokenTree(tuple(tokens), tuple(parents), scores=tuple(shares))
 
     def observe(self, context: Sequence[int], new_from: int) -> None:
-        # The output's own n-grams: answers often repeat themselves.
-        self.request.insert(context[self.prompt_len:], max(0, new_from - self.prompt_len))
+        """The n-grams the new tokens complete (answers often repeat themselves), read from
+        the context's tail: whatever came before it (a RaLM segment's passages) was counted
+        when it came in."""
+        tail = max(0, new_from - self.request.branch_length - self.request.max_key + 1)
+        self.request.insert(context[tail:], new_from - tail)
 
     def finish(self, output: Sequence[int]) -> None:
         self.drafter.remember(output)

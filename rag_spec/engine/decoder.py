@@ -405,17 +405,22 @@ class LookaheadDecoder:
         """Greedy tokens after ``context`` for a caller that manages its own KV cache.
 
         Iterative RaLM keeps one cache per passage and decodes a few tokens at a time; this
-        lets it verify drafts too. ``cache`` (from ``kv_cache.new_cache``, one row) holds every
-        position before the last token of the sequence; ``context`` ends with that token and is
-        what ``session`` drafts from. On return the cache holds the sequence up to, not
-        including, the last new token, so consecutive calls chain. The session and budget
-        persist across calls; nothing is remembered across requests (call ``session.finish``
-        at the end).
+        lets it verify drafts too. ``context`` is the whole sequence: ``cache`` (from
+        ``kv_cache.new_cache``, one row) holds every position of it but the last token, so
+        drafters read what ``generate`` hands them (a token's index is its position). On
+        return the cache holds the sequence up to, not including, the last new token, so
+        consecutive calls chain. The session and budget persist across calls; nothing is
+        remembered across requests (call ``session.finish`` at the end).
         """
-        rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
-        row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
         tree_cache = TreeKVCache.of_row(cache, context[-1], self._window)
         length = tree_cache.length
+        if length != len(context) - 1:
+            msg = (f"extend's cache holds {length} positions but its context has "
+                   f"{len(context)} tokens: pass the whole sequence the cache holds, plus the "
+                   "pending last token.")
+            raise ValueError(msg)
+        rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
+        row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
         target = TargetView(self.runner, tree_cache)
         with self._lock:
             self.drafter.begin(target)

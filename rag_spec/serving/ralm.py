@@ -180,8 +180,8 @@ class IterativeRaLM:
         if decoder is None:
             msg = "drafting needs the loop's lookahead decoder"
             raise ValueError(msg)
-        # Drafting context: this prompt plus the output. Every segment's prompt ends like it
-        # (the chat template's assistant header), and drafts only read the last few tokens.
+        # The session starts from the question's prompt; its passages come in as each segment
+        # retrieves them. Drafters read the segment's own sequence: the tokens its cache holds.
         base = chat_input_ids(tokenizer, rag_messages(question, []))
         session = decoder.drafter.session(base)  # rows draft one by one: no batch cache
         budget = AdaptiveBudget(decoder.config.budget, adaptive=decoder.config.adaptive)
@@ -193,7 +193,8 @@ class IterativeRaLM:
                 session.add_documents(tokenizer([h.text for h in new],
                                                 add_special_tokens=False)["input_ids"])
                 seen.update(hit.doc_id for hit in new)
-            return decoder.extend(segment.cache, base + output, n, session, budget).token_ids
+            return decoder.extend(segment.cache, segment.prompt + output, n, session,
+                                  budget).token_ids
 
         return session, extend
 

@@ -24,8 +24,9 @@ from rag_spec.models.limits import context_window
 from rag_spec.retrieval.types import Hit
 
 Extend = Callable[["Segment", list[int], int], list[int]]
-"""Speculative decoding for a segment: (segment, output, n) -> up to n greedy tokens, with
-the segment's cache advanced as plain steps would have left it."""
+"""Speculative decoding for a segment: (segment, output, n) -> up to n greedy tokens after
+``segment.prompt + output``, with the segment's cache advanced as plain steps would have left
+it."""
 
 Fill = Callable[[Any, list[int]], None]
 """Prefill for a new segment: (empty cache, tokens) -> None, the cache then holds the tokens."""
@@ -37,9 +38,12 @@ class Segment:
 
     passages: list[Hit]
     point: int  # retrieval point that opened it (-1: the first retrieval)
-    prompt_len: int  # tokens of the passage + question prompt
-    prompt_last: int  # the prompt's last token: the first pending token when output is empty
+    prompt: list[int]  # the passage + question prompt
     cache: Any  # DynamicCache over prompt + output (all of it), all but the newest token
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
 
 class RalmState:
@@ -81,7 +85,7 @@ class RalmState:
         cache = new_cache()
         if len(sequence) > 1:
             self.fill(cache, sequence[:-1])
-        self.segments.append(Segment(passages, point, len(prompt), prompt[-1], cache))
+        self.segments.append(Segment(passages, point, prompt, cache))
         self.compute_seconds += time.perf_counter() - started
 
     def step(self, n: int) -> int:
@@ -96,7 +100,7 @@ class RalmState:
             self.output.extend(tokens)
             added = len(tokens)
         while added < n and not self.finished:
-            pending = self.output[-1] if self.output else segment.prompt_last
+            pending = self.output[-1] if self.output else segment.prompt[-1]
             logits = self.model(input_ids=torch.tensor([[pending]], device=self.model.device),
                                 use_cache=True, **cache_argument(self.model, segment.cache)
                                 ).logits
