@@ -21,6 +21,8 @@ _EXPORTS = {
     "LookaheadDecoder": "rag_spec.engine.decoder",
     "LookaheadConfig": "rag_spec.engine.decoder",
     "GenerationResult": "rag_spec.engine.decoder",
+    "JsonSchema": "rag_spec.engine.verify.grammar",
+    "IncompleteOutputWarning": "rag_spec.errors",
     "TokenTree": "rag_spec.engine.verify.tree",
     "TrieDrafter": "rag_spec.drafters.trie_drafter",
     "SuffixIndex": "rag_spec.drafters.suffix_index",

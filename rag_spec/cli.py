@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from rag_spec.errors import RagSpecError
+from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 
 DEFAULT_QUESTION = "How do I join two path components with os.path?"
 
@@ -32,8 +33,16 @@ def _ask(args: argparse.Namespace) -> int:
     from rag_spec.serving.ask import ask
     from rag_spec.serving.drafts import check_draft, drafter_for
 
+    if args.question is None:
+        print(f"rag-spec: no question given: asking the demo question ({DEFAULT_QUESTION!r}). "
+              f'Ask your own: rag-spec ask "..."', file=sys.stderr)
+        args.question = DEFAULT_QUESTION
     if not args.question.strip():
         msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
+        raise RagSpecError(msg)
+    if args.json and args.json_schema is None:
+        msg = ("--json prints the answer's JSON alone: give the schema it follows, "
+               "--json-schema FILE.")
         raise RagSpecError(msg)
     for flag, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
@@ -47,8 +56,11 @@ def _ask(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device)
     drafter = drafter_for(args.draft, lm)  # loads a trained draft, never trains one
     kb = _knowledge_base(args, args.kind)
-    print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n")
-    print(f"Q: {args.question}")
+    # with --json, standard output holds the answer's JSON alone: everything else is a report
+    report = sys.stderr if args.json else sys.stdout
+    print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n",
+          file=report)
+    print(f"Q: {args.question}", file=report)
     started_answer = []
 
     def show(piece: str) -> None:  # "A:" once text comes: an error before it stands alone
@@ -57,22 +69,26 @@ def _ask(args: argparse.Namespace) -> int:
             print("A: ", end="")
         print(piece, end="", flush=True)
 
-    answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                 on_text=show, draft=drafter, json_schema=schema)
+    with warnings.catch_warnings():  # a cut answer is this command's error, below
+        warnings.simplefilter("ignore", IncompleteOutputWarning)
+        answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
+                     on_text=None if args.json else show, draft=drafter, json_schema=schema)
     if schema is not None and answer.finish_reason == "length":
-        print()
+        print(file=report)
         msg = (f"The answer was cut at --max-new-tokens {args.max_new_tokens} before its JSON "
                f"closed: it does not follow the schema. Raise --max-new-tokens.")
         raise RagSpecError(msg)
-    print("\n\nSources:")
+    if args.json:
+        print(answer.text.strip())
+    print("\n\nSources:", file=report)
     for i, hit in enumerate(answer.hits, 1):
         preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
-        print(f"  [{i}] {hit.title} (score {hit.score:.3f}): {preview}")
+        print(f"  [{i}] {hit.title} (score {hit.score:.3f}): {preview}", file=report)
     stats = answer.stats
     print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
           f"forward pass, drafts: {stats['drafts'] or 'none'}, {stats['passes']} steps); "
-          f"retrieval {answer.retrieval_seconds * 1000:.0f} ms")
+          f"retrieval {answer.retrieval_seconds * 1000:.0f} ms", file=report)
     return 0
 
 
@@ -226,13 +242,15 @@ def _draft_train(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from rag_spec.models.registry import DEFAULT_MODEL
+    from rag_spec.serving.drafts import DRAFT_HELP
 
     parser = argparse.ArgumentParser(prog="rag-spec", description=(
         "Faster retrieval-augmented generation on local models, with unchanged output."))
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     ask = commands.add_parser("ask", help="answer a question from the knowledge base")
-    ask.add_argument("question", nargs="?", default=DEFAULT_QUESTION)
+    ask.add_argument("question", nargs="?", default=None,
+                     help=f"what to ask (default: the demo question, {DEFAULT_QUESTION!r})")
     ask.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
     ask.add_argument("--kind", default=None, choices=["flat", "hnsw", "ivf", "bm25"],
                      help="index (default: flat; with --backend milvus, the collection's)")
@@ -242,12 +260,14 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--draft", default=None,
-                     help="also draft with a model of the same vocabulary (embedded name or "
-                     "folder), early-exit:L (the model's first L layers) or trained-exit:L "
-                     "(with a trained adapter, see rag-spec draft train); default: the trie")
+                     help=f"draft with {DRAFT_HELP}; default: the model's draft head + the "
+                     "trie where it has one (the embedded model does), else the trie")
     ask.add_argument("--json-schema", default=None, metavar="FILE",
                      help="answer as JSON following the JSON schema in FILE (constrained "
-                     "decoding, speculated)")
+                     "decoding, speculated; compact JSON)")
+    ask.add_argument("--json", action="store_true",
+                     help="with --json-schema: print the answer's JSON alone on standard "
+                     "output (for a pipe); the question, sources and speed go to standard error")
     _add_backend_flags(ask)
     ask.set_defaults(run=_ask)
 

@@ -6,3 +6,11 @@ class RagSpecError(Exception):
 
     The CLI prints it without a traceback and exits non-zero.
     """
+
+
+class IncompleteOutputWarning(UserWarning):
+    """A constrained answer (json_schema, regex, grammar, choices, a tool call) ended before
+    its grammar was complete, at the token limit or a stop string: it is not valid under the
+    grammar. ``GenerationResult.incomplete`` says the same per answer; raise
+    ``max_new_tokens``, or turn this into an error with
+    ``warnings.simplefilter("error", IncompleteOutputWarning)``."""

@@ -153,3 +153,22 @@ def test_the_clis_head_recipe_is_the_one_the_shipped_head_was_trained_by():
     defaults = inspect.signature(cached_head).parameters
     for name in ("texts", "answers", "written"):
         assert getattr(args, name) == defaults[name].default, name
+
+
+def test_ask_without_a_question_says_it_asks_the_demo_question(capsys):
+    code, _, err = run(capsys, "ask", "--max-new-tokens", "0")  # stops before anything loads
+    assert "no question given: asking the demo question" in err
+    assert code == 2 and "--max-new-tokens must be at least 1" in err
+
+
+def test_json_output_needs_the_schema_it_prints(capsys):
+    code, _, err = run(capsys, "ask", "hi", "--json")
+    assert code == 2 and "--json-schema FILE" in err and "Traceback" not in err
+
+
+def test_draft_help_names_every_kind_and_the_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at any hyphen
+    for kind in ("early-exit:L", "trained-exit:L", "head", "self-spec:N", "drafthead+thetrie"):
+        assert kind in text, kind

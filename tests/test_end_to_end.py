@@ -120,10 +120,10 @@ def test_ask_answers_under_a_json_schema_file(user_cache, capsys, tmp_path):
     schema.write_text('{"type": "object", "properties": {"function": {"type": "string", '
                       '"maxLength": 40}}, "required": ["function"]}')
     code = main(["ask", "How do I join two path components with os.path?", "--json-schema",
-                 str(schema), "--max-new-tokens", "60"])
-    out = capsys.readouterr().out
+                 str(schema), "--max-new-tokens", "60", "--json"])
+    printed = capsys.readouterr()
     assert code == 0
     import json
 
-    answer = out.split("A: ", 1)[1].split("\n\nSources:")[0]
-    assert set(json.loads(answer)) == {"function"}
+    assert set(json.loads(printed.out)) == {"function"}  # standard output: the JSON alone
+    assert "Sources:" in printed.err and "Q: How do I join" in printed.err

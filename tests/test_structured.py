@@ -2,7 +2,9 @@
 with xgrammar's logits processor), sampled tokens follow the constrained distribution, drafts
 the grammar forbids never reach the forward pass, and bad grammars fail before decoding."""
 
+import functools
 import json
+import operator
 import string
 
 import pytest
@@ -526,3 +528,86 @@ def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
     steps = [events[i:i + 3] for i, e in enumerate(events) if e == "launch"]
     assert len(steps) >= result.stats.steps > 1
     assert steps[-result.stats.steps:] == [["launch", "masks", "wait"]] * result.stats.steps
+
+
+# -- answers that hold up: compact JSON, cut answers said, one string is no list of choices -------
+
+def test_json_is_compact_by_default_and_laid_out_on_request(lm, tok):
+    """A grammar that allows any whitespace lets a small model spend its tokens on newlines
+    and never close the object: the default allows none but after ``,`` and ``:``; an
+    indent lays it out on fixed lines. Either way the tokens are constrained generate's on
+    the same grammar."""
+    from rag_spec import JsonSchema
+
+    compact = Constraint(compiled_for(lm, tok, json_schema=SCHEMA), len(tok), tok).matcher
+    assert not compact.accept_string('{\n')
+    assert compact.accept_string('{"name": "ab", "n": 1, "ok": true}') and compact.is_completed()
+    pretty = compiled_for(lm, tok, json_schema=JsonSchema(SCHEMA, indent=2))
+    assert Constraint(pretty, len(tok), tok).matcher.accept_string('{\n  "name": "ab",\n')
+    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(budget=8))
+    ids = prompt(tok, '{"name": ')
+    result = decoder.generate(ids, 40, json_schema=JsonSchema(SCHEMA, indent=2))
+    assert result.token_ids == hf_constrained(lm, tok, ids, pretty, 40)
+
+
+def test_an_answer_cut_before_its_grammar_closes_says_so(lm, tok):
+    from rag_spec import IncompleteOutputWarning
+
+    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(budget=8))
+    ids = prompt(tok)
+    with pytest.warns(IncompleteOutputWarning, match="Raise max_new_tokens") as caught:
+        cut = decoder.generate([ids, ids], 3, json_schema=SCHEMA)
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    assert all(r.incomplete and r.finish_reason == "length" for r in cut)
+    with pytest.warns(IncompleteOutputWarning):
+        stream = decoder.stream(ids, 3, json_schema=SCHEMA)
+        assert "".join(stream) == cut[0].text
+    assert stream.result.incomplete
+    closed = decoder.generate(ids, 2, choices=["ab", "abc"])  # "ab" may end there
+    assert not closed.incomplete and closed.text == "ab"
+    assert not decoder.generate(ids, 3).incomplete  # free text is never cut short of a grammar
+
+
+def test_choices_refuses_a_bare_string(lm, tok):
+    decoder = LookaheadDecoder(lm, tok)
+    with pytest.raises(RagSpecError, match=r"choices=\['yes'\]"):
+        decoder.generate(prompt(tok), 4, choices="yes")
+
+
+def test_a_forced_tool_call_cut_at_max_tokens_is_an_invalid_call(printable_dir):
+    from langchain_rag_spec import ChatLookahead
+
+    bound = ChatLookahead(model=printable_dir, max_tokens=45).bind_tools(
+        [magic_function], tool_choice="magic_function")
+    for message in (bound.invoke("magic of 3"), functools.reduce(operator.add,
+                                                                 bound.stream("magic of 3"))):
+        assert message.response_metadata["finish_reason"] == "length"
+        assert not message.tool_calls and not message.content  # no answer an agent would take
+        (invalid,) = message.invalid_tool_calls
+        assert invalid["args"].startswith("<tool_call>")
+    assert bound.invoke("magic of 3").invalid_tool_calls[0]["name"] == "magic_function"
+    assert "raise max_tokens" in bound.invoke("magic of 3").invalid_tool_calls[0]["error"]
+
+
+def test_llama_index_forces_structured_programs_and_names_a_cut_call(printable_dir):
+    from llama_index.core import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.rag_spec import LookaheadLLM
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        """An item."""
+
+        n: int
+
+    llm = LookaheadLLM(model=printable_dir, max_new_tokens=120)
+    tool = FunctionTool.from_defaults(fn=magic_function)
+    # FunctionCallingProgram passes tool_choice=None with tool_required=True
+    assert llm._prepare_chat_with_tools([tool], "x", tool_choice=None, tool_required=True)[
+        "tool_choice"] == "required"
+    item = llm.structured_predict(Item, PromptTemplate("the item {x}: "), x="a")
+    assert isinstance(item, Item)  # the call was forced: a random model's prose is no call
+    assert isinstance(llm.as_structured_llm(Item).complete("an item").raw, Item)
+    short = LookaheadLLM(model=printable_dir, max_new_tokens=8)
+    with pytest.raises(ValueError, match="cut at max_new_tokens before it closed"):
+        short.predict_and_call([tool], user_msg="magic of 3", tool_required=True)

@@ -4,12 +4,15 @@ keep the longest path the model agrees with plus one bonus token, compact the KV
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -35,7 +38,7 @@ from rag_spec.engine.verify.grammar import Constraint, Grammars, row_requests
 from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
 from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.engine.verify.verify import verify
-from rag_spec.errors import RagSpecError
+from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.policy.budget import AdaptiveBudget, TreeSizer
 from rag_spec.policy.step_costs import StepCosts, settle
@@ -118,6 +121,9 @@ class GenerationResult:
     text: str
     finish_reason: str  # "eos", "stop" or "length"
     stats: DecodeStats
+    # constrained output that ended before its grammar was complete (cut at the token limit):
+    # not valid under the grammar (``IncompleteOutputWarning``)
+    incomplete: bool = False
 
 
 @dataclass
@@ -160,6 +166,7 @@ class GenerationStream:
                     if done.value is None:  # closed before the end
                         return
                     self.result = done.value[0]
+                    _warn_incomplete(done.value)
                 yield from self._flush()
         finally:
             self.close()
@@ -171,6 +178,18 @@ class GenerationStream:
     def _flush(self) -> Iterator[str]:
         pieces, self._pieces[:] = list(self._pieces), []
         yield from pieces
+
+
+def _warn_incomplete(results: list[GenerationResult]) -> None:
+    """Warn the caller of ``generate`` or of a stream's iteration (two frames up) of
+    constrained answers that ended before their grammar was complete."""
+    cut = sum(r.incomplete for r in results)
+    if cut:
+        msg = (f"{cut} of {len(results)} constrained answers (a JSON schema, a grammar, a "
+               f"tool call) ended before their grammar was complete, at max_new_tokens or a "
+               f"stop string: they are not valid under it (GenerationResult.incomplete). Raise "
+               f"max_new_tokens (max_tokens in LangChain).")
+        warnings.warn(msg, IncompleteOutputWarning, stacklevel=3)
 
 
 def _drain(steps: Generator[None, None, list[GenerationResult]]) -> list[GenerationResult]:
@@ -263,16 +282,20 @@ class LookaheadDecoder:
             context: documents this call may copy from, like ``add_context`` but for this call
                 only.
             json_schema: a JSON schema the output follows (a dict, a JSON string or a
-                Pydantic model class; xgrammar's ``compile_json_schema`` with its defaults).
-                At most one of the four grammar keywords per prompt; a list gives one per
-                prompt of a batch. The tokens are constrained decoding's: greedy picks the
-                argmax of the allowed tokens' logits, sampling draws from the allowed tokens.
+                Pydantic model class): compact JSON, no free whitespace (xgrammar's
+                ``compile_json_schema(schema, any_whitespace=False)``); wrap it as
+                ``JsonSchema(schema, indent=2)`` for JSON over lines. At most one of the four
+                grammar keywords per prompt; a list gives one per prompt of a batch. The
+                tokens are constrained decoding's on the same grammar: greedy picks the argmax
+                of the allowed tokens' logits, sampling draws from the allowed tokens.
             regex: a regular expression the output matches.
             grammar: an EBNF grammar the output follows (start rule ``root``).
-            choices: the strings the output is one of.
+            choices: a list of the strings the output is one of (a bare string is refused).
 
         Returns:
-            A GenerationResult for a single prompt, a list of them for a batch.
+            A GenerationResult for a single prompt, a list of them for a batch. A constrained
+            answer that ended before its grammar was complete (at ``max_new_tokens``) has
+            ``incomplete`` set, and the call warns (``IncompleteOutputWarning``).
         """
         prompts, single = _prompts(input_ids, attention_mask)
         if streamer is not None and len(prompts) > 1:
@@ -282,6 +305,7 @@ class LookaheadDecoder:
             do_sample, temperature, top_k, top_p, repetition_penalty), stop, seed, context,
             streamer, json_schema=json_schema, regex=regex, grammar=grammar, choices=choices)
         results = _drain(steps)
+        _warn_incomplete(results)
         return results[0] if single else results
 
     def stream(self, input_ids: Any, max_new_tokens: int = 128, **options: Any
@@ -351,9 +375,11 @@ class LookaheadDecoder:
             yield from self._decode(rows, rules, stream, started)
             if self._steady and not params.do_sample:
                 self._learnt = max((r.budget for r in rows), key=lambda b: b.trees)
-        return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
-                                 r.finish_reason or "length", r.stats)
-                for r, rule in zip(rows, rules)]
+        results = [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer
+                                    else "", r.finish_reason or "length", r.stats,
+                                    r.constraint is not None and not r.constraint.complete)
+                   for r, rule in zip(rows, rules)]
+        return results
 
     def _constraints(self, rows: int, **grammars: Any) -> list[Constraint | None]:
         """Each row's grammar, compiled before any decoding (a bad one is a RagSpecError)."""
@@ -743,6 +769,38 @@ def _check_vocabulary(model: Any, tokenizer: Any) -> None:
                f"to another model. Load the tokenizer from the model's own folder "
                f"(AutoTokenizer.from_pretrained(<the model's folder>)).")
         raise RagSpecError(msg)
+    folder = getattr(model, "name_or_path", "") or ""
+    saved = _saved_vocabulary(folder)
+    if saved is None or not callable(getattr(tokenizer, "get_vocab", None)):
+        return
+    given = tokenizer.get_vocab()
+    ids = [(index, given.get(piece)) for piece, index in saved.items()]
+    moved = sum(other is not None and other != index for index, other in ids)
+    missing = sum(other is None for _, other in ids)  # spelled otherwise, or another vocabulary
+    if moved or missing > len(saved) // 2:
+        msg = (f"The tokenizer's vocabulary is not the one saved with the model ({folder}): "
+               f"{moved + missing} of its {len(saved)} pieces have other ids or none, so the "
+               f"model would read other tokens than were meant. Load the tokenizer from the "
+               f"model's own folder (AutoTokenizer.from_pretrained({folder!r})).")
+        raise RagSpecError(msg)
+
+
+def _saved_vocabulary(folder: str) -> Mapping[str, int] | None:
+    """Piece -> id of the tokenizer saved beside a model (its folder's ``tokenizer.json``);
+    None where there is none."""
+    path = Path(folder) / "tokenizer.json" if folder else None
+    if path is None or not path.is_file():
+        return None
+    stat = path.stat()
+    return _vocabulary_file(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocabulary_file(path: str, mtime_ns: int, size: int) -> Mapping[str, int]:
+    """A tokenizer file's vocabulary, read once per version of the file (read only)."""
+    from tokenizers import Tokenizer
+
+    return MappingProxyType(Tokenizer.from_file(path).get_vocab(with_added_tokens=True))
 
 
 def _check_model(model: Any) -> None:

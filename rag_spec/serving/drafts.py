@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rag_spec.drafters.drafter import Drafter
 from rag_spec.errors import RagSpecError
 from rag_spec.models import loader
 from rag_spec.models.loader import LoadedModel
 from rag_spec.models.registry import EMBEDDED_MODELS
+
+if TYPE_CHECKING:  # the CLI reads this module's help text before torch loads
+    from rag_spec.drafters.drafter import Drafter
 
 # "early-exit:8": the target's own first 8 layers; "trained-exit:8": with a trained adapter
 _EARLY_EXIT = re.compile(r"(early|trained)[-_]exit(?::(.*))?")
@@ -69,7 +71,8 @@ def _count(draft: str, kind: str, count: str | None, what: str) -> int:
 
 
 def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
-    """The drafter for ``draft``: None (the trie alone), a Drafter (as given), an int or
+    """The drafter for ``draft``: None (the decoder's default: draft head + trie where the
+    model has a head, else the trie), a Drafter (as given), an int or
     ``"early-exit:L"`` (the target's first L layers), ``"trained-exit:L"`` (with the adapter
     ``rag-spec draft train --layers L`` trained), ``"head"`` (the draft head ``rag-spec draft
     train --head`` trained), ``"self-spec:N"`` (the target through a sparse view of N KV
@@ -78,6 +81,7 @@ def drafter_for(draft: Any, target: LoadedModel) -> Drafter | None:
 
     Serving never trains: a trained draft that is not cached is a RagSpecError naming the
     command that trains it, raised here, before any answer starts."""
+    from rag_spec.drafters.drafter import Drafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
     from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
     from rag_spec.drafters.self_drafter import SelfSpecDrafter

@@ -77,7 +77,11 @@ class Completion:
     finish_reason: str  # "eos", "stop" or "length"
     stats: DecodeStats
     content: str  # the text outside tool calls (the text, where no tools were offered)
-    calls: tuple[ToolCall, ...] = ()  # the calls it made, parsed (a cut-off call is text)
+    calls: tuple[ToolCall, ...] = ()  # the calls it made, parsed
+    # constrained output (a JSON schema, a grammar, tool calls) that ended before its grammar
+    # was complete, at the token limit
+    incomplete: bool = False
+    cut_call: str = ""  # the text of a tool call cut at the token limit (not in ``content``)
 
     @property
     def seconds(self) -> float:
@@ -138,7 +142,8 @@ class LocalLM:
     def shared(cls, model: str | LoadedModel | None = None, *, config: LookaheadConfig | None
                = None, draft: Any = None, **load_kwargs: Any) -> LocalLM:
         """The process-wide LocalLM for ``model`` (a name, a folder, or a loaded model) and
-        ``draft`` (see ``rag_spec.serving.drafts.drafter_for``; None: the trie alone)."""
+        ``draft`` (see ``rag_spec.serving.drafts.drafter_for``; None: the default drafter, the
+        model's draft head + the trie where it has one, else the trie)."""
         lm = model if isinstance(model, LoadedModel) else load_model(
             model or DEFAULT_MODEL, **load_kwargs)
         key = (id(lm), config or LookaheadConfig(), draft_key(draft))
@@ -267,10 +272,14 @@ class LocalLM:
 
     def _completion(self, result: Any, prompt_tokens: int,
                     options: GenerateOptions) -> Completion:
-        content, calls = self.call_format.parse(result.text) if options.tools else \
-            (result.text, [])
+        text, cut_call = result.text, ""
+        if options.tools and result.incomplete:
+            at = self.call_format.unfinished(text, forced=options.tool_choice != "auto")
+            if at is not None:
+                text, cut_call = text[:at], text[at:]
+        content, calls = self.call_format.parse(text) if options.tools else (text, [])
         return Completion(result.text, result.token_ids, prompt_tokens, result.finish_reason,
-                          result.stats, content, tuple(calls))
+                          result.stats, content, tuple(calls), result.incomplete, cut_call)
 
 
 def _checked(options: GenerateOptions | None) -> GenerateOptions:

@@ -119,8 +119,10 @@ class CallFormat:
             return None
         tags = [st.TagFormat(begin=f'{self.call_open}{{"name": {json.dumps(t.name)}, '
                              f'"{self.key}": ',
+                             # as little free whitespace as structural tags allow (one
+                             # character a place): a small model spends tokens on it
                              content=st.JSONSchemaFormat(json_schema=dict(t.parameters),
-                                                         max_whitespace_cnt=2),
+                                                         max_whitespace_cnt=1),
                              end="}" + self.call_close)
                 for t in _first_of_each_name(tools) if choice in ("auto", "any")
                 or t.name == choice]
@@ -162,6 +164,21 @@ class CallFormat:
                 search = start.start() + 1
         kept.append(text[last:])
         return "".join(kept).strip(), calls
+
+    def unfinished(self, text: str, forced: bool) -> int | None:
+        """Where the call that an answer cut at the token limit left open starts (None: no
+        call was open): the first block that does not parse, or a trigger past the last one
+        that does; where calls were ``forced``, whatever follows the last whole call."""
+        search = 0
+        while (start := re.compile(self.reads).search(text, search)) is not None:
+            found, end = self._block(text, start.end())
+            if not found:
+                return start.start()
+            search = end
+        at = text.rfind(self.trigger, search)
+        if at < 0 and forced and text[search:].strip():
+            at = search
+        return at if at >= 0 else None
 
     def call_id(self, call_id: str) -> str:
         """``call_id`` as the template accepts it (Mistral's: 9 letters or digits, stably

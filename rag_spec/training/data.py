@@ -112,8 +112,9 @@ def cached_draft(lm: Any, kind: str, key: str, load: Callable[[Path], Trained],
     if train is None:
         msg = (f"{damaged or f'No {recipe.what} is trained for {lm.name}. '}Answers never wait "
                f"for training: train it once with `{recipe.command}` ({recipe.duration} on two "
-               f"CPU cores, cached after), then ask again; or leave out the draft to use the "
-               f"trie alone.")
+               f"CPU cores, cached after), then ask again; or leave out the draft for the "
+               f"default (the shipped draft head + the trie where the model has one, else the "
+               f"trie).")
         raise RagSpecError(msg)
     if damaged:
         print(f"rag-spec: {damaged}Training it again.", file=sys.stderr)

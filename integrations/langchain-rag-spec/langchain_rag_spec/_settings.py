@@ -33,7 +33,8 @@ class LookaheadSettings(BaseModel):
     draft_model: Any = None
     """A draft model of the same vocabulary (embedded name, folder, or model object), or
     ``"early-exit:L"`` (the model's own first L layers); merged with the trie's drafts. None:
-    the trie alone (best for answers that copy the retrieved passages)."""
+    the default, the model's draft head + the trie where it has one (the embedded model
+    does), else the trie."""
     max_tokens: int = 256
     temperature: float = 0.0
     """0 decodes greedily; above 0 samples (losslessly, from the model's own distribution)."""

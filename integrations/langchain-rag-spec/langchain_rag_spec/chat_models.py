@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
@@ -147,6 +148,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         message = AIMessage(content=completion.content, usage_metadata=usage(completion),
                             tool_calls=[{"name": c.name, "args": c.arguments, "id": c.id,
                                          "type": "tool_call"} for c in completion.calls],
+                            invalid_tool_calls=_cut(completion),
                             response_metadata=response_metadata(completion, self.model))
         return ChatResult(generations=[ChatGeneration(
             message=message, generation_info={"finish_reason": completion.finish_reason})])
@@ -162,6 +164,17 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
             generation_info={"finish_reason": done.finish_reason})
 
 
+def _cut(completion: Completion) -> list[dict[str, Any]]:
+    """A tool call cut at the token limit, as an invalid call (an agent loop must not take
+    its text for the final answer)."""
+    if not completion.cut_call:
+        return []
+    name = re.search(r'"name"\s*:\s*"([^"]*)"', completion.cut_call)
+    return [{"name": name.group(1) if name else None, "args": completion.cut_call, "id": None,
+             "error": "The tool call was cut at max_tokens before it closed; raise max_tokens.",
+             "type": "invalid_tool_call"}]
+
+
 def _closed(message: BaseMessage) -> BaseMessage:
     """``message`` if its JSON was finished; one cut at the token limit is no answer."""
     if message.response_metadata.get("finish_reason") == "length":
@@ -173,17 +186,20 @@ def _closed(message: BaseMessage) -> BaseMessage:
 
 def _with_calls(chunks: Any, chunk: Any) -> Iterator[ChatGenerationChunk]:
     """A streamed answer with tools: its text outside calls, then each call as a
-    ``tool_call_chunks`` entry, in the last chunk (a call is yielded only once it parses)."""
+    ``tool_call_chunks`` entry, in the last chunk (a call is yielded only once it parses; one
+    cut at the token limit keeps its text as arguments, which LangChain files as invalid)."""
     pieces = list(chunks)
     last = chunk(pieces[-1])
     done = pieces[-1].completion
+    calls = [(c.name, json.dumps(c.arguments), c.id) for c in done.calls]
+    calls += [(cut["name"], cut["args"], None) for cut in _cut(done)]
     yield ChatGenerationChunk(
         message=AIMessageChunk(
             content=done.content, chunk_position="last", usage_metadata=last.message.usage_metadata,
             response_metadata=last.message.response_metadata,
-            tool_call_chunks=[{"name": c.name, "args": json.dumps(c.arguments), "id": c.id,
-                               "index": i, "type": "tool_call_chunk"}
-                              for i, c in enumerate(done.calls)]),
+            tool_call_chunks=[{"name": name, "args": args, "id": call_id, "index": i,
+                               "type": "tool_call_chunk"}
+                              for i, (name, args, call_id) in enumerate(calls)]),
         generation_info=last.generation_info)
 
 

@@ -35,10 +35,28 @@ from rag_spec.errors import RagSpecError
 
 
 @dataclass(frozen=True)
+class JsonSchema:
+    """A JSON schema and the layout of the JSON that follows it.
+
+    By default (``indent=None``) the JSON is compact: one space after each ``,`` and ``:``
+    and no other whitespace, as ``json.dumps`` writes it and as OpenAI's and vLLM's JSON
+    modes produce in practice. A grammar that allows any whitespace lets a small model
+    spend its tokens on newlines and never close the object. ``indent=2`` lays the JSON out
+    over lines instead; the whitespace is fixed either way.
+
+    Examples:
+        >>> decoder.generate(ids, json_schema=JsonSchema(Answer, indent=2))  # doctest: +SKIP
+    """
+
+    schema: Any  # a dict, a JSON string or a Pydantic model class
+    indent: int | None = None
+
+
+@dataclass(frozen=True)
 class GrammarRequest:
     """What one row's output must follow: exactly one of the four."""
 
-    json_schema: Any = None  # a dict, a JSON string or a Pydantic model class
+    json_schema: Any = None  # a dict, a JSON string, a Pydantic model class or a JsonSchema
     regex: str | None = None
     grammar: str | None = None  # EBNF (GBNF), its start rule ``root``
     choices: Sequence[str] | None = None
@@ -116,7 +134,10 @@ class Grammars:
         kind, text = _source(request)
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(text)
+                indent = request.json_schema.indent \
+                    if isinstance(request.json_schema, JsonSchema) else None
+                return self.compiler.compile_json_schema(text, any_whitespace=False,
+                                                         indent=indent)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(text)
@@ -137,6 +158,8 @@ def _source(request: GrammarRequest) -> tuple[str, str]:
     """(kind, text) of a request, the text in xgrammar's input form."""
     if request.json_schema is not None:
         schema = request.json_schema
+        if isinstance(schema, JsonSchema):
+            schema = schema.schema
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
             schema = schema.model_json_schema()
         if isinstance(schema, dict):
@@ -150,6 +173,10 @@ def _source(request: GrammarRequest) -> tuple[str, str]:
         return "regex", str(request.regex)
     if request.grammar is not None:
         return "grammar", str(request.grammar)
+    if isinstance(request.choices, str):  # not a sequence of its letters
+        msg = (f"choices takes a list of strings (got the string {request.choices!r}); for "
+               f"one fixed answer give choices=[{request.choices!r}].")
+        raise RagSpecError(msg)
     choices = list(request.choices or [])
     if not choices or not all(isinstance(c, str) and c for c in choices):
         msg = f"choices takes a list of non-empty strings (got {request.choices!r})."
@@ -218,6 +245,12 @@ class Constraint:
                    "grammar this vocabulary can produce.")
             raise RagSpecError(msg)
         return masked
+
+    @property
+    def complete(self) -> bool:
+        """Whether the committed tokens form a whole string of the grammar (a JSON object
+        closed): an answer cut short of that is not valid under it."""
+        return self.matcher.is_terminated() or self.matcher.is_completed()
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit ``tokens`` (what verification kept, each one allowed by construction)."""

@@ -61,7 +61,8 @@ class LookaheadLLM(FunctionCallingLLM):
     draft_model: Any = Field(
         default=None, description="A draft model of the same vocabulary (embedded name, folder "
         "or model object) or 'early-exit:L' (the model's first L layers), merged with the "
-        "trie's drafts; None: the trie alone.")
+        "trie's drafts; None: the default, the model's draft head + the trie where it has one "
+        "(the embedded model does), else the trie.")
     max_new_tokens: int = Field(default=256, description="Most tokens per answer.")
     temperature: float = Field(default=0.0, description="0 decodes greedily.")
     top_p: float = 1.0
@@ -95,16 +96,22 @@ class LookaheadLLM(FunctionCallingLLM):
         if user_msg is not None:
             messages.append(user_msg if isinstance(user_msg, ChatMessage)
                             else ChatMessage(role=MessageRole.USER, content=user_msg))
+        # structured programs (structured_predict, as_structured_llm) pass tool_choice=None
+        # with tool_required=True: the call is forced
+        choice = kwargs.pop("tool_choice", None) or ("required" if tool_required else "auto")
         return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools],
-                "tool_choice": "required" if tool_required else "auto",
-                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+                "tool_choice": choice, "parallel_tool_calls": allow_parallel_tool_calls,
+                **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse,
                                      error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
         calls = response.message.additional_kwargs.get("tool_calls", [])
         if not calls and error_on_no_tool_call:
-            msg = f"Expected a tool call, got text: {response.message.content!r:.200}"
+            cut = response.message.additional_kwargs.get("cut_tool_call")
+            msg = (f"The tool call was cut at max_new_tokens before it closed ({cut!r:.200}); "
+                   f"raise max_new_tokens." if cut else
+                   f"Expected a tool call, got text: {response.message.content!r:.200}")
             raise ValueError(msg)
         return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"])
                 for c in calls]
@@ -230,8 +237,11 @@ def _chat_response(result: Any, text: str | None = None, delta: str | None = Non
     completion = result if isinstance(result, Completion) else result.completion
     content, made = (completion.content, completion.calls) if completion is not None else \
         form.parse(reply.text) if form is not None else (reply.text, [])
-    extra = {"tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments}
-                            for c in made]} if made else {}
+    extra: dict[str, Any] = {"tool_calls": [{"id": c.id, "name": c.name,
+                                             "arguments": c.arguments}
+                                            for c in made]} if made else {}
+    if completion is not None and completion.cut_call:
+        extra["cut_tool_call"] = completion.cut_call
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
                                             additional_kwargs=extra),
                         delta=delta, additional_kwargs=reply.additional_kwargs)
