@@ -40,7 +40,9 @@ prompt = chat_input_ids(lm.tokenizer, [{"role": "user", "content": (
 # ## Extraction under a schema
 #
 # Every output parses: the grammar masks each drafted node's logits along its own path, cuts
-# drafts it forbids, and drafts what it forces (a key, a closing quote) as a chain.
+# drafts it forbids, and drafts what it forces (a key, a closing quote) as a chain. The JSON
+# is compact by default (no free whitespace, which a small model would spend its tokens on);
+# `rag_spec.JsonSchema(Api, indent=2)` lays it out over lines.
 
 # %%
 decoder = rag_spec.LookaheadDecoder(lm.model, lm.tokenizer)
@@ -53,11 +55,13 @@ print(f"{result.stats.tokens_per_step:.2f} tokens per forward pass")
 
 # %% [markdown]
 # ## The same tokens as constrained greedy decoding
+#
+# The peer decodes under the same grammar: the schema's compact JSON.
 
 # %%
 info = xgr.TokenizerInfo.from_huggingface(
     lm.tokenizer, vocab_size=lm.model.get_input_embeddings().num_embeddings)
-compiled = xgr.GrammarCompiler(info).compile_json_schema(Api)
+compiled = xgr.GrammarCompiler(info).compile_json_schema(Api, any_whitespace=False)
 ids = torch.tensor([prompt])
 started = time.perf_counter()
 out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -116,6 +120,18 @@ output = llm.predict_and_call([docs_tool], user_msg="Find how to join paths.",
                               tool_required=True)
 print(output.sources[0].tool_name, output.sources[0].raw_input)
 print(str(output)[:300])
+
+# %% [markdown]
+# `structured_predict` forces a call whose arguments follow the output class's schema:
+
+# %%
+from llama_index.core import PromptTemplate  # noqa: E402
+
+extractor = LookaheadLLM(max_new_tokens=160)
+api = extractor.structured_predict(Api, PromptTemplate(
+    "Passages:\n{passages}\n\nWhich API parses a JSON string into a Python object?"),
+    passages=passages)
+print(api)
 
 # %% [markdown]
 # An agent: LlamaIndex's `FunctionAgent` runs on it. Its first step must call a tool
