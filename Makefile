@@ -10,7 +10,7 @@ PARTNERS := langchain-rag-spec llama-index-llms-rag-spec llama-index-retrievers-
 	llama-index-embeddings-rag-spec rag-spec-chain-bench
 QUESTION ?= How do I join two path components with os.path?
 
-.PHONY: install pull compile demo test docs bench bench-draft gpu-check clean
+.PHONY: install pull compile demo test check docs bench bench-draft gpu-check clean
 
 $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,14 @@ compile: pull  ## compile the embedded model's decoding steps ahead of time (~4 
 demo: pull  ## answer a question about the standard library, citing the passages used
 	$(BIN)/rag-spec ask "$(QUESTION)"
 
-test: compile  ## unit tests on tiny random models, then end-to-end tests on the real model
+# pytest -n 2: one worker a core, one torch thread each (tests/conftest.py)
+test: compile  ## every test: tiny random models, compiled steps, servers, then the real model
 	$(BIN)/ruff check rag_spec kernels integrations lab tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
+
+check: install  ## the inner loop (about a minute): lint, then every test but the slow and e2e ones
+	$(BIN)/ruff check rag_spec kernels integrations lab tests
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not e2e"
 
 docs: pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
 	$(BIN)/mkdocs build --strict

@@ -15,6 +15,8 @@ from rag_spec.retrieval.types import Hit
 
 CHARS = string.ascii_lowercase + " .,!?\n"
 USER_CACHE = os.environ.get("RAG_SPEC_CACHE")  # before the fixtures below redirect it
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: one worker a core, one thread each
+    torch.set_num_threads(1)
 
 
 # A tiny random model's shape, for any transformers family (its config's own names)

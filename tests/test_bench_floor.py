@@ -128,6 +128,7 @@ def test_step_costs_cover_the_peer_and_our_widths_and_leave_the_model_alone():
     assert all((model.state_dict()[k] == v).all() for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_the_compiled_step_is_timed_beside_ours_and_leaves_the_model_alone():
     model = tiny_llama()
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -108,6 +108,7 @@ def test_the_batch_benchs_ablation_prefills_every_batch_as_one_padded_pass():
         assert length_groups([8, 600]) == [[0, 1]]
 
 
+@pytest.mark.slow
 def test_milvus_index_build_and_its_flags(capsys, tmp_path):
     pytest.importorskip("milvus_lite")
     from rag_spec.retrieval.milvus_lite import LiteServer

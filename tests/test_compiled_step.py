@@ -20,6 +20,8 @@ from rag_spec.serving.local_lm import GenerateOptions, LocalLM
 from rag_spec_kernels import TracedLinear
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
+pytestmark = pytest.mark.slow  # compiles steps: seconds each
+
 COMPILED = LookaheadConfig(compile=True)
 
 

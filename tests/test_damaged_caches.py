@@ -354,6 +354,7 @@ def test_a_uri_that_is_a_file_is_refused(capsys, corpus, tmp_path):
     assert (tmp_path / "f.db").read_text() == "x\n"  # left as it was
 
 
+@pytest.mark.slow
 def test_a_damaged_milvus_lite_collection_is_refused_then_rebuilt(capsys, monkeypatch, corpus,
                                                                    tmp_path):
     pytest.importorskip("milvus_lite")

@@ -332,6 +332,7 @@ def test_a_ragged_batch_gives_each_row_its_tokens_alone(target, head):
     assert [r.token_ids for r in sampled] == alone
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_distribution(model):
     small = train_head(model, sequences(), vocabulary=48, epochs=2, lr=5e-3, progress=False)
     knobs = KNOBS["temperature"]
@@ -343,6 +344,7 @@ def test_sampling_keeps_the_distribution(model):
     assert_plain_sampling(model, results, knobs)
 
 
+@pytest.mark.slow
 def test_compiled_steps_return_the_states_it_reads_and_give_generates_tokens(target, head):
     config = LookaheadConfig(compile=True, exact=False, budget=5, adaptive=False)
     decoder = LookaheadDecoder(target, config=config, drafter=FeatureDrafter(head))

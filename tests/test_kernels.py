@@ -262,6 +262,7 @@ def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monk
     assert "amx_bf16" in report["vector_flags"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("streamed", "one_row_streamed"),
                          [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("compiled", [False, True])

@@ -127,6 +127,7 @@ SETTINGS = [KNNSpeculation(os3=False, stride=1), KNNSpeculation(os3=False, strid
             KNNSpeculation(capacity=16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["flat", "ivfpq"])
 @pytest.mark.parametrize("k", [1, 8])
 def test_speculative_output_equals_the_naive_loops(store, lm, kind, k):

@@ -22,6 +22,8 @@ from rag_spec.retrieval.scoring import VectorScorer
 from rag_spec.retrieval.spec_retriever import SpecRetriever
 from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
 
+pytestmark = pytest.mark.slow  # starts milvus-lite servers: seconds each
+
 pytest.importorskip("milvus_lite")
 
 

@@ -233,6 +233,7 @@ def test_a_draft_of_another_vocabulary_is_refused(target):
         decoder.generate([5, 6, 7], 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(KNOBS))
 @pytest.mark.parametrize("drafter", ["draft model", "merged"])
 def test_sampling_keeps_the_distribution(model, name, drafter):
@@ -288,6 +289,7 @@ def test_what_users_pass_as_a_draft_becomes_a_drafter(tiny_model_dir):
         drafter_for(3.5, lm)
 
 
+@pytest.mark.slow
 def test_the_gpu_check_runs_on_a_tiny_model():
     from lab.gpu_check import SECTIONS, main
 
@@ -334,6 +336,7 @@ def test_the_gpu_checks_flex_block_mask_says_what_the_tree_mask_says(q_len, spar
     assert read.max() == (4 if sparse else 5)  # of 5: flex skips the block between
 
 
+@pytest.mark.slow
 def test_a_trained_exit_agrees_more_and_stays_lossless(model, tmp_path):
     from rag_spec.drafters.exit_adapter import ExitAdapter
     from rag_spec.training.train_exit import train_exit
@@ -416,6 +419,7 @@ def test_a_draft_that_missed_is_not_probed_afresh_in_every_greedy_request(target
     assert sum(sampled[:4]) == 1  # probed among its first steps, as a fresh row is
 
 
+@pytest.mark.slow
 def test_the_gpu_check_needs_only_torch_and_transformers():
     """A lent GPU machine has torch, transformers and their own needs, nothing of ours: the
     check and the decoder must import there (platformdirs, imported at the top, once stopped

@@ -83,6 +83,7 @@ def test_the_stride_scheduler_starts_warm_from_the_second_request(lm):
     assert second.stats.strides[0] > 1
 
 
+@pytest.mark.slow
 def test_requests_leave_no_state_behind(lm):
     import gc
     import tracemalloc
@@ -268,6 +269,7 @@ class Concurrency:
                 self.now -= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 def test_rounds_in_flight_overlap_up_to_the_limit_with_identical_output(lm, in_flight):
     expected = naive(lm, HashRetriever(), stride=1, query_tokens=12)

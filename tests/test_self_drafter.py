@@ -94,6 +94,7 @@ def test_a_full_view_drafts_what_the_target_says_and_leaves_no_entries(target):
         batch.cache.cache.layers[0].keys[0, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["temperature", "top_k"])
 def test_sampling_keeps_the_distribution(model, name):
     knobs = KNOBS[name]

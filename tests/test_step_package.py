@@ -17,6 +17,8 @@ from rag_spec.errors import RagSpecError
 from rag_spec_kernels import cpu_attention_available
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
+pytestmark = pytest.mark.slow  # compiles and loads step packages: seconds each
+
 # an architecture no other test builds (3 layers), so no other test meets its package; heads
 # 16 wide, which the CPU attention kernel takes where the CPU has AVX-512
 SHAPE = {"layers": 3, "hidden": 64}

@@ -143,6 +143,7 @@ def test_each_nodes_logits_are_masked_along_its_own_path(lm, tok):
     assert allowed == [{a, c}, {b}, {d}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["trie", "draft model"])
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_sampling_follows_the_constrained_distribution(lm, tok, drafter, name):

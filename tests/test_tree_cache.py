@@ -177,6 +177,7 @@ def test_models_mixing_sliding_and_full_layers_match_generate(kind, monkeypatch)
     assert [hf_greedy(full, p, 30) for p in prompts] != expected
 
 
+@pytest.mark.slow
 def test_a_model_mixing_sliding_and_full_layers_samples_as_plain_sampling():
     from test_sampling import KNOBS, PROMPT, N, assert_plain_sampling
 

@@ -160,6 +160,7 @@ def test_dense_masked_steps_take_the_cpu_kernel_and_match_attention_written_out(
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @needs_cpu_kernel
 def test_the_dense_masked_kernel_compiles_into_one_graph():
     query, key, value, mask = random_case(7, 2, 3, 3, 17, 300, 4, None, 64)
@@ -227,6 +228,7 @@ def test_a_view_gathers_once_per_round_and_appends_each_pass():
     assert got_key[0, :, 2:4].abs().sum() > 0  # row 0's slots 17, 18: not read again
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter(tmp_path):
     # The interpreter is switched on for a child process only (never in this one).

@@ -159,6 +159,7 @@ def deep_size(obj) -> int:
     return size
 
 
+@pytest.mark.slow
 def test_memory_stays_under_budget_over_10000_requests():
     memory_mb = 1.0
     drafter = TrieDrafter(branch_length=8, memory_mb=memory_mb)
