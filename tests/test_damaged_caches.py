@@ -436,3 +436,26 @@ def test_a_tokenizer_of_another_vocabulary_or_ids_outside_it_are_refused():
         decoder.generate([1, 2, 3], 4, stop=[""])
     decoder.add_context([])  # nothing retrieved: nothing to copy, no crash
     assert len(decoder.generate([1, 2, 3], 4).token_ids) <= 4
+
+
+def test_a_tokenizer_of_the_same_size_but_other_ids_is_refused(tiny_model_dir, tmp_path):
+    """Counting tokens cannot tell a vocabulary whose ids were permuted: the pieces are
+    compared with the tokenizer saved beside the model."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from rag_spec.engine.decoder import LookaheadDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    LookaheadDecoder(model, char_tokenizer())  # the model's own vocabulary
+    with open(os.path.join(tiny_model_dir, "tokenizer.json")) as file:
+        saved = json.load(file)
+    vocab = saved["model"]["vocab"]
+    letters = sorted(p for p in vocab if p.isalpha())  # special ids stay where they are
+    for piece, index in zip(letters, reversed([vocab[p] for p in letters])):
+        vocab[piece] = index
+    (tmp_path / "tokenizer.json").write_text(json.dumps(saved))
+    permuted = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert len(permuted) == len(char_tokenizer())
+    with pytest.raises(RagSpecError, match=r"26 of its 35 pieces have other ids.*"
+                                           r"AutoTokenizer.from_pretrained"):
+        LookaheadDecoder(model, permuted)
