@@ -375,11 +375,10 @@ class LookaheadDecoder:
             yield from self._decode(rows, rules, stream, started)
             if self._steady and not params.do_sample:
                 self._learnt = max((r.budget for r in rows), key=lambda b: b.trees)
-        results = [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer
-                                    else "", r.finish_reason or "length", r.stats,
-                                    r.constraint is not None and not r.constraint.complete)
-                   for r, rule in zip(rows, rules)]
-        return results
+        return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
+                                 r.finish_reason or "length", r.stats,
+                                 r.constraint is not None and not r.constraint.complete)
+                for r, rule in zip(rows, rules)]
 
     def _constraints(self, rows: int, **grammars: Any) -> list[Constraint | None]:
         """Each row's grammar, compiled before any decoding (a bad one is a RagSpecError)."""

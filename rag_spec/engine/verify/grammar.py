@@ -42,7 +42,10 @@ class JsonSchema:
     and no other whitespace, as ``json.dumps`` writes it and as OpenAI's and vLLM's JSON
     modes produce in practice. A grammar that allows any whitespace lets a small model
     spend its tokens on newlines and never close the object. ``indent=2`` lays the JSON out
-    over lines instead; the whitespace is fixed either way.
+    over lines instead; the whitespace is fixed either way. Which layout a small model
+    closes more often depends on the schema: one that wants a newline after ``{`` may write
+    free strings that never end in compact JSON (``GenerationResult.incomplete`` says so);
+    try ``indent=2`` there.
 
     Examples:
         >>> decoder.generate(ids, json_schema=JsonSchema(Answer, indent=2))  # doctest: +SKIP
