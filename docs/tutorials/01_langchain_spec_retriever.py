@@ -23,7 +23,7 @@ from transformers import pipeline
 
 import rag_spec
 from langchain_rag_spec import ChatLookahead, RagSpecEmbeddings, SpecRetriever
-from rag_spec.corpus import load_passages
+from rag_spec import load_passages
 
 MODULES = ("json", "csv", "shutil", "posixpath", "zlib", "hashlib", "base64", "random")
 passages = [p for p in load_passages() if p.title.split(".")[0] in MODULES]

@@ -13,7 +13,7 @@ from llama_index.core import Document, VectorStoreIndex
 from llama_index.embeddings.rag_spec import RagSpecEmbedding
 from llama_index.llms.rag_spec import LookaheadLLM
 
-from rag_spec.corpus import load_passages
+from rag_spec import load_passages
 
 MODULES = ("json", "csv", "shutil", "posixpath", "datetime", "collections")
 documents = [Document(text=p.text, metadata={"title": p.title})

@@ -15,7 +15,7 @@
 import matplotlib.pyplot as plt
 
 import rag_spec
-from rag_spec.bench.simulated import DelayedRetriever
+from rag_spec import DelayedRetriever
 
 lm = rag_spec.load_model()
 kb = DelayedRetriever(rag_spec.KnowledgeBase.load_default("bm25"), latency_ms=150)

@@ -43,7 +43,7 @@ for kind in ("bm25", "flat"):
 # `ask` retrieves the top passages, then answers with lookahead decoding, streaming the text.
 
 # %%
-from rag_spec.serving.ask import ask
+from rag_spec import ask
 
 lm = rag_spec.load_model()
 answer = ask(lm, kb, "How often do we release, and who runs it?", k=2, max_new_tokens=64,

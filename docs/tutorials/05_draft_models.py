@@ -23,8 +23,8 @@ from rag_spec import (
     LookaheadDecoder,
     MergedDrafter,
 )
-from rag_spec.bench.draft import first_layers_folder
-from rag_spec.prompts import chat_input_ids
+from rag_spec import first_layers_folder
+from rag_spec import chat_input_ids
 
 lm = rag_spec.load_model()
 draft = rag_spec.load_model(str(first_layers_folder(lm, 8)))

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import rag_spec
-from rag_spec.corpus import load_passages
+from rag_spec import load_passages
 
 MODULES = ("csv", "gzip", "json", "shutil", "zipfile")
 workdir = Path(tempfile.mkdtemp())
@@ -60,7 +60,7 @@ for row in hits:
 # %%
 import time
 
-from rag_spec.bench.simulated import DelayedRetriever
+from rag_spec import DelayedRetriever
 
 lm = rag_spec.load_model()
 remote = DelayedRetriever(kb, latency_ms=50)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import rag_spec
-from rag_spec.corpus import load_passages
+from rag_spec import load_passages
 
 MODULES = ("csv", "gzip", "json", "shutil", "zipfile")
 folder = Path(tempfile.mkdtemp()) / "docs"

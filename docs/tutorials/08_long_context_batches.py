@@ -17,9 +17,13 @@
 import time
 
 import rag_spec
-from rag_spec.drafters.self_drafter import SelfSpecDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.prompts import chat_input_ids, rag_messages
+from rag_spec import (
+    LookaheadConfig,
+    LookaheadDecoder,
+    SelfSpecDrafter,
+    chat_input_ids,
+    rag_messages,
+)
 
 lm = rag_spec.load_model()
 kb = rag_spec.KnowledgeBase.load_default("flat")

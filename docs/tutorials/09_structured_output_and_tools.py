@@ -16,7 +16,7 @@ import xgrammar as xgr
 from pydantic import BaseModel, Field
 
 import rag_spec
-from rag_spec.prompts import chat_input_ids
+from rag_spec import chat_input_ids
 
 lm = rag_spec.load_model()
 kb = rag_spec.KnowledgeBase.load_default("flat")

@@ -35,7 +35,7 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
         max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
         draft: Any = None, json_schema: Any = None) -> Answer:
     """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
-    (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None drafts from the trie), as
+    (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None: the decoder's default), as
     JSON under ``json_schema`` if one is given."""
     from rag_spec.engine.decoder import LookaheadDecoder
 

@@ -1,0 +1,36 @@
+"""What a user reads imports only rag_spec's public names: tutorials, examples, the README and
+the docs' snippets never reach into a sub-package (its layout is ours to change)."""
+
+import ast
+import re
+import textwrap
+from pathlib import Path
+
+import rag_spec
+
+ROOT = Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+         *sorted((ROOT / "docs").rglob("*.py"))]
+
+
+def test_the_docs_and_readme_import_no_sub_package():
+    internal = [f"{page.relative_to(ROOT)}:{n}" for page in PAGES
+                for n, line in enumerate(page.read_text().splitlines(), 1)
+                if re.match(r"\s*(from|import)\s+rag_spec\.", line)]
+    assert not internal, internal
+
+
+def test_every_name_they_import_from_rag_spec_is_exported():
+    imported = set()
+    for page in PAGES:
+        text = page.read_text()
+        blocks = [text] if page.suffix == ".py" else re.findall(r"```python\n(.*?)```", text,
+                                                                 re.S)
+        for block in blocks:
+            # tutorials await at the top level, as a notebook does
+            tree = compile(textwrap.dedent(block), str(page), "exec",
+                           flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "rag_spec":
+                    imported.update(alias.name for alias in node.names)
+    assert imported and imported <= set(rag_spec.__all__), imported - set(rag_spec.__all__)
