@@ -2,9 +2,14 @@
 the docs' snippets never reach into a sub-package (its layout is ours to change)."""
 
 import ast
+import json
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import rag_spec
 
@@ -34,3 +39,20 @@ def test_every_name_they_import_from_rag_spec_is_exported():
                 if isinstance(node, ast.ImportFrom) and node.module == "rag_spec":
                     imported.update(alias.name for alias in node.names)
     assert imported and imported <= set(rag_spec.__all__), imported - set(rag_spec.__all__)
+
+
+@pytest.mark.slow  # resolves every dependency against the package registry: seconds each
+def test_the_install_commands_the_readme_gives_resolve_outside_make(tmp_path):
+    """rag-spec from the checkout beside each partner (a partner alone cannot resolve: rag-spec
+    is on no index)."""
+    commands = re.findall(r"^pip install (\. .*?)\s*(?:#.*)?$", (ROOT / "README.md").read_text(),
+                          re.M)
+    assert len(commands) == 2
+    for command in commands:
+        report = tmp_path / "report.json"
+        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                        "--ignore-installed", "--report", str(report), *command.split()],
+                       cwd=ROOT, check=True, capture_output=True)
+        installed = {i["metadata"]["name"] for i in json.loads(report.read_text())["install"]}
+        assert "rag-spec" in installed and {Path(p).name for p in command.split()[1:]} \
+            <= installed
