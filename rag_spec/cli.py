@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 import warnings
@@ -135,11 +136,23 @@ def _knowledge_base(args: argparse.Namespace, kind: str | None, rebuild: bool = 
         return KnowledgeBase.open(sources, kind or "flat", rebuild=rebuild)
     from rag_spec.retrieval.milvus import MilvusKnowledgeBase
 
+    _quiet_pymilvus()
     if kind not in (None, *MILVUS_KINDS):
         msg = f"Milvus indexes are {' or '.join(MILVUS_KINDS)}; --kind {kind} is local only."
         raise RagSpecError(msg)
     return MilvusKnowledgeBase.open(sources, uri=args.uri, token=args.token, index=kind,
                                     rebuild=rebuild)
+
+
+def _quiet_pymilvus() -> None:
+    """pymilvus logs each failed call with its traceback before it raises; this command says
+    what failed and how to fix it in one paragraph. (Importing pymilvus configures its
+    logger, so the level is set after.)"""
+    try:
+        import pymilvus  # noqa: F401
+    except ImportError:  # MilvusKnowledgeBase.open names the install command
+        return
+    logging.getLogger("pymilvus").setLevel(logging.CRITICAL)
 
 
 def _check_backend_flags(args: argparse.Namespace) -> None:

@@ -384,6 +384,39 @@ def test_a_damaged_milvus_lite_collection_is_refused_then_rebuilt(capsys, monkey
         LiteServer.serving(uri).stop()
 
 
+@pytest.mark.slow  # starts milvus-lite servers
+def test_a_milvus_lite_collection_whose_every_manifest_is_damaged_is_set_aside_on_rebuild(
+        capfd, corpus, tmp_path):
+    """Then milvus-lite serves nothing, not even a list of collections: opening it is one
+    paragraph naming the rebuild (no library's logged traceback), and the rebuild sets the
+    damaged collection aside and builds it anew."""
+    pytest.importorskip("milvus_lite")
+    from rag_spec.retrieval.milvus import MilvusKnowledgeBase
+    from rag_spec.retrieval.milvus_lite import LiteServer
+
+    uri = tmp_path / "kb.db"
+    build = ["index", "build", "--backend", "milvus", "--uri", str(uri), "--source", corpus]
+    try:
+        assert run(capfd, *build)[0] == 0
+        expected = [h.doc_id for h in MilvusKnowledgeBase.open(
+            [corpus], uri=str(uri), progress=False).search(["json parse"], 3)[0]]
+        LiteServer.serving(uri).stop()
+        manifests = list(uri.rglob("manifest.json*"))
+        assert {m.name for m in manifests} == {"manifest.json", "manifest.json.prev"}
+        for manifest in manifests:
+            manifest.write_text('{"garbage": tru')
+        code, err = run(capfd, *build)  # no Traceback: ``run`` asserts it
+        assert code == 2 and "its files are damaged" in err and "--rebuild" in err
+        assert len(err.strip().splitlines()) == 1
+        code, err = run(capfd, *build, "--rebuild")
+        assert code == 0 and "set aside" in err
+        assert list(uri.glob("damaged-*"))
+        rebuilt = MilvusKnowledgeBase.open([corpus], uri=str(uri), progress=False)
+        assert [h.doc_id for h in rebuilt.search(["json parse"], 3)[0]] == expected
+    finally:
+        LiteServer.serving(uri).stop()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "zeroed"])
 def test_a_damaged_knn_datastore_is_rebuilt_to_the_same_entries(capsys, tmp_path, damage):
     from conftest import char_lm

@@ -13,7 +13,9 @@ half-built collection is never searched.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -150,6 +152,8 @@ class MilvusKnowledgeBase:
         passages = load_passages(sources)
         embedder = Embedder.default()
         client = connect(uri, token, timeout)
+        if rebuild and not is_server(uri):  # a damaged collection is replaced, not read
+            client = _set_aside_damaged(client, uri, alias, token, timeout)
         with _translated(uri, "open", timeout):
             serving = client.has_collection(alias, timeout=timeout)
             if rebuild or not serving:
@@ -172,6 +176,34 @@ class MilvusKnowledgeBase:
                    f"(MilvusKnowledgeBase.open(..., rebuild=True)).")
             raise RagSpecError(msg)
         return cls(client, uri, alias, embedder, passages=count, timeout=timeout, token=token)
+
+
+_DAMAGED = re.compile(r"manifest\.json and manifest\.json\.prev failed to load in '([^']+)'")
+
+
+def _set_aside_damaged(client: Any, uri: str, alias: str, token: str | None,
+                       timeout: float) -> Any:
+    """A milvus-lite folder whose collection files cannot be read serves nothing (it cannot
+    even list its collections): move that collection's folder aside (``damaged-<name>`` in
+    the folder), restart the server and connect again."""
+    from pymilvus import MilvusException
+
+    from rag_spec.retrieval.milvus_lite import LiteServer
+
+    try:
+        client.has_collection(alias, timeout=timeout)
+    except MilvusException as err:
+        damaged = _DAMAGED.search(getattr(err, "message", None) or str(err))
+    else:
+        return client
+    if damaged is None:  # another failure: ``open`` reports it
+        return client
+    folder = Path(damaged.group(1))
+    LiteServer.serving(uri).stop()
+    os.replace(folder, Path(uri).expanduser() / f"damaged-{folder.name}-{time.time_ns()}")
+    print(f"rag-spec: the Milvus collection {folder.name} could not be read; set aside as "
+          f"damaged-{folder.name}-... in {uri}, rebuilding.", file=sys.stderr)
+    return connect(uri, token, timeout)
 
 
 def connect(uri: str, token: str | None, timeout: float) -> Any:
@@ -286,7 +318,13 @@ def _translated(uri: str, action: str, timeout: float) -> Iterator[None]:
     except (MilvusException, grpc.RpcError) as err:
         reason = (f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError)
                   else getattr(err, "message", None) or str(err))
-        if _unavailable(reason):
+        if _DAMAGED.search(reason):
+            hint = (f"its files are damaged. Rebuild it with `rag-spec index build --backend "
+                    f"milvus --rebuild` and the same --source and --uri {uri} "
+                    f"(MilvusKnowledgeBase.open(..., rebuild=True)), which sets the damaged "
+                    f"collection aside" if not is_server(uri) else
+                    "its files are damaged: see the server's log")
+        elif _unavailable(reason):
             hint = (f"is the server running at {uri}? rag-spec starts milvus-lite itself for a "
                     f"local folder; a server URI must be reachable from here")
         elif "deadline" in reason.lower() or "timeout" in reason.lower():
