@@ -56,3 +56,10 @@ def test_the_install_commands_the_readme_gives_resolve_outside_make(tmp_path):
         installed = {i["metadata"]["name"] for i in json.loads(report.read_text())["install"]}
         assert "rag-spec" in installed and {Path(p).name for p in command.split()[1:]} \
             <= installed
+
+
+def test_every_exported_name_is_in_the_api_reference():
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    documented = {path.rsplit(".", 1)[-1] for path in re.findall(r"^:::\s*([\w.]+)", reference,
+                                                                   re.M)}
+    assert set(rag_spec.__all__) <= documented, set(rag_spec.__all__) - documented
