@@ -59,7 +59,16 @@ def test_the_install_commands_the_readme_gives_resolve_outside_make(tmp_path):
 
 
 def test_every_exported_name_is_in_the_api_reference():
+    """rag_spec's names and the partner packages' (LangChain's, LlamaIndex's)."""
+    import llama_index.embeddings.rag_spec as embeddings
+    import llama_index.llms.rag_spec as llms
+    import llama_index.retrievers.rag_spec as retrievers
+
+    import langchain_rag_spec
+
     reference = (ROOT / "docs" / "configuration.md").read_text()
-    documented = {path.rsplit(".", 1)[-1] for path in re.findall(r"^:::\s*([\w.]+)", reference,
-                                                                   re.M)}
-    assert set(rag_spec.__all__) <= documented, set(rag_spec.__all__) - documented
+    documented = re.findall(r"^:::\s*([\w.]+)", reference, re.M)
+    for package in (rag_spec, langchain_rag_spec, llms, retrievers, embeddings):
+        names = {path.rsplit(".", 1)[-1] for path in documented
+                 if path.startswith(package.__name__ + ".")}
+        assert set(package.__all__) <= names, (package.__name__, set(package.__all__) - names)
