@@ -10,7 +10,7 @@ PARTNERS := langchain-rag-spec llama-index-llms-rag-spec llama-index-retrievers-
 	llama-index-embeddings-rag-spec rag-spec-chain-bench
 QUESTION ?= How do I join two path components with os.path?
 
-.PHONY: install pull compile demo test check docs bench bench-draft gpu-check clean
+.PHONY: install pull compile demo test check docs bench bench-draft bench-page gpu-check clean
 
 $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
@@ -43,10 +43,15 @@ docs: pull  ## the documentation site, executing every tutorial notebook (warnin
 	$(BIN)/mkdocs build --strict
 
 bench: compile  ## the headline bench: the default decoder (steps compiled ahead of time) and its ablations
-	$(BIN)/rag-spec bench lookahead --json docs/benchmarks/lookahead.json
+	$(BIN)/rag-spec bench lookahead --limit 12 --json docs/benchmarks/lookahead.json
+	$(BIN)/python -m rag_spec.bench.page
 
 bench-draft: pull  ## draft models and early exits vs transformers' assisted generation
 	$(BIN)/rag-spec bench draft --json docs/benchmarks/draft.json
+	$(BIN)/python -m rag_spec.bench.page
+
+bench-page: install  ## docs/benchmarks/README.md and README.md's "How fast" table, from the JSON
+	$(BIN)/python -m rag_spec.bench.page
 
 # On a machine with a GPU and torch + transformers installed (no venv, no network needed):
 # the Triton kernel's and CUDA graphs' tests on the GPU, then greedy identity, speculative

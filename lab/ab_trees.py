@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from lab import RESULTS
+
 ROWS = ("no_drafts", "trie", "head_trie")
 
 
@@ -118,7 +120,7 @@ def main(old: str) -> None:
                                          zip(runs[("old", row)], runs[("new", row)], hf)),
             "prompts": len(prompts)} for row in rows}
         print(name, json.dumps(report[name], indent=1), flush=True)
-    out = Path(os.environ.get("AB_OUT", "ab_trees.json"))
+    out = Path(os.environ.get("AB_OUT", RESULTS / "ab_trees.json"))
     out.write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"))
 

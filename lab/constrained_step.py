@@ -12,6 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
+from lab import RESULTS
 from rag_spec.bench.report import figure, machine, publish, save_figure, setting
 
 
@@ -45,7 +46,7 @@ def main() -> None:
               "ms_per_token": {k: round(statistics.median(v), 1) for k, v in ms.items()},
               "constrained_over_free": round(ratio, 3), "prompts": len(prompts),
               "per_prompt": {k: [round(x, 1) for x in v] for k, v in ms.items()}}
-    publish(report, None, "constrained_step", _plot, lambda r: print(json.dumps(r)))
+    publish(report, None, "constrained_step", _plot, lambda r: print(json.dumps(r)), RESULTS)
 
 
 def _plot(report: dict, path: Path) -> None:

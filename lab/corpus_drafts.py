@@ -7,7 +7,7 @@ decoder without drafts (the ablation), each source alone, and their merges. Per 
 medians of per-prompt speedups over ``generate`` and over no drafts, tokens per pass, outputs
 identical to ``generate``. Environment: ``CD_LIMIT`` prompts per set (default 8), ``CD_N`` new
 tokens (96), ``CD_ROWS`` some rows only (comma-separated; no drafts always runs); writes
-docs/benchmarks/corpus_drafts.json and .png.
+lab/results/corpus_drafts.json and .png.
 
 The model's own earlier answers as a source (SuffixDecoding's corpus of outputs):
 ``CD_ANSWERS=N`` adds two rows beside head + trie, with the head's training answers (its 240
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lab import RESULTS
 from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.prompts import (
     HELD_OUT_OPEN_PROMPTS,
@@ -151,7 +152,7 @@ def main() -> None:
         } for s in decoders}}
     variant = written or fixed or len(sets) > 2  # not the sources' default comparison
     publish(report, os.environ.get("CD_JSON"),
-            "corpus_drafts_answers" if variant else "corpus_drafts", _plot, _table)
+            "corpus_drafts_answers" if variant else "corpus_drafts", _plot, _table, RESULTS)
 
 
 def head_answers(lm: Any, written: int) -> list[list[int]]:

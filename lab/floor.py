@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lab import RESULTS
 from rag_spec.bench.report import figure, machine, median, publish, save_figure
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 
@@ -322,7 +323,7 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"), json_out: str | None = 
                 row["over_floor"][f"compiled_{width}"] = round(ms / row["floor_ms"], 2)
             row["compiled"]["tree_over_plain_bound"] = _bound(
                 row["compiled"]["compiled_ms"][1] / 1e3, products[1], arithmetic, floor)
-    publish(report, json_out, "floor", _plot, _print_table)
+    publish(report, json_out, "floor", _plot, _print_table, RESULTS)
     return report
 
 

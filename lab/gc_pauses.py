@@ -4,7 +4,7 @@ pauses"). Each mode runs in a process of its own (freezing is process-wide and o
 embedded model and the default decoder loaded, then the lookahead bench's RAG and open-ended
 prompts answered, with ``gc.callbacks`` timing every collection by generation. Environment:
 ``GP_LIMIT`` prompts per set (default 8), ``GP_N`` new tokens (128); writes
-docs/benchmarks/gc_pauses.json and .png.
+lab/results/gc_pauses.json and .png.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from lab import RESULTS
 
 MODES = ("as loaded", "frozen after loading")
 
@@ -42,7 +44,7 @@ def main() -> None:
             print(f"{mode}: {run['tracked_objects']} tracked, {run['steps']} steps, "
                   f"longest collection {run['longest_ms']} ms, full ones {run['full']}")
 
-    publish(report, None, "gc_pauses", plot, table)
+    publish(report, None, "gc_pauses", plot, table, RESULTS)
 
 
 def _measure(mode: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ metadata measures its held-out training positions (passages, prompts and answers
 Beside each, ``in_subset``: the share of those answer tokens among the head's scored tokens
 (its subset), the most its first guess could get right. Without arguments, the shipped head.
 Environment: ``HA_N`` new tokens (default 128), ``HA_JSON`` the report's file (default
-docs/benchmarks/head_agreement.json).
+lab/results/head_agreement.json).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lab import RESULTS
 
 
 def main(paths: list[str]) -> None:
@@ -51,7 +53,7 @@ def main(paths: list[str]) -> None:
         report["heads"][str(path)] = {name: _agreement(head, table, rows)
                                       for name, rows in read.items()}
         print(path, report["heads"][str(path)], flush=True)
-    out = Path(os.environ.get("HA_JSON", "docs/benchmarks/head_agreement.json"))
+    out = Path(os.environ.get("HA_JSON", str(RESULTS / "head_agreement.json")))
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 

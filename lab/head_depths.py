@@ -18,7 +18,7 @@ prompts per set (default 8; up to 16, the held-out open-ended prompts after the 
 prompt asked twice would be copied from its first answer), ``HD_N`` new tokens (128),
 ``HD_FIXED`` a fixed tree of that many nodes for every drafting system instead of the adaptive
 default's (16: the verification budget of issue 54's tokens-per-pass goal, what a GPU's sizing
-builds); writes docs/benchmarks/head_depths.json (``head_depths_fixed16.json`` with
+builds); writes lab/results/head_depths.json (``head_depths_fixed16.json`` with
 ``HD_FIXED=16``) and .png.
 """
 
@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lab import RESULTS
 from rag_spec.bench.lookahead import _systems, prompt_sets
 from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, OPEN_PROMPTS, RAG_QUESTIONS
 from rag_spec.bench.report import (
@@ -104,7 +105,7 @@ def main() -> None:
             "identical_to_generate": sum(m.tokens == g.tokens for m, g in zip(mine, peer))}
             for system, mine in runs.items()}}
     publish(report, None, f"head_depths_fixed{fixed}" if fixed else "head_depths", _plot,
-            _print_table)
+            _print_table, RESULTS)
 
 
 def _passes(runs: list[Any], suffix: str) -> dict[str, float]:

@@ -14,7 +14,7 @@ forward pass alone, 1 to 17 tokens wide after a RAG-length prompt, which says wh
 costs on this CPU: eager passes (``lab.floor.runner_step_seconds`` grows its cache, so steps
 compiled ahead of time do not run there; the decoder's own passes are in the split above).
 Environment: ``SP_LIMIT`` prompts per set (default 8), ``SP_N`` new tokens (128); writes
-docs/benchmarks/step_profile.json and .png.
+lab/results/step_profile.json and .png.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lab import RESULTS
 from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
@@ -78,7 +79,7 @@ def main() -> None:
     report["forward_over_one_token"] = {str(w): round(s / widths[1], 3)
                                         for w, s in widths.items()}
     report["context_tokens"] = context
-    publish(report, None, "step_profile", _plot, _print_table)
+    publish(report, None, "step_profile", _plot, _print_table, RESULTS)
 
 
 def _timed_calls() -> dict[str, float]:

@@ -12,18 +12,18 @@ draft probability; the same with copies also scored by how often their tokens fo
 default (a token both drafted ranks by both chances, a copy that has held grows likelier).
 Environment: ``TR_LIMIT`` prompts per set (default 8), ``TR_N`` new tokens (128),
 ``TR_HELD_OUT=1`` prompts the constants were not fitted on (the bench's next RAG questions, the
-open-ended prompts below); writes docs/benchmarks/tree_replay[_held_out].json and .png.
+open-ended prompts below); writes lab/results/tree_replay[_held_out].json and .png.
 
 ``TR_TRUSTS=1,0.3,0.1`` instead decodes (no replay: each setting's own steps) at the same fixed
 16 nodes, the fitted and the held-out prompts, with each ``RECALLED_TRUST`` listed and with no
 memory of earlier answers: tokens per pass, medians over prompts and pooled; writes
-docs/benchmarks/memory_trust.json and .png.
+lab/results/memory_trust.json and .png.
 
 ``TR_POOLS=1`` decodes the held-out prompts at the same fixed 16 nodes with the head's default
 shape and with a wider, deeper one offered 48 nodes (a larger pool for the ranking to cut from),
 and with the head at ``TR_HEAD`` (a file ``rag-spec draft train --head`` wrote) if given:
 tokens per pass decoded and the ceiling of each pool, against issue 54's goals (3.0 / 2.2);
-writes docs/benchmarks/draft_pools_held_out.json and .png.
+writes lab/results/draft_pools_held_out.json and .png.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import os
 import statistics
 from pathlib import Path
 from typing import Any
+
+from lab import RESULTS
 
 CUTS = (4, 8, 16)
 CEILING = "every drafted node, uncut (the ceiling)"
@@ -98,7 +100,7 @@ def main() -> None:
             1 + len(merge(s["guess"], s["copies"], s["grafts"], 10**6).follow(answer[start:]))
             for start, s in row) for answer, row in recorded), 3)
         print(name, report[name], flush=True)
-    out = Path(f"docs/benchmarks/tree_replay{'_held_out' if held_out else ''}.json")
+    out = RESULTS / f"tree_replay{'_held_out' if held_out else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     fig, axes = figure(2, (10, 4), sharey=True)
     for ax, name in zip(axes, ("rag", "open_ended")):
@@ -138,7 +140,7 @@ def trust_sweep(trusts: list[float]) -> None:
                 row[prefix + name] = pass_statistics([r.stats for r in results])
         print(label, row, flush=True)
     trie_drafter.RECALLED_TRUST = shipped
-    out = Path("docs/benchmarks/memory_trust.json")
+    out = RESULTS / "memory_trust.json"
     out.write_text(json.dumps(report, indent=1))
     fig, axes = figure(2, (10, 4), sharey=True)
     labels = list(report["settings"])
@@ -204,7 +206,7 @@ def pool_sweep() -> None:
     finally:
         merged.merged_share, merged._merged = share, merge
     report["extra_head"] = os.environ.get("TR_HEAD")
-    out = Path("docs/benchmarks/draft_pools_held_out.json")
+    out = RESULTS / "draft_pools_held_out.json"
     out.write_text(json.dumps(report, indent=1))
     plot_pools(report, out)
 

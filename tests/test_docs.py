@@ -72,3 +72,83 @@ def test_every_exported_name_is_in_the_api_reference():
         names = {path.rsplit(".", 1)[-1] for path in documented
                  if path.startswith(package.__name__ + ".")}
         assert set(package.__all__) <= names, (package.__name__, set(package.__all__) - names)
+
+
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+NEEDS = "# needs:"  # a block that needs what a fresh machine lacks says so in its first line
+RUNNABLE = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _blocks(page: Path) -> list[tuple[int, str]]:
+    text = page.read_text()
+    return [(text.count("\n", 0, m.start()) + 2, m.group(1)) for m in FENCE.finditer(text)]
+
+
+def test_every_block_a_user_may_paste_compiles():
+    for page in RUNNABLE:
+        for line, code in _blocks(page):
+            compile(code, f"{page.name}:{line}", "exec")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("page", [p for p in RUNNABLE if _blocks(p)], ids=lambda p: p.name)
+def test_every_block_runs_as_pasted_in_page_order(page, monkeypatch):
+    """One namespace a page, as one Python session a reader pastes each block into; run from
+    the repository root, where the blocks' folders (docs/examples) are."""
+    monkeypatch.chdir(ROOT)
+    namespace: dict = {"__name__": "__main__"}
+    ran = 0
+    for line, code in _blocks(page):
+        if not code.startswith(NEEDS):
+            exec(compile(code, f"{page.name}:{line}", "exec"), namespace)  # noqa: S102
+            ran += 1
+    assert ran
+
+
+def test_the_benchmarks_page_and_the_readme_table_are_rendered_from_the_json():
+    from rag_spec.bench import page
+
+    rendered = page.render(ROOT / "docs" / "benchmarks", ROOT / "README.md")
+    for path, text in rendered.items():
+        assert path.read_text() == text, f"{path} is stale: run python -m rag_spec.bench.page"
+    assert len(list((ROOT / "docs" / "benchmarks").iterdir())) <= 40
+    assert len(rendered[ROOT / "docs" / "benchmarks" / "README.md"].splitlines()) <= 600
+
+
+def _reported(paths: list[Path]) -> set[str]:
+    """Every number in these JSON files, as a page would write it."""
+    numbers: set[str] = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            numbers.update({f"{node:.2f}", f"{node:.1f}", f"{node:.3f}"})
+
+    for path in paths:
+        walk(json.loads(path.read_text()))
+    return numbers
+
+
+def test_every_speedup_in_the_docs_is_in_the_json_its_paragraph_names():
+    """A ratio written in README.md or docs/ (``2.31x``) is a value of a JSON its paragraph
+    names (``lookahead.json``: docs/benchmarks/ or the lab's lab/results/); the README's
+    generated table is checked by rendering it. Any number is in some JSON by chance: naming
+    the file is what ties a figure to its run."""
+    folders = [ROOT / "docs" / "benchmarks", ROOT / "lab" / "results"]
+    unbacked = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"<!-- how-fast.*?<!-- /how-fast -->", "", page.read_text(), flags=re.S)
+        for paragraph in re.split(r"\n\s*\n", text):
+            named = [f / f"{name}.json" for name in re.findall(r"(\w+)\.json", paragraph)
+                     for f in folders if (f / f"{name}.json").is_file()]
+            reported = _reported(named)
+            unbacked += [f"{page.name}: {figure}x in {paragraph[:60]!r}"
+                         for figure in re.findall(r"(?<![\w.])(\d+\.\d+)x\b", paragraph)
+                         if figure not in reported]
+    assert not unbacked, unbacked

@@ -102,8 +102,8 @@ def one_row_packed(dtype: torch.dtype) -> bool:
 def one_row_streamed() -> bool:
     """Whether single rows take the streamed kernel where a stack has it, in eager and compiled
     steps alike: on Intel CPUs, where it reads a one-token step's weights faster than MKL's
-    matrix-vector product and than inductor's reduction (docs/benchmarks/README.md, "Single
-    rows on the streamed kernel"); a row then rounds as it does inside a tree. Not on AMD CPUs,
+    matrix-vector product and than inductor's reduction (docs/concepts.md, "Why the
+    defaults"); a row then rounds as it does inside a tree. Not on AMD CPUs,
     where inductor's reduction reads at the memory's pace. Decided by the CPU, not timed
     (``one_row_packed``)."""
     return _cpu_vendor() == "Intel"

@@ -3,7 +3,7 @@
 After a verification pass each row keeps its root and accepted path, moved to the front of the
 round's slots in every layer's keys and values: three torch operations per tensor (an index,
 a gather, a copy), 180 calls a step over the default model's 60 tensors, each costing more to
-call than to do (docs/benchmarks/README.md, "Streamed products in pairs of blocks").
+call than to do (docs/concepts.md, "Why the defaults").
 ``move_slots.cpp`` moves them all in one call; elsewhere (a GPU, a CPU where the kernels do not
 build) torch's operations run, with the same result.
 """

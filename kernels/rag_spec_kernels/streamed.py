@@ -5,7 +5,7 @@ oneDNN's few-row kernels compute at full speed but add that time to the weight's
 of hiding it behind the read. This kernel (``streamed_linear.cpp``) prefetches the weight ahead
 of the arithmetic, and on AVX-512 takes the weight's blocks two at a time, so that each input
 it broadcasts feeds two lines: a tree of ten tokens costs little more than one token's weight
-read (docs/benchmarks/README.md, "Streamed products in pairs of blocks"; ``python -m
+read (docs/concepts.md, "Why the defaults"; ``python -m
 lab.floor`` times it in steps). It is built for this machine on first use (``cpu_extension``);
 where the CPU has neither AVX-512 nor AVX2 or the build fails, ``streamed_available`` says no
 and the runner keeps oneDNN's kernels. On AVX2 CPUs oneDNN's few-row products cost more than

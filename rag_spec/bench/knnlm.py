@@ -8,6 +8,7 @@ so the datastore holds text the generation can follow.
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 
 from rag_spec.bench.report import (
     Run,
+    command_line,
     interleaved,
     loop_summary,
     machine,
@@ -112,7 +114,8 @@ def compare_keys(eval_source: str = "pkg:tqdm", limit: int = 150, k: int = 16,
 
     lm = load_model()
     texts = [passage_text(p.title, p.text) for p in load_passages([eval_source])][:limit]
-    report: dict[str, Any] = {"benchmark": "knnlm_keys", "eval_source": eval_source,
+    report: dict[str, Any] = {"benchmark": "knnlm_keys", "command": command_line(),
+                              "date": datetime.date.today().isoformat(), "eval_source": eval_source,
                               "eval_texts": len(texts), "k": k, "lambda": lambda_,
                               "machine": machine(), "keys": {}}
     for key in KEY_KINDS:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -138,13 +141,24 @@ def machine() -> dict[str, Any]:
             "transformers": transformers.__version__}
 
 
+def command_line() -> str:
+    """How this process was started, as a user would type it (``rag-spec bench ...``,
+    ``python -m lab...``): the benchmarks page shows it beside the figures."""
+    if Path(sys.argv[0]).name == "rag-spec":
+        return shlex.join(["rag-spec", *sys.argv[1:]])
+    return shlex.join(["python", *sys.orig_argv[1:]])
+
+
 def publish(report: dict[str, Any], json_out: str | None, name: str,
             plot: Callable[[dict[str, Any], Path], None],
-            table: Callable[[dict[str, Any]], None]) -> None:
-    """Write the JSON (``json_out``, else docs/benchmarks/NAME.json) and the PNG beside it,
-    then print the table and where both went."""
-    out = Path(json_out) if json_out else REPORT_DIR / f"{name}.json"
+            table: Callable[[dict[str, Any]], None], directory: Path = REPORT_DIR) -> None:
+    """Write the JSON (``json_out``, else ``directory``/NAME.json; the command and the date
+    first) and the PNG beside it, then print the table and where both went.
+    ``python -m rag_spec.bench.page`` renders the benchmarks page from docs/benchmarks/."""
+    out = Path(json_out) if json_out else directory / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": name, "command": command_line(),
+              "date": datetime.date.today().isoformat(), **report}
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
     table(report)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from rag_spec.drafters.draft_head import DraftHead
+from rag_spec.drafters.draft_head import DraftHead, find_head
 from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
 from rag_spec.drafters.model_drafter import (
     DraftBatch,
@@ -27,6 +28,7 @@ from rag_spec.drafters.model_drafter import (
 )
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.engine.forward.runner import Runner
+from rag_spec.errors import RagSpecError
 from rag_spec_kernels import linear_stacks
 
 
@@ -83,18 +85,18 @@ class FeatureDrafter(ModelDrafter):
     a few percent of a step per pass, no second model, no KV cache of its own.
 
     Args:
-        head: a trained ``DraftHead`` (``rag-spec draft train --head``, or
-            ``draft_head.cached_head``) for this model.
+        head: a trained ``DraftHead`` for this model; ``FeatureDrafter.trained(model)`` finds
+            the one shipped with rag-spec or trained by ``rag-spec draft train --head``.
         expansion: the trees' shape; by default the eight likeliest next tokens, each only
             if the head gives it at least 2%, and up to three passes more, each only below a
             path at least 20% likely by the head's probabilities (and while the measured
             acceptance pays for the pass): elsewhere deeper nodes are seldom reached
-            (docs/benchmarks/README.md, "How deep the draft head drafts").
+            (docs/concepts.md, "Why the defaults").
             ``Expansion(top=8, min_prob=0.02, max_depth=1)`` drafts one deep.
 
     Examples:
-        >>> head = cached_head(lm)                                           # doctest: +SKIP
-        >>> LookaheadDecoder(lm.model, lm.tokenizer, drafter=FeatureDrafter(head))  # doctest: +SKIP
+        >>> drafter = FeatureDrafter.trained(lm.model)                       # doctest: +SKIP
+        >>> LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter)           # doctest: +SKIP
     """
 
     label = "draft head"
@@ -107,6 +109,17 @@ class FeatureDrafter(ModelDrafter):
         super().__init__(expansion or Expansion(top=8, min_prob=0.02, max_depth=4, grow_prob=0.2))
         self.head = head
         self._fast: weakref.WeakKeyDictionary[Runner, DraftHead] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def trained(cls, model: Any, *, expansion: Expansion | None = None) -> FeatureDrafter:
+        """Drafts from the head trained for ``model``: the user's (``rag-spec draft train
+        --head``), else the one shipped with rag-spec (the embedded model's)."""
+        head = find_head(model)
+        if head is None:
+            msg = ("no draft head is trained for this model: run `rag-spec draft train --head "
+                   "--model FOLDER` once, or draft with the trie (TrieDrafter())")
+            raise RagSpecError(msg)
+        return cls(head, expansion=expansion)
 
     def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
                      ) -> DraftPasses:

@@ -9,7 +9,7 @@ Nodes are numbers into two flat lists (children, counts), not an object each: a 
 are a dict of ints, which Python's garbage collector does not track. A trie of nested lists
 (two tracked objects a node, thousands a RAG prompt, up to ~400k in the memory of earlier
 answers) made every few requests pay a full collection that walked them all
-(docs/benchmarks/README.md, "Garbage-collection pauses").
+(docs/concepts.md, "Why the defaults").
 """
 
 from __future__ import annotations

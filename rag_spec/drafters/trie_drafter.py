@@ -34,7 +34,7 @@ CORPUS_WEIGHT = 2.0
 # far less often than its share says: another answer's next words, where this one's context
 # matched a few tokens. Its share (and its subtree's) counts this much, which ranks it after
 # the draft head's likely guesses in a merged tree: it fills the budget they leave (swept at
-# a fixed 16 nodes: docs/benchmarks/README.md, "Copies only earlier answers hold").
+# a fixed 16 nodes: docs/concepts.md, "Why the defaults").
 RECALLED_TRUST = 0.1
 
 

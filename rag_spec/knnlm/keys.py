@@ -1,8 +1,8 @@
 """The kNN-LM's keys: a hidden state of the model at each position, read on a private copy.
 
 Two places to read it. Khandelwal et al. (2020) found the first better, and so does the
-embedded model on held-out text (the nearest entry's token right 17.4% of the time against
-13.1%; ``rag-spec bench knnlm --compare-keys``, docs/benchmarks/knnlm_keys.json):
+embedded model on held-out text (its nearest entry's token is right more often:
+``rag-spec bench knnlm --compare-keys``, docs/benchmarks/knnlm_keys.json):
 
 - ``"ffn_input"``: the input of the last layer's feed-forward block, after its norm;
 - ``"final"``: the final norm's output, the vector the LM head reads.

@@ -54,8 +54,8 @@ class CompiledStep:
     @functools.cached_property
     def _compiled(self) -> Any:
         """The step through ``torch.compile``, made at first use: a step that runs a loaded
-        package never needs it, and making it imports most of inductor (docs/benchmarks/
-        README.md, "Compiled steps in a fresh process")."""
+        package never needs it, and making it imports most of inductor (docs/concepts.md,
+        "Why the defaults")."""
         return torch.compile(functools.partial(step_forward, self.module), dynamic=True,
                              mode="reduce-overhead" if self.graphs else None)
 

@@ -2,7 +2,7 @@
 later process in about a second: AOTInductor packages of the compiled step.
 
 ``torch.compile`` traces the model again in each new process, minutes on two cores even with
-inductor's caches warm (docs/benchmarks/README.md, "Compiled steps in a fresh process"). A
+inductor's caches warm (docs/concepts.md, "Why the defaults"). A
 package holds the step's graphs compiled into shared libraries: the one-token pass of one row
 (its products as reductions) and the pass of any other shape (batch, width and cache capacity
 dynamic; products through the runner's stacks). It holds no weights: the loaded graphs read the
@@ -194,7 +194,7 @@ def load(step: CompiledStep) -> LoadedPackage | None:
 def _load_graph(path: Path) -> Any:
     """A package's graph, through AOTInductor's own loader without torch's check of the
     device: that check builds and loads a test library per instruction set, each in a
-    subprocess, only to warn (docs/benchmarks/README.md, "Compiled steps in a fresh process"),
+    subprocess, only to warn (docs/concepts.md, "Why the defaults"),
     and a package's digest already names the CPU's instruction sets. Where this torch's loader
     has another form, its public load."""
     try:
