@@ -94,9 +94,9 @@ drafter.last.as_dict()
 #
 # On CPUs with AVX-512, float32 steps attend through rag-spec's C++ kernel, which reads each
 # KV head of the cache once for every query of a step (the benches' ablation
-# `decoder.ablated(cpu_attention=False)` keeps SDPA's). It makes plain steps cheaper most of all (at batch 16 x 4k: 109 against
-# 168 ms), so there speculation adds less on top of it (1.23x against 1.42x on SDPA), while
-# the two together decode fastest (8.2x transformers' batched greedy).
+# `decoder.ablated(cpu_attention=False)` keeps SDPA's). It makes plain steps cheaper most of
+# all, so speculation adds less on top of it than on SDPA, while the two together decode
+# fastest (the benchmarks page, "Long-context batches", has the figures).
 #
 # ## In LangChain and LlamaIndex
 #

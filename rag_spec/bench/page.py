@@ -34,9 +34,10 @@ class Bench:
 
 BENCHES = (
     Bench("lookahead", "Speculative decoding",
-          "Greedy decoding of held-out RAG prompts (a standard-library question and its top-3 "
-          "passages) and open-ended ones: transformers `generate`, its prompt lookup, our "
-          "decoder as a user gets it (`rag_spec`) and its ablations, on the same model."),
+          "Greedy decoding of RAG prompts (a standard-library question and its top-3 "
+          "passages) and open-ended ones, 128 new tokens: transformers `generate`, its prompt "
+          "lookup, our decoder as a user gets it (`rag_spec`) and its ablations, on the same "
+          "model."),
     Bench("chain", "LangChain and LlamaIndex pipelines",
           "A RAG chain and a query engine end to end: the stock Hugging Face classes against "
           "ours (`SpecRetriever`, `ChatLookahead`, `LookaheadLLM`), the same answers."),
@@ -140,7 +141,8 @@ def machine(report: dict[str, Any]) -> str:
 
 def _number(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.2g}" if abs(value) < 0.1 else f"{value:.2f}" if abs(value) < 10 else (
+            f"{value:.1f}")
     return str(value)
 
 
