@@ -335,7 +335,10 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         "| what you run | instead of | speedup, same output |", "| --- | --- | ---: |",
         *(f"| {a} | {b} | {c} |" for a, b, c in pairs), "",
         f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy. Every command, "
-        "machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md)."])
+        "machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md). The peers "
+        "here are the transformers-based classes; llama.cpp (`ChatLlamaCpp`, `LlamaCPP`, "
+        "Ollama), which decodes this model's GGUF faster than `generate` on a CPU, is not "
+        "measured against yet."])
 
 
 def with_how_fast(readme: str, table: str) -> str:
