@@ -142,8 +142,8 @@ def step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int] = (1, 
     prefill."""
     from transformers import DynamicCache
 
-    from rag_spec.engine.cache.kv_cache import cache_argument
-    from rag_spec.engine.forward.runner import RunnerSettings
+    from rag_spec.target.transformers.kv_cache import cache_argument
+    from rag_spec.target.transformers.runner import RunnerSettings
 
     ids = torch.tensor([list(prompt)], device=model.device)
     past = cache_argument(model, DynamicCache(config=model.config))  # transformers' own
@@ -170,10 +170,10 @@ def runner_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[int]
     """Median seconds of our runner's forward pass (``settings``: default kernels) over a root
     plus a chain of ``width - 1`` draft tokens after ``prompt``'s prefill, per width (the first
     pass of a width, which prepares its kernels, is not timed)."""
-    from rag_spec.engine.cache.step_inputs import tree_step
-    from rag_spec.engine.forward.prefill import prefill
-    from rag_spec.engine.forward.runner import Runner
-    from rag_spec.engine.verify.tree import TokenTree
+    from rag_spec.target.transformers.prefill import prefill
+    from rag_spec.target.transformers.runner import Runner
+    from rag_spec.target.transformers.step_inputs import tree_step
+    from rag_spec.target.tree import TokenTree
 
     runner = Runner.of(model, settings)
     costs = {}
@@ -210,9 +210,9 @@ def compiled_step_seconds(model: Any, prompt: Sequence[int], widths: Sequence[in
     cache of ``prompt + answer_tokens + width`` slots and a dense additive mask over them;
     shapes are dynamic, so one compilation serves every width above one (a single token
     compiles its own)."""
-    from rag_spec.engine.cache.kv_cache import cache_argument
-    from rag_spec.engine.forward.compiled_step import rewind, static_cache
-    from rag_spec.engine.forward.runner import Runner, RunnerSettings
+    from rag_spec.target.transformers.compiled_step import rewind, static_cache
+    from rag_spec.target.transformers.kv_cache import cache_argument
+    from rag_spec.target.transformers.runner import Runner, RunnerSettings
     from rag_spec_kernels import stack_table
 
     step = Runner.of(model, RunnerSettings(compile=True)).compiled

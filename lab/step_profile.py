@@ -48,7 +48,7 @@ CALLS = {"head pass": ("rag_spec.drafters.feature_drafter", "_HeadPasses", "forw
          "merge": ("rag_spec.drafters.merged_drafter", None, "_merged"),
          "trie learning": ("rag_spec.drafters.trie_drafter", "TrieSession", "observe"),
          "verify": ("rag_spec.engine.decoder", None, "verify"),
-         "cache compaction": ("rag_spec.engine.cache.tree_cache", "TreeKVCache", "keep")}
+         "cache compaction": ("rag_spec.target.transformers.tree_cache", "TreeKVCache", "keep")}
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ _EXPORTS = {
     "GenerationResult": "rag_spec.engine.decoder",
     "JsonSchema": "rag_spec.engine.verify.grammar",
     "IncompleteOutputWarning": "rag_spec.errors",
-    "TokenTree": "rag_spec.engine.verify.tree",
+    "TokenTree": "rag_spec.target.tree",
     "TrieDrafter": "rag_spec.drafters.trie_drafter",
     "SuffixIndex": "rag_spec.drafters.suffix_index",
     "DraftModelDrafter": "rag_spec.drafters.model_drafter",

@@ -1,7 +1,7 @@
 """Acceptance on hand-built choices: accepted path and bonus token."""
 
 from rag_spec.engine.verify.acceptance import accept
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.tree import TokenTree
 
 TREE = TokenTree.from_paths([[5, 6, 7], [5, 8], [9]])  # nodes: 5,6,7,8,9
 

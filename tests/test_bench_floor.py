@@ -68,7 +68,7 @@ def test_product_time_counts_every_linear_layer_once(monkeypatch):
 
 
 def test_a_runner_told_so_keeps_onednn_where_the_streamed_kernel_runs():
-    from rag_spec.engine.forward.runner import Runner, RunnerSettings
+    from rag_spec.target.transformers.runner import Runner, RunnerSettings
 
     model = tiny_llama()
     default, onednn = Runner.of(model), Runner.of(model, RunnerSettings(streamed_linear=False))
@@ -163,7 +163,7 @@ def test_the_plot_takes_dtypes_timed_on_different_systems(tmp_path):
 
 def test_longctx_step_costs_time_both_attentions_and_leave_the_prefill_as_it_was(monkeypatch):
     from rag_spec.bench import longctx
-    from rag_spec.engine.forward import prefill as prefill_module
+    from rag_spec.target.transformers import prefill as prefill_module
 
     lengths = []
     prefill = prefill_module.prefill

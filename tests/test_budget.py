@@ -292,7 +292,7 @@ def test_a_single_row_verifies_what_pays_of_its_trees(monkeypatch):
 def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_path(
         committed, learnt):
     from rag_spec.engine.decoder import _learn, _Row
-    from rag_spec.engine.verify.tree import TokenTree
+    from rag_spec.target.tree import TokenTree
 
     class Recording(AdaptiveBudget):
         paths: list[list[int]] = []

@@ -101,7 +101,7 @@ def test_the_lookahead_bench_runs_the_model_it_is_given(capsys, monkeypatch):
 def test_the_batch_benchs_ablation_prefills_every_batch_as_one_padded_pass():
     # it once patched a constant the redesign had moved: the bench stopped at its start
     from rag_spec.bench.batch import padded_prefills
-    from rag_spec.engine.forward.prefill import length_groups
+    from rag_spec.target.transformers.prefill import length_groups
 
     assert len(length_groups([8, 600])) == 2  # far apart: grouped
     with padded_prefills():

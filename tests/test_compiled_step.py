@@ -13,10 +13,10 @@ from conftest import char_tokenizer, tiny_llama
 from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.drafters.self_drafter import SelfSpecDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward import passes
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM
+from rag_spec.target.transformers import passes
 from rag_spec_kernels import TracedLinear
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
@@ -270,7 +270,7 @@ def test_a_step_compiled_reads_the_attention_kernels_availability_as_a_constant(
     # in a new interpreter, where nothing has compiled yet
     code = """
 import torch
-from rag_spec.engine.forward.compiled_step import CompiledStep
+from rag_spec.target.transformers.compiled_step import CompiledStep
 from rag_spec_kernels import cpu_attention_fits
 CompiledStep(torch.nn.Linear(2, 2))._compiled  # what a compiled decoder makes at first use
 q, k = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 5, 32)

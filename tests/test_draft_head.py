@@ -16,12 +16,12 @@ from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.cache.step_inputs import tree_step
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward.prefill import prefill
-from rag_spec.engine.forward.runner import Runner
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers.prefill import prefill
+from rag_spec.target.transformers.runner import Runner
+from rag_spec.target.transformers.step_inputs import tree_step
+from rag_spec.target.tree import TokenTree
 from rag_spec.training.train_head import train_head
 from rag_spec_kernels.onednn_linear import OneDNNLinear
 from rag_spec_kernels.streamed import streamed_available

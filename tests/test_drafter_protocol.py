@@ -13,10 +13,10 @@ from rag_spec.drafters.drafter import (
     propose_each,
 )
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import RagSpecError
+from rag_spec.target.sampling import RowSampler, SamplingParams
+from rag_spec.target.tree import TokenTree
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 

@@ -8,8 +8,8 @@ import torch
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.drafters.model_drafter import DraftModelDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec_kernels import RowChunkedLinear, invariant_rows
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_stopping_and_streaming import assert_stream_matches_generate
@@ -76,7 +76,7 @@ def test_auto_turns_exact_numerics_on_for_half_precision_on_any_device(device):
     # on an H100 the fast kernels parted from bf16 generate on 0-1 of 4 prompts, exact on none
     from types import SimpleNamespace
 
-    from rag_spec.engine.forward.runner import _wants_exact
+    from rag_spec.target.transformers.runner import _wants_exact
 
     def model(dtype, attention="sdpa"):
         return SimpleNamespace(device=torch.device(device), dtype=dtype,

@@ -13,11 +13,11 @@ from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward.runner import ModuleRunner
 from rag_spec.engine.verify.acceptance import accept, accept_speculative
-from rag_spec.engine.verify.sampling import SamplingParams, target_choices, target_probs
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.target.sampling import SamplingParams, target_choices, target_probs
+from rag_spec.target.transformers.runner import ModuleRunner
+from rag_spec.target.tree import TokenTree
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 

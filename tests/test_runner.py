@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec_kernels import OneDNNLinear, onednn_available
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
@@ -131,7 +131,7 @@ def test_onednn_copy_is_bounded_by_the_memory_policy(monkeypatch):
         pytest.skip("oneDNN is not available in this torch build")
     linear_bytes = sum(m.weight.numel() * 4 for m in model.modules()
                        if isinstance(m, torch.nn.Linear))
-    import rag_spec.engine.forward.runner as runner_module
+    import rag_spec.target.transformers.runner as runner_module
 
     monkeypatch.setattr(runner_module, "available_memory", lambda: 3 * linear_bytes)
     small = Runner(model, RunnerSettings(onednn_memory_share=0.25))  # needs 4x the copy

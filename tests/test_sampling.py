@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.verify.sampling import SamplingParams, _top_p
 from rag_spec.errors import RagSpecError
+from rag_spec.target.sampling import SamplingParams, _top_p
 
 N = 4000  # samples per test
 PROMPT = [5, 9, 12, 5, 9, 12, 40, 5, 9]
@@ -105,8 +105,8 @@ def test_invalid_knobs_are_refused_with_the_fix(bad):
 def test_verification_processes_only_the_path_it_walks():
     # Top-p sorts the whole vocabulary per row: rows verification never reads are not computed.
     from rag_spec.engine.verify.acceptance import accept
-    from rag_spec.engine.verify.sampling import target_choices
-    from rag_spec.engine.verify.tree import TokenTree
+    from rag_spec.target.sampling import target_choices
+    from rag_spec.target.tree import TokenTree
 
     tree = TokenTree.from_paths([[1, 2, 3], [4, 5], [6]])
     logits = torch.full((1 + len(tree), 8), -5.0)

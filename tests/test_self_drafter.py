@@ -9,14 +9,14 @@ from test_tree_cache import tiny_mistral
 
 from conftest import tiny_llama
 from rag_spec.drafters.self_drafter import SelfSpecDrafter
-from rag_spec.engine.cache.kv_cache import new_cache
-from rag_spec.engine.cache.sink_window import SinkWindow
-from rag_spec.engine.cache.step_inputs import round_step
-from rag_spec.engine.cache.tree_cache import TreeKVCache
 from rag_spec.engine.decoder import LookaheadDecoder
-from rag_spec.engine.forward.prefill import prefill
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.step_costs import Acceptance, StepCosts, expected_tokens
+from rag_spec.target.transformers.kv_cache import new_cache
+from rag_spec.target.transformers.prefill import prefill
+from rag_spec.target.transformers.sink_window import SinkWindow
+from rag_spec.target.transformers.step_inputs import round_step
+from rag_spec.target.transformers.tree_cache import TreeKVCache
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 from test_sampling import KNOBS, PROMPT, assert_plain_sampling
 
@@ -49,7 +49,7 @@ def test_the_window_holds_each_rows_first_sinks_and_last_committed_slots():
 
 
 def test_a_view_of_every_slot_gives_the_targets_logits_pass_after_pass(target):
-    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.target.transformers.runner import Runner
 
     runner = Runner.of(target)
     prompts = [repetitive_prompt(s, length=12 + 5 * s) for s in range(3)]

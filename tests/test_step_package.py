@@ -11,9 +11,9 @@ import torch
 
 from conftest import tiny_llama
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.forward import step_package
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers import step_package
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec_kernels import cpu_attention_available
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
@@ -141,7 +141,7 @@ def test_a_package_built_by_other_code_is_named_and_decoding_goes_on_eagerly(
     folder = copy / package_root[1].relative_to(package_root[0])
     folder.rename(folder.with_name(folder.name.rsplit("-", 1)[0] + "-builtbyothercode"))
     model = tiny_llama(seed=0, **SHAPE)
-    with caplog.at_level("WARNING", logger="rag_spec.engine.forward.step_package"):
+    with caplog.at_level("WARNING", logger="rag_spec.target.transformers.step_package"):
         decoder = LookaheadDecoder(model)
         assert decoder.runner.compiled is None
         assert "builtbyothercode" in caplog.text and "rag-spec models compile" in caplog.text

@@ -15,8 +15,8 @@ from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from rag_spec.engine.verify.grammar import Constraint, GrammarRequest, Grammars
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.target.tree import TokenTree
 from test_sampling import KNOBS, chi_square_ok
 
 xgr = pytest.importorskip("xgrammar")
@@ -516,7 +516,7 @@ def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
     grammar's masks between the launch and the wait for the pass (as vLLM fills its
     bitmasks), so a constrained step costs the longer of the two, not their sum."""
     import rag_spec.engine.decoder as decoder_module
-    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.target.transformers.runner import Runner
 
     events = []
     forward, masks = Runner.forward, Constraint.masks

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.tree import TokenTree
 
 
 def test_from_paths_shares_prefixes():

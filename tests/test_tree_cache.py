@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rag_spec.engine.cache.step_inputs as step_inputs
-import rag_spec.engine.forward.prefill as prefill
+import rag_spec.target.transformers.prefill as prefill
+import rag_spec.target.transformers.step_inputs as step_inputs
 from conftest import TINY_SHAPE, tiny_llama
-from rag_spec.engine.cache.kv_cache import SlidingWindow, attention_window, cache_argument
-from rag_spec.engine.cache.tree_cache import TreeKVCache
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.budget import AdaptiveBudget
+from rag_spec.target.transformers.kv_cache import SlidingWindow, attention_window, cache_argument
+from rag_spec.target.transformers.tree_cache import TreeKVCache
+from rag_spec.target.tree import TokenTree
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
@@ -230,7 +230,7 @@ def test_a_cache_whose_layers_evict_entries_is_refused_with_the_fix():
 
 
 def test_keep_compacts_each_rows_accepted_path():
-    from rag_spec.engine.cache.kv_cache import new_cache
+    from rag_spec.target.transformers.kv_cache import new_cache
 
     cache = new_cache()
     layer_keys = torch.arange(2 * 6, dtype=torch.float).reshape(2, 1, 6, 1)  # 2 rows, 6 slots
@@ -269,7 +269,7 @@ def steps(draw):
 @settings(max_examples=60, deadline=None)
 @given(steps())
 def test_keep_matches_a_row_by_row_reference(case):
-    from rag_spec.engine.cache.kv_cache import new_cache
+    from rag_spec.target.transformers.kv_cache import new_cache
 
     valid_rows, trees, paths = case
     batch, old = len(trees), len(valid_rows[0])
@@ -293,7 +293,7 @@ def test_keep_matches_a_row_by_row_reference(case):
 
 
 def test_finished_rows_leave_the_cache_and_appends_stay_in_place():
-    from rag_spec.engine.cache.kv_cache import new_cache
+    from rag_spec.target.transformers.kv_cache import new_cache
 
     cache = new_cache()
     values = torch.arange(3 * 4, dtype=torch.float).reshape(3, 1, 4, 1)  # 3 rows, 4 slots

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rag_spec_kernels.cpu_attention as cpu_attention
-from rag_spec.engine.cache.kv_cache import new_cache
+from rag_spec.target.transformers.kv_cache import new_cache
 from rag_spec_kernels import (
     SparseView,
     TreeMask,

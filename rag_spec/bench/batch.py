@@ -37,7 +37,7 @@ def padded_prefills() -> Any:
     """A context in which every batch is prefilled as one pass padded to its longest prompt:
     the ablation of ``prefill.length_groups`` (named here, so that a test keeps it pointing at
     the constant that groups)."""
-    import rag_spec.engine.forward.prefill as prefill
+    import rag_spec.target.transformers.prefill as prefill
 
     return mock.patch.object(prefill, "_PADDING_SHARE", math.inf)
 

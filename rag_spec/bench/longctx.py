@@ -95,11 +95,11 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
     what a wider verification costs against a one-token step (the first round is not timed)."""
     import torch
 
-    from rag_spec.engine.cache.step_inputs import tree_step
     from rag_spec.engine.decoder import LookaheadConfig
-    from rag_spec.engine.forward.prefill import prefill
-    from rag_spec.engine.forward.runner import Runner
-    from rag_spec.engine.verify.tree import TokenTree
+    from rag_spec.target.transformers.prefill import prefill
+    from rag_spec.target.transformers.runner import Runner
+    from rag_spec.target.transformers.step_inputs import tree_step
+    from rag_spec.target.tree import TokenTree
 
     runners = {"ours": Runner.of(model, LookaheadConfig().runner),
                "sdpa": Runner.of(model, replace(LookaheadConfig().runner, cpu_attention=False))}

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.step_costs import StepCosts
+from rag_spec.target.tree import TokenTree
 
 if TYPE_CHECKING:
-    from rag_spec.engine.cache.tree_cache import TreeKVCache
-    from rag_spec.engine.forward.runner import Runner
-    from rag_spec.engine.verify.sampling import RowSampler
+    from rag_spec.target.sampling import RowSampler
+    from rag_spec.target.transformers.runner import Runner
+    from rag_spec.target.transformers.tree_cache import TreeKVCache
 
 
 class DraftSession(Protocol):

@@ -27,8 +27,8 @@ from rag_spec.drafters.model_drafter import (
     _weights,
 )
 from rag_spec.drafters.tree_expansion import Expansion
-from rag_spec.engine.forward.runner import Runner
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers.runner import Runner
 from rag_spec_kernels import linear_stacks
 
 

@@ -46,8 +46,8 @@ from rag_spec.drafters.drafter import (
 )
 from rag_spec.drafters.model_drafter import ModelDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.policy.budget import AdaptiveBudget, merged_share
+from rag_spec.target.tree import TokenTree
 
 # A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
 # a draft model's passes are spared.

@@ -32,16 +32,16 @@ import torch
 from rag_spec.drafters.drafter import Drafter, DraftRequest, TargetView
 from rag_spec.drafters.exit_adapter import ExitAdapter
 from rag_spec.drafters.tree_expansion import Expansion
-from rag_spec.engine.cache.step_inputs import round_step
-from rag_spec.engine.cache.tree_cache import TreeKVCache
-from rag_spec.engine.forward.passes import ModuleRunner
-from rag_spec.engine.forward.prefill import prefill
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
-from rag_spec.engine.verify.sampling import SamplingParams, processed_logits
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.budget import depth_pays
 from rag_spec.policy.step_costs import prior_cost
+from rag_spec.target.sampling import SamplingParams, processed_logits
+from rag_spec.target.transformers.passes import ModuleRunner
+from rag_spec.target.transformers.prefill import prefill
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
+from rag_spec.target.transformers.step_inputs import round_step
+from rag_spec.target.transformers.tree_cache import TreeKVCache
+from rag_spec.target.tree import TokenTree
 from rag_spec_kernels import SparseView
 
 _GREEDY = SamplingParams()

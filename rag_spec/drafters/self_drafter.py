@@ -25,10 +25,10 @@ from typing import Any
 from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
 from rag_spec.drafters.model_drafter import DraftBatch, DraftPasses, ModelDrafter, SharedPasses
 from rag_spec.drafters.tree_expansion import Expansion
-from rag_spec.engine.cache.sink_window import SinkWindow
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.budget import Prober
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
+from rag_spec.target.transformers.sink_window import SinkWindow
 
 
 class SelfSpecDrafter(ModelDrafter):

@@ -18,7 +18,7 @@ from rag_spec.drafters.drafter import (
     propose_each,
 )
 from rag_spec.drafters.trie import BYTES_PER_NODE, Children, NGramTrie, best_nodes
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.tree import TokenTree
 
 if TYPE_CHECKING:
     from rag_spec.drafters.suffix_index import SuffixIndex

@@ -1,2 +1,2 @@
-"""The decode loop: prefill, draft, one forward pass over the tree, verify, commit; its parts
-live below it (verify/, cache/, forward/) and the drafters beside it read those parts."""
+"""The decode loop: prefill, draft, one forward pass over the tree, verify, commit. Below it:
+verify/ (what is kept of a tree), the drafters, and the target they all read (rag_spec/target)."""

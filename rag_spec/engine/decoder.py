@@ -27,22 +27,22 @@ from rag_spec.drafters.drafter import (
     propose,
 )
 from rag_spec.drafters.trie_drafter import TrieConfig
-from rag_spec.engine.cache.kv_cache import attention_window, crop
-from rag_spec.engine.cache.step_inputs import tree_step
-from rag_spec.engine.cache.tree_cache import TreeKVCache
-from rag_spec.engine.forward.prefill import append, prefill, prefill_whole
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.engine.stopping import StopRule
 from rag_spec.engine.streaming import TextStream
 from rag_spec.engine.verify.grammar import Constraint, Grammars, row_requests
-from rag_spec.engine.verify.sampling import RowSampler, SamplingParams
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.policy.budget import AdaptiveBudget, TreeSizer
 from rag_spec.policy.step_costs import StepCosts, settle
 from rag_spec.progress import progress as progress_bar
+from rag_spec.target.sampling import RowSampler, SamplingParams
+from rag_spec.target.transformers.kv_cache import attention_window, crop
+from rag_spec.target.transformers.prefill import append, prefill, prefill_whole
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
+from rag_spec.target.transformers.step_inputs import tree_step
+from rag_spec.target.transformers.tree_cache import TreeKVCache
+from rag_spec.target.tree import TokenTree
 from rag_spec.tokenizing import serial
 
 

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import cache_argument
-from rag_spec.engine.forward.runner import Runner, RunnerSettings
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers.kv_cache import cache_argument
+from rag_spec.target.transformers.runner import Runner, RunnerSettings
 
 KeyKind = Literal["ffn_input", "final"]
 KEY_KINDS: tuple[str, ...] = ("ffn_input", "final")

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rag_spec.engine.cache.kv_cache import new_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM
 from rag_spec.knnlm.neighbour_cache import NeighbourCache
 from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.speculation import Speculation, SpeculationTally, speculate
+from rag_spec.target.transformers.kv_cache import new_cache
 from rag_spec.threads import run_in_compute_thread
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import cache_argument, crop, new_cache
-from rag_spec.engine.forward.prefill import append as fill_cache
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.retrieval.types import Hit
+from rag_spec.target.transformers.kv_cache import cache_argument, crop, new_cache
+from rag_spec.target.transformers.prefill import append as fill_cache
 
 Extend = Callable[["Segment", list[int], int], list[int]]
 """Speculative decoding for a segment: (segment, output, n) -> up to n greedy tokens after

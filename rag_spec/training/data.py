@@ -142,7 +142,7 @@ def teacher_samples(model: Any, sequences: list[list[int]], layer: int, progress
     """The model's states after ``layer`` layers (-1: after its final norm) and predictions on
     each sequence, read through rag-spec's private copy of it (asking transformers for hidden
     states installs hooks on the modules it runs: those must not be the user's)."""
-    from rag_spec.engine.forward.runner import Runner
+    from rag_spec.target.transformers.runner import Runner
 
     runner = Runner.of(model)
     samples = []

@@ -1,2 +1,2 @@
-"""Token trees and what is kept of them: verify, acceptance (greedy and speculative sampling)
-and the sampling knobs, shared by the loop and the drafters."""
+"""What is kept of a token tree: verify, acceptance (greedy and speculative sampling) and the
+grammar masks of constrained decoding."""

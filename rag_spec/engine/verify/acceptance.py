@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.tree import TokenTree
 
 
 def accept(tree: TokenTree, choices: Sequence[int]) -> tuple[list[int], int]:

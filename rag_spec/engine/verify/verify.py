@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 
 from rag_spec.engine.verify.acceptance import accept, accept_speculative
-from rag_spec.engine.verify.sampling import RowSampler, target_probs
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.sampling import RowSampler, target_probs
+from rag_spec.target.tree import TokenTree
 
 
 @dataclass(frozen=True)

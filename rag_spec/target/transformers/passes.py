@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import cache_argument
-from rag_spec.engine.cache.step_inputs import TreeBatch, additive
-from rag_spec.engine.cache.tree_cache import TreeKVCache
-from rag_spec.engine.forward.compiled_step import CompiledStep, rewind
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers.compiled_step import CompiledStep, rewind
+from rag_spec.target.transformers.kv_cache import cache_argument
+from rag_spec.target.transformers.step_inputs import TreeBatch, additive
+from rag_spec.target.transformers.tree_cache import TreeKVCache
 from rag_spec_kernels import (
     EXACT_TREE_ATTENTION,
     TREE_ATTENTION,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.verify.tree import TokenTree
 from rag_spec.errors import RagSpecError
+from rag_spec.target.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The KV cache of a batch under speculative decoding: which slots hold committed tokens, each
 row's pending token and position, and compaction to accepted paths. It stores; it never runs
-the model (``engine.forward`` does) nor builds a pass's inputs (``step_inputs`` does).
+the model (the runner does) nor builds a pass's inputs (``step_inputs`` does).
 
 The cache's layers are ``length`` slots long for every row. Rows accept different numbers of
 tokens, so a row's slots can hold stale entries ("holes"); ``valid[b, s]`` says whether slot
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rag_spec.engine.cache.kv_cache import (
+from rag_spec.target.transformers.kv_cache import (
     SlidingWindow,
     crop,
     keep_batch_rows,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import (
+from rag_spec.target.transformers.kv_cache import (
     SlidingWindow,
     attention_window,
     cache_argument,
@@ -17,9 +17,9 @@ from rag_spec.engine.cache.kv_cache import (
     layers,
     new_cache,
 )
-from rag_spec.engine.cache.step_inputs import dense_mask
-from rag_spec.engine.cache.tree_cache import TreeKVCache, joined
-from rag_spec.engine.forward.passes import ModuleRunner
+from rag_spec.target.transformers.passes import ModuleRunner
+from rag_spec.target.transformers.step_inputs import dense_mask
+from rag_spec.target.transformers.tree_cache import TreeKVCache, joined
 from rag_spec_kernels import whole_rows
 
 # Padded prefills run in chunks whose additive mask stays under this many elements (a single

@@ -43,10 +43,10 @@ from typing import Any, Literal
 
 import torch
 
-from rag_spec.engine.forward import step_package
-from rag_spec.engine.forward.compiled_step import CompiledStep
-from rag_spec.engine.forward.passes import ModuleRunner
 from rag_spec.errors import RagSpecError
+from rag_spec.target.transformers import step_package
+from rag_spec.target.transformers.compiled_step import CompiledStep
+from rag_spec.target.transformers.passes import ModuleRunner
 from rag_spec_kernels import (
     LinearStack,
     OneDNNLinear,

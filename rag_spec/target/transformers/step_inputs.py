@@ -1,6 +1,6 @@
 """The inputs of one forward pass over a ``TreeKVCache``: each row's tokens, their position ids
 and what each may attend to (a compact ``TreeMask`` for full attention, a dense additive mask
-where layers slide). Built here, run by the runner (``engine.forward``).
+where layers slide). Built here, run by the runner (``runner``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rag_spec.engine.cache.kv_cache import SlidingWindow
-from rag_spec.engine.cache.tree_cache import TreeKVCache
-from rag_spec.engine.verify.tree import TokenTree
+from rag_spec.target.transformers.kv_cache import SlidingWindow
+from rag_spec.target.transformers.tree_cache import TreeKVCache
+from rag_spec.target.tree import TokenTree
 from rag_spec_kernels import SparseView, TreeMask
 
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 import rag_spec_kernels
-from rag_spec.engine.cache.kv_cache import cache_argument
-from rag_spec.engine.forward.compiled_step import CompiledStep, static_cache, step_forward
+from rag_spec.target.transformers.compiled_step import CompiledStep, static_cache, step_forward
+from rag_spec.target.transformers.kv_cache import cache_argument
 from rag_spec_kernels import TracedLinear, stack_table
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rag_spec.engine.cache.kv_cache import cache_argument
+from rag_spec.target.transformers.kv_cache import cache_argument
 from rag_spec_kernels import LinearStack, stack_table
 
 

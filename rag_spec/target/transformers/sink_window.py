@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rag_spec.engine.cache.tree_cache import TreeKVCache
+from rag_spec.target.transformers.tree_cache import TreeKVCache
 from rag_spec_kernels import SparseView
 
 

@@ -142,8 +142,9 @@ def layers(cache: Any) -> list:
     if found is None or not all(type(layer) in full_length for layer in found):
         kinds = sorted({type(layer).__name__ for layer in found or ()}) or [type(cache).__name__]
         msg = (f"rag-spec needs a transformers DynamicCache of full-length layers (got "
-               f"{', '.join(kinds)}); create it with rag_spec.engine.cache.kv_cache.new_cache() "
-               "(sliding windows are applied by the masks).")
+               f"{', '.join(kinds)}); create it with "
+               "rag_spec.target.transformers.kv_cache.new_cache() (sliding windows are applied "
+               "by the masks).")
         raise RagSpecError(msg)
     return found
 
