@@ -49,6 +49,7 @@ from rag_spec.bench.report import (
 )
 from rag_spec.drafters.trie import NGramTrie
 from rag_spec.drafters.trie_drafter import TrieDrafter, TrieSession
+from rag_spec.engine.decoder import ablated
 
 
 class CorpusOnly(TrieDrafter):
@@ -63,7 +64,7 @@ class CorpusOnly(TrieDrafter):
 
 
 def main() -> None:
-    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec import LookaheadConfig
     from rag_spec.drafters.draft_head import find_head
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
@@ -89,10 +90,11 @@ def main() -> None:
         raise SystemExit(msg)
 
     def decoder(drafter: Any, **config: Any) -> Any:
-        if fixed and "budget" not in config:
-            config.update(budget=fixed, adaptive=False)
-        return LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(**config),
-                                drafter=drafter)
+        sized = not fixed or "budget" in config
+        if not sized:
+            config.update(budget=fixed)
+        return ablated(lm.model, lm.tokenizer, LookaheadConfig(**config), drafter=drafter,
+                       adaptive=sized)
 
     decoders = {
         "no_drafts": decoder(TrieDrafter(), budget=0),

@@ -40,6 +40,7 @@ from rag_spec.bench.report import (
     runs_pass_statistics,
     save_figure,
 )
+from rag_spec.engine.decoder import ablated
 
 _SHAPE = {"top": 8, "min_prob": 0.02}
 
@@ -58,7 +59,7 @@ def main() -> None:
 
     limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
     fixed = int(os.environ.get("HD_FIXED", 0))
-    config = LookaheadConfig(budget=fixed, adaptive=False) if fixed else LookaheadConfig()
+    config = LookaheadConfig(budget=fixed) if fixed else LookaheadConfig()
     lm = load_model("smollm2-135m-instruct")
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit,
                                   OPEN_PROMPTS + HELD_OUT_OPEN_PROMPTS)
@@ -66,8 +67,8 @@ def main() -> None:
     assert shipped is not None, "no head for the embedded model: run python -m lab.ship_head"
 
     def merged(head: Any, expansion: Expansion | None) -> Any:
-        return LookaheadDecoder(lm.model, lm.tokenizer, config, drafter=MergedDrafter(
-            FeatureDrafter(head, expansion=expansion), TrieDrafter()))
+        drafter = MergedDrafter(FeatureDrafter(head, expansion=expansion), TrieDrafter())
+        return ablated(lm.model, lm.tokenizer, config, drafter, adaptive=not fixed)
 
     shapes = {"head_default": None, "head_one_deep": Expansion(**_SHAPE, max_depth=1),
               "head_two_deep_past_half": Expansion(**_SHAPE, max_depth=2, grow_prob=0.5),

@@ -37,6 +37,7 @@ from rag_spec.bench.report import (
     save_figure,
     setting,
 )
+from rag_spec.engine.decoder import ablated
 
 WIDTHS = (1, 2, 4, 6, 8, 10, 12, 14, 17)
 # the calls timed inside a step: (module, class or None, function); a lookup inside another
@@ -61,8 +62,8 @@ def main() -> None:
     rag, open_ended = prompt_sets(lm.tokenizer, RAG_QUESTIONS[:limit], limit)
     decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0)),
                 "default": LookaheadDecoder(lm.model, lm.tokenizer),
-                "fixed_16": LookaheadDecoder(lm.model, lm.tokenizer,
-                                             LookaheadConfig(budget=16, adaptive=False))}
+                "fixed_16": ablated(lm.model, lm.tokenizer,
+                                    LookaheadConfig(budget=16), adaptive=False)}
     for decoder in decoders.values():  # first use: kernels prepared, step costs timed
         decoder.generate(rag[0], 16)
     calls = _timed_calls()

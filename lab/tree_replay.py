@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lab import RESULTS
+from rag_spec.engine.decoder import ablated
 
 CUTS = (4, 8, 16)
 CEILING = "every drafted node, uncut (the ceiling)"
@@ -48,7 +49,7 @@ def main() -> None:
         trust_sweep([float(t) for t in os.environ["TR_TRUSTS"].split(",")])
         return
     import rag_spec.drafters.merged_drafter as merged
-    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec import LookaheadConfig
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine
@@ -68,8 +69,8 @@ def main() -> None:
         return merge(guess, copies, grafts, budget)
 
     merged._merged = recording  # this process's decoder only: a lab run, not the library's use
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer,
-                               LookaheadConfig(budget=16, adaptive=False, compile=False))
+    decoder = ablated(lm.model, lm.tokenizer,
+                      LookaheadConfig(budget=16, compile=False), adaptive=False)
     followed, chances = merged._followed, merged._chances
     rules = {"constant chances": (lambda prefix, copies: dict.fromkeys(
                  followed(prefix, copies), 1.0), _chances_before),
@@ -114,7 +115,7 @@ def main() -> None:
 def trust_sweep(trusts: list[float]) -> None:
     """Tokens per pass at a fixed 16 nodes for each memory trust, and with no memory."""
     import rag_spec.drafters.trie_drafter as trie_drafter
-    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec import LookaheadConfig
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS, RAG_QUESTIONS
     from rag_spec.bench.report import figure, machine, pass_statistics
@@ -133,8 +134,9 @@ def trust_sweep(trusts: list[float]) -> None:
         trie_drafter.RECALLED_TRUST = shipped if trust is None else trust
         row = report["settings"][label] = {}
         for prefix, (rag, open_ended) in sets.items():  # a decoder per set: its own memory
-            decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(
-                budget=16, adaptive=False, compile=False, memory_mb=0 if trust is None else 64))
+            config = LookaheadConfig(budget=16, compile=False,
+                                     memory_mb=0 if trust is None else 64)
+            decoder = ablated(lm.model, lm.tokenizer, config, adaptive=False)
             for name, prompts in (("rag", rag), ("open_ended", open_ended)):
                 results = [decoder.generate(p, max_new_tokens=n) for p in prompts]
                 row[prefix + name] = pass_statistics([r.stats for r in results])

@@ -260,9 +260,8 @@ def test_a_single_row_verifies_what_pays_of_its_trees(monkeypatch):
     copies where they keep, and fewer nodes where they miss, keeping every token whole trees
     keep."""
     from conftest import counting, tiny_llama
-    from rag_spec import LookaheadConfig
     from rag_spec.drafters.trie_drafter import TrieDrafter
-    from rag_spec.engine.decoder import LookaheadDecoder
+    from rag_spec.engine.decoder import ablated
     from test_decoder_greedy import hf_greedy, repetitive_prompt
 
     # a short prompt's step costs: each token past the first a twentieth of a plain step
@@ -274,9 +273,8 @@ def test_a_single_row_verifies_what_pays_of_its_trees(monkeypatch):
     for adaptive in (True, False):
         drafter = counting(TrieDrafter)()
         drafter.remember(prompt + answer)  # 8-token copies of the answer
-        config = LookaheadConfig(adaptive=adaptive)
-        results[adaptive] = LookaheadDecoder(model, drafter=drafter, config=config).generate(
-            prompt, 40)
+        results[adaptive] = ablated(model, drafter=drafter, adaptive=adaptive).generate(
+                                    prompt, 40)
         assert results[adaptive].token_ids == answer
     sized, whole = results[True].stats, results[False].stats
     assert sum(sized.accepted_per_step) == sum(whole.accepted_per_step) > 0

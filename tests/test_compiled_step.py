@@ -12,7 +12,7 @@ import torch
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.drafters.self_drafter import SelfSpecDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM
@@ -74,7 +74,7 @@ def test_batches_of_one_prompt_length_and_of_several_decode_compiled_with_genera
 def test_a_static_batch_whose_rows_accept_unequal_paths_stays_inside_its_cache(target):
     # a step takes as many slots as its longest accepted path: rows that copy long runs leave
     # holes in the others' slots, which once overran the cache a batch was given
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(compile=True, adaptive=False))
+    decoder = ablated(target, config=LookaheadConfig(compile=True), adaptive=False)
     prompts = [repetitive_prompt(s, length=24) for s in range(3)]
     prompts += [torch.randint(3, 64, (24,), generator=torch.Generator().manual_seed(s)).tolist()
                 for s in range(2)]

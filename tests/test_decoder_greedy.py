@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_llama
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.policy.step_costs import StepCosts
 
 
@@ -76,8 +76,8 @@ def test_drafts_that_cost_more_than_they_keep_are_not_verified(model, monkeypatc
 
 def test_non_adaptive_and_adaptive_agree(model):
     prompt = repetitive_prompt(3)
-    fixed = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False)).generate(prompt, 30)
-    adaptive = LookaheadDecoder(model, config=LookaheadConfig(adaptive=True)).generate(prompt, 30)
+    fixed = ablated(model, adaptive=False).generate(prompt, 30)
+    adaptive = ablated(model, adaptive=True).generate(prompt, 30)
     assert fixed.token_ids == adaptive.token_ids == hf_greedy(model, prompt, 30)
 
 
@@ -99,7 +99,7 @@ def test_steps_on_our_cpu_attention_or_sdpa_match_generate(cpu_attention, monkey
                         lambda *args, **kwargs: calls.append(1) or own(*args, **kwargs))
     model = tiny_llama(seed=8, hidden=64)  # heads of 16: the kernel takes them
     prompts = [repetitive_prompt(s, length=15 + 9 * s) for s in range(3)]  # ragged: holes
-    decoder = LookaheadDecoder(model).ablated(cpu_attention=cpu_attention)
+    decoder = ablated(model, cpu_attention=cpu_attention)
     results = decoder.generate(prompts, max_new_tokens=25)
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 25) for p in prompts]
     assert bool(calls) == (cpu_attention and kernel.cpu_attention_available())
@@ -142,3 +142,18 @@ def test_repetition_penalty_matches_generate(model):
                               repetition_penalty=1.3)[0, len(prompt):].tolist()
     result = LookaheadDecoder(model).generate(prompt, 25, repetition_penalty=1.3)
     assert result.token_ids == expected
+
+
+def test_an_ablation_is_a_decoder_of_its_own_and_never_a_users_setting(model):
+    """The benches switch parts off by building a decoder (``ablated``), never by changing one
+    in place, and sizing is no field of the user's config."""
+    decoder = LookaheadDecoder(model)
+    off = ablated(model, cpu_attention=False, adaptive=False)
+    assert off is not decoder and isinstance(off, LookaheadDecoder)
+    assert decoder.runner.settings.cpu_attention and decoder._adaptive
+    assert not off.runner.settings.cpu_attention and not off._adaptive
+    assert not hasattr(LookaheadConfig(), "adaptive")
+    with pytest.raises(TypeError, match="RunnerSettings fields"):
+        ablated(model, cpu_atention=False)
+    prompt = repetitive_prompt(4)
+    assert off.generate(prompt, 20).token_ids == decoder.generate(prompt, 20).token_ids

@@ -16,7 +16,7 @@ from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
 from rag_spec.target.transformers.prefill import prefill
 from rag_spec.target.transformers.runner import Runner
@@ -97,12 +97,12 @@ def kept_with_generates_tokens(decoder, target) -> int:
 
 @pytest.mark.parametrize("budget", [1, 5, 16])
 def test_greedy_matches_generate_and_drafts_are_kept(target, head, budget):
-    config = LookaheadConfig(budget=budget, adaptive=False)
+    config = LookaheadConfig(budget=budget)
     before = {k: v.clone() for k, v in head.state_dict().items()}
     for merged in (False, True):
         feature = FeatureDrafter(head)
         drafter = MergedDrafter(feature, eager=True) if merged else feature
-        decoder = LookaheadDecoder(target, config=config, drafter=drafter)
+        decoder = ablated(target, config=config, drafter=drafter, adaptive=False)
         # acceptance was exercised, not only rejection
         assert kept_with_generates_tokens(decoder, target) > 0
         # the head drafted from its own copy: 8-bit where the streamed kernel runs
@@ -160,8 +160,7 @@ def test_merged_with_the_trie_the_head_is_asked_every_step_copying_or_not(target
             return super().propose(requests, view)
 
     prompt = repetitive_prompt(5)
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
-                               drafter=MergedDrafter(Head(head), Trie(memory_mb=0)))
+    decoder = ablated(target, drafter=MergedDrafter(Head(head), Trie(memory_mb=0)), adaptive=False)
     assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)
     asked = [row for step in steps for row in step]
     assert asked[0][1]  # from the first step
@@ -184,9 +183,9 @@ def test_a_deeper_pass_drafts_only_below_a_likely_enough_path(target, head, monk
         trees.clear()
         expansion = Expansion(top=4, min_prob=0.0, max_depth=depth, grow_prob=grow_prob,
                               adaptive_depth=False)
-        config = LookaheadConfig(budget=8 * (depth - 1), adaptive=False)  # room for every depth
-        decoder = LookaheadDecoder(target, config=config,
-                                   drafter=FeatureDrafter(head, expansion=expansion))
+        config = LookaheadConfig(budget=8 * (depth - 1))  # room for every depth
+        decoder = ablated(target, config=config,
+                          drafter=FeatureDrafter(head, expansion=expansion), adaptive=False)
         kept_with_generates_tokens(decoder, target)
         # (the likeliest path's chance a depth above, whether the tree went ``depth`` deep)
         return [(max(p for p, d in zip(t.scores, t.depths) if d == depth - 1),
@@ -215,8 +214,8 @@ def test_drafting_over_the_heads_columns_drafts_what_the_whole_vocabulary_would(
     def drafted():
         trees.clear()
         expansion = Expansion(top=4, min_prob=0.0, max_depth=2, adaptive_depth=False)
-        decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=8, adaptive=False),
-                                   drafter=FeatureDrafter(head, expansion=expansion))
+        decoder = ablated(target, config=LookaheadConfig(budget=8),
+                          drafter=FeatureDrafter(head, expansion=expansion), adaptive=False)
         for penalty in (1.0, 1.3):
             decoder.generate(repetitive_prompt(1), 20, repetition_penalty=penalty)
         return [(t.tokens, t.parents, t.scores) for t in trees if len(t)]
@@ -247,8 +246,8 @@ def test_a_greedy_rows_head_may_draft_the_whole_budget_a_sampled_rows_half(targe
     propose = FeatureDrafter.propose
     monkeypatch.setattr(FeatureDrafter, "propose", lambda self, requests, view: budgets.append(
         [r.budget for r in requests]) or propose(self, requests, view))
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=16, adaptive=False),
-                               drafter=MergedDrafter(FeatureDrafter(head)))
+    decoder = ablated(target, config=LookaheadConfig(budget=16),
+                      drafter=MergedDrafter(FeatureDrafter(head)), adaptive=False)
     prompt = repetitive_prompt(5)  # the trie copies most of it
     assert decoder.generate(prompt, 30).token_ids == hf_greedy(target, prompt, 30)
     asked = [b for step in budgets for b in step if b]
@@ -336,8 +335,7 @@ def test_a_ragged_batch_gives_each_row_its_tokens_alone(target, head):
 def test_sampling_keeps_the_distribution(model):
     small = train_head(model, sequences(), vocabulary=48, epochs=2, lr=5e-3, progress=False)
     knobs = KNOBS["temperature"]
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
-                               drafter=FeatureDrafter(small))
+    decoder = ablated(model, drafter=FeatureDrafter(small), adaptive=False)
     results = decoder.generate([PROMPT] * 4000, max_new_tokens=3, do_sample=True, seed=7,
                                **knobs)
     assert sum(sum(r.stats.accepted_per_step) for r in results) > 400  # drafts were kept
@@ -346,8 +344,8 @@ def test_sampling_keeps_the_distribution(model):
 
 @pytest.mark.slow
 def test_compiled_steps_return_the_states_it_reads_and_give_generates_tokens(target, head):
-    config = LookaheadConfig(compile=True, exact=False, budget=5, adaptive=False)
-    decoder = LookaheadDecoder(target, config=config, drafter=FeatureDrafter(head))
+    config = LookaheadConfig(compile=True, exact=False, budget=5)
+    decoder = ablated(target, config=config, drafter=FeatureDrafter(head), adaptive=False)
     assert decoder.runner.compiled.features_split
     assert kept_with_generates_tokens(decoder, target) > 0
 

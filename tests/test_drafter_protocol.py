@@ -12,7 +12,7 @@ from rag_spec.drafters.drafter import (
     TargetView,
     propose_each,
 )
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadDecoder, ablated
 from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import RagSpecError
 from rag_spec.target.sampling import RowSampler, SamplingParams
@@ -77,7 +77,7 @@ def test_decoder_runs_on_a_fake_drafter_one_call_per_step_for_the_batch(model, w
     answers = {tuple(p): hf_greedy(model, p, 24) for p in prompts}
     drafter = OracleDrafter(answers, wrong=wrong)
     # trees at their full size: the measured step costs, noisy under load, do not size them
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False), drafter=drafter)
+    decoder = ablated(model, drafter=drafter, adaptive=False)
     results = decoder.generate(prompts, 24)
     assert [r.token_ids for r in results] == [answers[tuple(p)] for p in prompts]
     assert set(drafter.calls) == {3}  # every step asked once, for all rows

@@ -7,7 +7,7 @@ import torch
 
 from conftest import char_tokenizer, tiny_llama
 from rag_spec.drafters.model_drafter import DraftModelDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
 from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec_kernels import RowChunkedLinear, invariant_rows
@@ -35,7 +35,7 @@ def model():
 
 @pytest.mark.parametrize("budget", [0, 4, 16])
 def test_bf16_greedy_equals_bf16_generate(model, budget):
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(budget=budget, adaptive=False))
+    decoder = ablated(model, config=LookaheadConfig(budget=budget), adaptive=False)
     assert decoder.runner.exact  # "auto": half precision
     for prompt in prompts(4):
         assert decoder.generate(prompt, 40).token_ids == hf_greedy(model, prompt, 40)
@@ -44,8 +44,7 @@ def test_bf16_greedy_equals_bf16_generate(model, budget):
 def test_bf16_batches_and_draft_models_equal_generate(model):
     draft = flat_bf16_llama(seed=0, layers=1)
     for drafter in (None, DraftModelDrafter(draft)):
-        decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
-                                   drafter=drafter)
+        decoder = ablated(model, drafter=drafter, adaptive=False)
         batch = prompts(3)
         results = decoder.generate(batch, 30)
         assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in batch]
@@ -92,7 +91,7 @@ def test_auto_turns_exact_numerics_on_for_half_precision_on_any_device(device):
 def test_without_exact_numerics_bf16_output_parts_from_generate(model):
     # What the exact path is for: the fast kernels round differently, and on this model that
     # changes tokens (if it ever stops doing so, the tests above no longer prove anything).
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False, exact=False))
+    decoder = ablated(model, config=LookaheadConfig(exact=False), adaptive=False)
     assert not decoder.runner.exact
     assert any(decoder.generate(p, 40).token_ids != hf_greedy(model, p, 40) for p in prompts(4))
 

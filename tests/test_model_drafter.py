@@ -12,7 +12,7 @@ from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.engine.verify.acceptance import accept, accept_speculative
 from rag_spec.errors import RagSpecError
 from rag_spec.target.sampling import SamplingParams, target_choices, target_probs
@@ -69,7 +69,7 @@ def test_a_perfect_draft_is_accepted_whole(target):
     # (Its passes cost as much as the steps they save, so only a fixed budget keeps drafting.)
     drafter = DraftModelDrafter(
         target, expansion=Expansion(widths=(1,), max_depth=5, adaptive_depth=False))
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False), drafter=drafter)
+    decoder = ablated(target, drafter=drafter, adaptive=False)
     result = decoder.generate(repetitive_prompt(1), 30)
     assert result.token_ids == hf_greedy(target, repetitive_prompt(1), 30)
     assert result.stats.accepted_per_step[:-1] == [5] * (len(result.stats.accepted_per_step) - 1)
@@ -119,8 +119,7 @@ def test_the_draft_cache_follows_the_target_without_rereading(target, monkeypatc
     monkeypatch.setattr(module.DraftBatch, "forward", forward)
     prompt = repetitive_prompt(2)
     # a fixed budget: the draft keeps drafting through its hits and misses
-    result = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
-                              drafter=drafter).generate(prompt, 30)
+    result = ablated(target, drafter=drafter, adaptive=False).generate(prompt, 30)
     # Each committed token reaches the draft at most once, after the prefill of the prompt;
     # accepted drafts are never fed again.
     assert sum(drafter.fed) <= len(result.token_ids) + 1
@@ -145,8 +144,7 @@ def test_a_draft_model_reads_long_contexts_whole_only_once_its_drafts_pay(target
     draft = tiny_llama(seed=0, layers=4) if pays else tiny_llama(seed=9, layers=2)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (100, 150)]
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
-                               drafter=DraftModelDrafter(draft))
+    decoder = ablated(target, drafter=DraftModelDrafter(draft), adaptive=False)
     results = decoder.generate(prompts, 30)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in prompts]
     # a window of each prompt first; the whole contexts (prompt and answer so far) once paying
@@ -193,8 +191,8 @@ def test_the_early_exit_drafts_on_the_targets_own_cache(target):
             return trees
 
     budget = 6
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(budget=budget, adaptive=False),
-                               drafter=Watched(2))
+    decoder = ablated(target, config=LookaheadConfig(budget=budget),
+                      drafter=Watched(2), adaptive=False)
     prompt = repetitive_prompt(1, length=40)
     assert decoder.generate(prompt, 20).token_ids == hf_greedy(target, prompt, 20)
     assert widths and widths[0] == 1 and max(widths) <= budget
@@ -386,8 +384,8 @@ def test_the_merged_drafter_asks_the_model_from_the_fourth_step(target):
             return super().propose(requests, view)
 
     prompt = list(range(3, 40))  # no repeats: the trie has nothing to copy
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
-                               drafter=MergedDrafter(Spy(1), TrieDrafter(memory_mb=0)))
+    decoder = ablated(target, drafter=MergedDrafter(Spy(1), TrieDrafter(memory_mb=0)),
+                      adaptive=False)
     assert decoder.generate(prompt, 12).token_ids == hf_greedy(target, prompt, 12)
     assert asked[:4] == [0, 0, 0, 1]  # spared while a copying answer would show itself
 
@@ -407,8 +405,8 @@ def test_a_draft_that_missed_is_not_probed_afresh_in_every_greedy_request(target
             return [replace(TokenTree.from_paths([[miss]]), cost=2.0) if r.budget else tree
                     for r, tree in zip(requests, super().propose(requests, view))]
 
-    decoder = LookaheadDecoder(target, config=LookaheadConfig(adaptive=False),
-                               drafter=MergedDrafter(Missing(1), TrieDrafter(memory_mb=0)))
+    decoder = ablated(target, drafter=MergedDrafter(Missing(1), TrieDrafter(memory_mb=0)),
+                      adaptive=False)
     for sample in (False, False, True):
         asked.append([])
         result = decoder.generate(prompt, 12, do_sample=sample, seed=0)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_llama
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec_kernels import OneDNNLinear, onednn_available
 from test_decoder_greedy import hf_greedy, repetitive_prompt
@@ -30,7 +30,7 @@ def test_decoders_leave_the_users_model_as_it_was():
     prompt = repetitive_prompt(0)
     for config in (LookaheadConfig(onednn_linear=True), LookaheadConfig(onednn_linear=False)):
         LookaheadDecoder(model, config=config).generate(prompt, 20)
-    LookaheadDecoder(model).ablated(cpu_attention=False).generate(prompt, 20)
+    ablated(model, cpu_attention=False).generate(prompt, 20)
     assert module_state(model) == before
 
 

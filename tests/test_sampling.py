@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
 from rag_spec.target.sampling import SamplingParams, _top_p
 
@@ -73,7 +73,7 @@ def assert_plain_sampling(model, results, knobs: dict) -> None:
 def test_distribution_matches_plain_sampling(model, name):
     knobs = KNOBS[name]
     # full trees every step: a batch would time a plain first step, and these answers are short
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False))
+    decoder = ablated(model, adaptive=False)
     greedy = decoder.generate(PROMPT, max_new_tokens=3).token_ids
     decoder.drafter.remember(PROMPT + greedy)  # draft the likeliest path: acceptance is exercised
     results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=99, **knobs)

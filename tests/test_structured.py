@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.engine.verify.grammar import Constraint, GrammarRequest, Grammars
 from rag_spec.errors import RagSpecError
 from rag_spec.target.tree import TokenTree
@@ -94,7 +94,7 @@ def test_drafts_of_the_grammars_own_text_are_accepted_and_outputs_stay_exact(lm,
     ids = prompt(tok)
     plain = LookaheadDecoder(lm, tok, LookaheadConfig(budget=0)).generate(ids, 60,
                                                                            json_schema=SCHEMA)
-    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(adaptive=False))
+    decoder = ablated(lm, tok, LookaheadConfig(), adaptive=False)
     first = decoder.generate(ids, 60, json_schema=SCHEMA)
     again = decoder.generate(ids, 60, json_schema=SCHEMA)
     assert first.token_ids == again.token_ids == plain.token_ids
@@ -153,7 +153,7 @@ def test_sampling_follows_the_constrained_distribution(lm, tok, drafter, name):
     make = {"trie": lambda: None,
             "draft model": lambda: MergedDrafter(DraftModelDrafter(
                 tiny_llama(seed=5, vocab_size=len(tok), eos=2)), eager=True)}
-    decoder = LookaheadDecoder(lm, tok, LookaheadConfig(adaptive=False), drafter=make[drafter]())
+    decoder = ablated(lm, tok, LookaheadConfig(), drafter=make[drafter](), adaptive=False)
     greedy = decoder.generate(ids, 2, regex=regex).token_ids
     decoder.drafter.trie.remember(ids + greedy) if drafter == "draft model" else \
         decoder.drafter.remember(ids + greedy)  # drafts that often match

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rag_spec.drafters.suffix_index import SuffixIndex
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from test_decoder_greedy import hf_greedy, repetitive_prompt
 
 
@@ -102,8 +102,7 @@ def test_sampling_with_corpus_drafts_keeps_plain_samplings_distribution(model):
     # the corpus alone drafts (no n-grams of the prompt or the answer, no memory): the greedy
     # path, which the samples often take
     index = SuffixIndex([PROMPT + greedy], min_match=2)
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False),
-                               drafter=CorpusOnly(index))
+    decoder = ablated(model, drafter=CorpusOnly(index), adaptive=False)
     results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=7, **knobs)
     assert sum(sum(r.stats.accepted_per_step) for r in results) > N // 10  # drafts were kept
     assert_plain_sampling(model, results, knobs)

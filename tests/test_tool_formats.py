@@ -10,7 +10,7 @@ import torch
 import transformers
 from test_structured import compiled_for, hf_constrained, printable_tokenizer
 
-from rag_spec.engine.decoder import LookaheadConfig
+from rag_spec.engine.decoder import ablated
 from rag_spec.models import LoadedModel
 from rag_spec.serving.local_lm import GenerateOptions, LocalLM
 from rag_spec.serving.tools import (
@@ -182,7 +182,8 @@ def test_the_format_is_read_from_the_template(family):
 @pytest.mark.parametrize("choice", ["any", "weather"])
 def test_a_forced_call_decodes_as_generate_with_the_grammar_and_parses(family, choice):
     name, lm = family
-    local = LocalLM(lm, LookaheadConfig(adaptive=False))
+    local = LocalLM(lm)
+    local.decoder = ablated(lm.model, lm.tokenizer, adaptive=False)  # every node verified
     options = GenerateOptions(max_new_tokens=160, **tool_options(TOOLS, choice))
     grammar = options_grammar(local.call_format, options.tools, options.tool_choice, False)
     compiled = compiled_for(lm.model, lm.tokenizer, grammar=grammar)

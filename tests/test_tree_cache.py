@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import rag_spec.target.transformers.prefill as prefill
 import rag_spec.target.transformers.step_inputs as step_inputs
 from conftest import TINY_SHAPE, tiny_llama
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
 from rag_spec.policy.budget import AdaptiveBudget
 from rag_spec.target.transformers.kv_cache import SlidingWindow, attention_window, cache_argument
@@ -182,7 +182,7 @@ def test_a_model_mixing_sliding_and_full_layers_samples_as_plain_sampling():
     from test_sampling import KNOBS, PROMPT, N, assert_plain_sampling
 
     model = tiny_mixed("gemma3")  # its window (6) is shorter than the prompt (9 tokens)
-    decoder = LookaheadDecoder(model, config=LookaheadConfig(adaptive=False))
+    decoder = ablated(model, adaptive=False)
     decoder.drafter.remember(PROMPT + decoder.generate(PROMPT, max_new_tokens=3).token_ids)
     results = decoder.generate([PROMPT] * N, max_new_tokens=2, do_sample=True, seed=99,
                                **KNOBS["temperature"])

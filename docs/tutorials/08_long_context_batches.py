@@ -93,10 +93,10 @@ drafter.last.as_dict()
 # tokens; see the benchmarks page). Everywhere the tokens stay the model's own.
 #
 # On CPUs with AVX-512, float32 steps attend through rag-spec's C++ kernel, which reads each
-# KV head of the cache once for every query of a step (the benches' ablation
-# `decoder.ablated(cpu_attention=False)` keeps SDPA's). It makes plain steps cheaper most of
-# all, so speculation adds less on top of it than on SDPA, while the two together decode
-# fastest (the benchmarks page, "Long-context batches", has the figures).
+# KV head of the cache once for every query of a step (the benches compare it with SDPA's).
+# It makes plain steps cheaper most of all, so speculation adds less on top of it than on
+# SDPA, while the two together decode fastest (the benchmarks page, "Long-context batches",
+# has the figures).
 #
 # ## In LangChain and LlamaIndex
 #

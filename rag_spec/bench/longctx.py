@@ -9,7 +9,7 @@ apart from the prefill (ours: the decoder's own prefill time; generate: from its
 every row's tokens are compared with generate's, and the self-drafter's measured step costs,
 acceptance and chosen draft lengths are reported. The ``_sdpa`` systems are the kernel's
 ablation: the same decoder, without and with self-drafts, attending through SDPA's flash kernel
-instead of ours (``LookaheadDecoder.ablated(cpu_attention=False)``), so the kernel's gain and
+instead of ours (``ablated(..., cpu_attention=False)``), so the kernel's gain and
 speculation's are told apart.
 """
 
@@ -43,7 +43,7 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
         model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
     from rag_spec.drafters.self_drafter import SelfSpecDrafter
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
@@ -53,11 +53,10 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
                 "rag_spec_self_spec": LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter),
                 "rag_spec_trie": LookaheadDecoder(lm.model, lm.tokenizer,
                                                   LookaheadConfig(memory_mb=0)),
-                "rag_spec_no_drafts_sdpa": LookaheadDecoder(
-                    lm.model, lm.tokenizer, LookaheadConfig(budget=0)).ablated(
-                    cpu_attention=False),
-                "rag_spec_self_spec_sdpa": LookaheadDecoder(
-                    lm.model, lm.tokenizer, drafter=drafter_sdpa).ablated(cpu_attention=False)}
+                "rag_spec_no_drafts_sdpa": ablated(lm.model, lm.tokenizer,
+                                                   LookaheadConfig(budget=0), cpu_attention=False),
+                "rag_spec_self_spec_sdpa": ablated(lm.model, lm.tokenizer, drafter=drafter_sdpa,
+                                                   cpu_attention=False)}
     report: dict[str, Any] = {"benchmark": "longctx", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "self_spec_budget": budget, "machine": machine(), "runs": []}

@@ -55,7 +55,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
     from rag_spec.drafters.trie_drafter import TrieDrafter
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
     from rag_spec.models import load_model
     from rag_spec.training.train_head import cached_head
 
@@ -82,8 +82,7 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
         decoders["rag_spec_eager"] = LookaheadDecoder(lm.model, lm.tokenizer,
                                                       LookaheadConfig(compile=False))
     if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
-        decoders["rag_spec_onednn"] = LookaheadDecoder(lm.model, lm.tokenizer).ablated(
-            streamed_linear=False)
+        decoders["rag_spec_onednn"] = ablated(lm.model, lm.tokenizer, streamed_linear=False)
     if compiled:
         decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
             lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))

@@ -50,15 +50,14 @@ from rag_spec.tokenizing import serial
 class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
-    Engine: ``budget``, ``adaptive``. Default trie drafter: ``branch_length``, ``memory_mb``
-    (``.trie``). Kernels: ``onednn_linear``, ``exact``, ``compile`` (``.runner``). The kernels'
-    ablations (SDPA instead of rag-spec's CPU attention, oneDNN's products instead of the
-    streamed ones) are the benches' business: ``LookaheadDecoder.ablated``.
+    Engine: ``budget``. Default trie drafter: ``branch_length``, ``memory_mb`` (``.trie``).
+    Kernels: ``onednn_linear``, ``exact``, ``compile`` (``.runner``). What the benches switch
+    off to measure what each part buys (sizing, rag-spec's CPU attention, the streamed
+    products) is no setting of a user's: ``ablated`` builds such a decoder.
     """
 
     budget: int = 12  # most draft nodes verified per step
     branch_length: int = 8  # longest drafted continuation
-    adaptive: bool = True  # size trees by measured acceptance and step costs
     memory_mb: float = 64.0  # bound on the trie's memory of earlier outputs
     # CPU: oneDNN matrix products on a reordered weight copy (cheap tree steps). "auto": only
     # while the copy fits a quarter of the available memory; True forces it, False turns it off.
@@ -214,6 +213,11 @@ class LookaheadDecoder:
         >>> dec.generate(ids, max_new_tokens=64).token_ids                # doctest: +SKIP
     """
 
+    # what ``ablated`` switches off: sizing by measurements (False: every drafted node is
+    # verified each step), and kernel settings (``RunnerSettings`` fields)
+    _adaptive: bool = True
+    _switched_off: Mapping[str, Any] = MappingProxyType({})
+
     def __init__(self, model: Any, tokenizer: Any = None, config: LookaheadConfig | None = None,
                  drafter: Drafter | None = None) -> None:
         _check_model(model)
@@ -224,7 +228,7 @@ class LookaheadDecoder:
         if drafter is not None:
             check_drafter(drafter)
         self.drafter: Drafter = drafter or default_drafter(model, self.config.trie)
-        self._kernels = self.config.runner
+        self._kernels = replace(self.config.runner, **self._switched_off)
         Runner.of(model, self._kernels)  # built now: the first generation stays fast
         self._window = attention_window(model.config)  # refuses attention it cannot mask
         self._tokens = serial(tokenizer)
@@ -240,14 +244,6 @@ class LookaheadDecoder:
     def runner(self) -> Runner:
         """The fast path over the model as it is now (rebuilt if its modules were replaced)."""
         return Runner.of(self.model, self._kernels)
-
-    def ablated(self, **kernels: Any) -> LookaheadDecoder:
-        """This decoder on other kernel settings (``RunnerSettings``: ``cpu_attention=False``,
-        ``streamed_linear=False``): the benches' hook for measuring what each kernel buys;
-        not a user's setting."""
-        self._kernels = replace(self._kernels, **kernels)
-        Runner.of(self.model, self._kernels)
-        return self
 
     def add_context(self, texts: Sequence[str]) -> None:
         """Documents the next ``generate`` call on this thread may copy from (e.g. retrieved
@@ -497,7 +493,7 @@ class LookaheadDecoder:
         declared = self.drafter.capabilities
         fixed = not rows[0].sampler.params.do_sample or not declared.draws_drafts
         sized = fixed and not declared.sizes_own_drafts and not any(r.constraint for r in rows)
-        sizer = TreeSizer(self.config.budget, adaptive=self.config.adaptive,
+        sizer = TreeSizer(self.config.budget, adaptive=self._adaptive,
                           steady=self._steady) if sized else None
         live, live_rules = rows, rules  # the rows the cache holds, in its order
         self.drafter.begin(target)
@@ -644,13 +640,18 @@ class LookaheadDecoder:
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
 
+    def segment_budget(self) -> AdaptiveBudget:
+        """A node budget for a loop that calls ``extend`` segment by segment (iterative RaLM):
+        one per request, carried across its segments."""
+        return AdaptiveBudget(self.config.budget, adaptive=self._adaptive)
+
     def _budget(self, params: SamplingParams) -> AdaptiveBudget:
         """A new row's budget. A steady drafter's greedy rows start from the estimates the
         last greedy generation ended with (``budget.STEADY_TREES``); sampled rows start
         afresh, as the tokens they sample depend on their trees, never on what ran before."""
         if self._learnt is not None and not params.do_sample:
             return self._learnt.resumed()
-        return AdaptiveBudget(self.config.budget, adaptive=self.config.adaptive,
+        return AdaptiveBudget(self.config.budget, adaptive=self._adaptive,
                               steady=self._steady)
 
     @property
@@ -811,3 +812,25 @@ def _check_model(model: Any) -> None:
         msg = (f"{type(model).__name__} is an encoder-decoder model; rag-spec decodes "
                f"decoder-only causal LMs (Llama, Qwen2, Mistral, SmolLM2, ...).")
         raise RagSpecError(msg)
+
+
+def ablated(model: Any, tokenizer: Any = None, config: LookaheadConfig | None = None,
+            drafter: Drafter | None = None, *, adaptive: bool = True, **kernels: Any
+            ) -> LookaheadDecoder:
+    """A decoder with parts switched off, for the benches and tests that measure what each part
+    buys (no user's setting, so not exported): ``adaptive=False`` verifies every drafted node
+    each step instead of sizing trees by measurements; ``kernels`` are ``RunnerSettings``
+    fields (``cpu_attention=False``: SDPA; ``streamed_linear=False``: oneDNN's products)."""
+    unknown = set(kernels) - set(RunnerSettings.__dataclass_fields__)
+    if unknown:
+        msg = f"ablated() takes RunnerSettings fields, not {sorted(unknown)}"
+        raise TypeError(msg)
+    return _Ablated(model, tokenizer, config, drafter, adaptive, kernels)
+
+
+class _Ablated(LookaheadDecoder):
+    def __init__(self, model: Any, tokenizer: Any, config: LookaheadConfig | None,
+                 drafter: Drafter | None, adaptive: bool, kernels: Mapping[str, Any]) -> None:
+        self._adaptive = adaptive
+        self._switched_off = MappingProxyType(dict(kernels))
+        super().__init__(model, tokenizer, config, drafter)

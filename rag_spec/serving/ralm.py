@@ -23,7 +23,6 @@ from rag_spec.drafters.drafter import DraftSession
 from rag_spec.engine.decoder import LookaheadDecoder
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
-from rag_spec.policy.budget import AdaptiveBudget
 from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
@@ -184,7 +183,7 @@ class IterativeRaLM:
         # retrieves them. Drafters read the segment's own sequence: the tokens its cache holds.
         base = chat_input_ids(tokenizer, rag_messages(question, []))
         session = decoder.drafter.session(base)  # rows draft one by one: no batch cache
-        budget = AdaptiveBudget(decoder.config.budget, adaptive=decoder.config.adaptive)
+        budget = decoder.segment_budget()
         seen: set[int] = set()
 
         def extend(segment: Segment, output: list[int], n: int) -> list[int]:
