@@ -15,7 +15,6 @@ model's wheel into rag-spec's cache). ``python -m lab.llamacpp_numerics``.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lab import RESULTS
+from lab import write_result
 from rag_spec.bench.report import command_line, machine
 
 NEW_TOKENS = 96
@@ -150,10 +149,7 @@ def main() -> dict[str, Any]:
               "llama_cpp_python": lib.__version__, "machine": machine(),
               "new_tokens": NEW_TOKENS, "chunk": CHUNK, "flash_attn": True,
               "n_threads_batch": 2, "prompts": rows}
-    out = RESULTS / "llamacpp_numerics.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(report, "llamacpp_numerics")
     return report
 
 

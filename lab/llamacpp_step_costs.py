@@ -14,12 +14,11 @@ f16`` and quantised by ``llama_cpp.llama_model_quantize`` (Q4_1, Q4_0, Q8_0, Q4_
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from lab import RESULTS
+from lab import write_result
 from lab.llamacpp_trees import Context, step_ms
 from rag_spec.bench.report import command_line, machine
 
@@ -45,9 +44,7 @@ def main(paths: list[str]) -> dict[str, Any]:
             report["files"][name] = {"step_ms": ms, "over_one_token": {
                 w: round(v / ms["1"], 2) for w, v in ms.items()}}
             print(name, report["files"][name], flush=True)
-    out = RESULTS / "llamacpp_step_costs.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(report, "llamacpp_step_costs")
     return report
 
 

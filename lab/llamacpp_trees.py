@@ -18,7 +18,6 @@ Needs llama-cpp-python and the GGUF (see ``lab.llamacpp_numerics``).
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import statistics
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lab import RESULTS
+from lab import write_result
 from lab.llamacpp_numerics import _gguf
 from rag_spec.bench.report import command_line, machine
 
@@ -214,9 +213,7 @@ def main(budget: int = 12) -> dict[str, Any]:
                             r["tokens_per_pass"] for r in rows), 2)}
         print(name, {k: v for k, v in report[name].items() if k != "prompts"}, flush=True)
     lib.llama_model_free(model)
-    out = RESULTS / f"llamacpp_trees_{budget}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(report, f"llamacpp_trees_{budget}")
     return report
 
 

@@ -9,14 +9,13 @@ medians of 9, on both cores. Writes lab/results/quantized_products.json.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
-from lab import RESULTS
+from lab import write_result
 from rag_spec.bench.report import command_line, machine
 from rag_spec_kernels.streamed import (
     pack_streamed,
@@ -60,9 +59,7 @@ def main() -> dict[str, Any]:
         megabytes = sum(w.numel() * w.element_size() for w, _ in packed) / 1e6
         report["weights"][name] = {"mb": round(megabytes, 1), "ms_by_rows": ms}
         print(name, report["weights"][name], flush=True)
-    out = RESULTS / "quantized_products.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(report, "quantized_products")
     return report
 
 
