@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from lab import RESULTS
-
 ROWS = ("no_drafts", "trie", "head_trie")
 
 
@@ -120,6 +118,8 @@ def main(old: str) -> None:
                                          zip(runs[("old", row)], runs[("new", row)], hf)),
             "prompts": len(prompts)} for row in rows}
         print(name, json.dumps(report[name], indent=1), flush=True)
+    from lab import RESULTS  # here: a worker runs under the other checkout's lab package
+
     out = Path(os.environ.get("AB_OUT", RESULTS / "ab_trees.json"))
     out.write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"))
