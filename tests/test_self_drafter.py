@@ -136,14 +136,11 @@ def test_gamma_maximises_the_expected_rate_of_the_cost_model():
 def test_a_batch_drafts_one_token_until_its_passes_are_timed_then_times_a_plain_step():
     # where drafts lose (a 1k context: a sparse draft pass costs about a plain step) a first
     # chain of 3 lost ~3% of a batch's decoding; one draft pass times both passes as well
-    from types import SimpleNamespace
-
-    from rag_spec.drafters.self_drafter import _SelfView
-    from rag_spec.policy.budget import Prober
+    from rag_spec.policy.budget import Prober, self_draft_gamma
 
     def gamma(costs: StepCosts) -> int:
-        view = SimpleNamespace(costs=costs, drafter=SelfSpecDrafter(), prober=Prober(8, 8))
-        return _SelfView._gamma(view, [Acceptance()])
+        return self_draft_gamma(costs, [Acceptance().alpha], SelfSpecDrafter().max_gamma,
+                                Prober(8, 8))
 
     assert gamma(StepCosts()) == 1  # nothing timed
     assert gamma(StepCosts(target={2: 1.2})) == 1  # the draft pass not yet

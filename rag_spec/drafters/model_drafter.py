@@ -5,7 +5,7 @@ A draft model keeps a KV cache of its own per batch, in step with what the targe
 after a step it keeps the slots of the draft tokens the target accepted and feeds only what it
 has not seen (at least the newest token), never the whole context again. Its prefill is put off
 until its drafts pay: it first reads only the last ``TRIAL_CONTEXT`` tokens of each context, and
-reads them whole once its drafts on that window keep ``TRIAL_PAYS`` tokens a round (a draft that
+reads them whole once its drafts on that window pay (``policy.budget.trial_pays``) (a draft that
 keeps missing so never costs a prefill of a long prompt). An early exit keeps
 none: its layers are the target's first layers, so it drafts on the target's own cache. A round
 is one forward pass for the pending tokens and one per further depth, for every row of the
@@ -33,7 +33,7 @@ from rag_spec.drafters.drafter import Drafter, DraftRequest, TargetView
 from rag_spec.drafters.exit_adapter import ExitAdapter
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
-from rag_spec.policy.budget import depth_pays
+from rag_spec.policy.budget import depth_pays, trial_pays
 from rag_spec.policy.step_costs import prior_cost
 from rag_spec.target.sampling import SamplingParams, processed_logits
 from rag_spec.target.transformers.passes import ModuleRunner
@@ -46,7 +46,6 @@ from rag_spec_kernels import SparseView
 
 _GREEDY = SamplingParams()
 TRIAL_CONTEXT = 64  # tokens of each context a draft model reads until its drafts pay
-TRIAL_PAYS = 0.5  # draft tokens kept per round, on that window, that earn the whole context
 
 
 class _Stateless:
@@ -219,8 +218,7 @@ class DraftBatch:
         kept = [row.kept(r.context, self.start(b))
                 for b, (row, r) in enumerate(zip(self.rows, requests))]
         rounds = sum(row.rounds for row in self.rows)
-        if self.on_trial and rounds > 1 \
-                and sum(row.total_accepted for row in self.rows) >= TRIAL_PAYS * rounds:
+        if self.on_trial and trial_pays(sum(row.total_accepted for row in self.rows), rounds):
             self.cache = prefill(self.draft.runner, [r.context for r in requests])
             self.offsets = [0] * len(requests)
         else:

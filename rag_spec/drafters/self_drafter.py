@@ -26,7 +26,7 @@ from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
 from rag_spec.drafters.model_drafter import DraftBatch, DraftPasses, ModelDrafter, SharedPasses
 from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
-from rag_spec.policy.budget import Prober
+from rag_spec.policy.budget import Prober, self_draft_gamma
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
 from rag_spec.target.transformers.sink_window import SinkWindow
 
@@ -118,7 +118,9 @@ class _SelfView(SharedPasses):
               ) -> Expansion | None:
         """Pick this round's gamma from each row's acceptance (None: no draft this round), and
         select the slots the draft reads."""
-        self.gamma = self._gamma([a for a, r in zip(self.acceptance, requests) if r.budget > 0])
+        self.gamma = self_draft_gamma(
+            self.costs, [a.alpha for a, r in zip(self.acceptance, requests) if r.budget > 0],
+            self.drafter.max_gamma, self.prober)
         self.stats.gammas[self.gamma] += 1
         if self.gamma == 0:
             return None
@@ -148,17 +150,3 @@ class _SelfView(SharedPasses):
         settle(self.runner.device)
         self.costs.record_draft(time.perf_counter() - self.started, batch.passes)
 
-    def _gamma(self, acceptance: Sequence[Acceptance]) -> int:
-        best = self.costs.best_gamma([a.alpha for a in acceptance], self.drafter.max_gamma)
-        if best is None:  # nothing measured yet: one draft pass measures both passes at the
-            return 1  # least risk (where drafts lose, a 3-token chain lost ~3% of a 1k batch)
-        if 1 not in self.costs.target:  # a plain step, measured: what every draft must beat
-            return 0
-        if best > 0:
-            self.prober.drafted(hit=True)
-            return best
-        if self.prober.due():
-            self.prober.drafted(hit=False)
-            return 1  # a probe: acceptance and costs may have changed with the context
-        self.prober.wait()
-        return 0

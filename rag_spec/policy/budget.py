@@ -72,6 +72,37 @@ def merged_share(budget: int, copies: int, *, ranked: bool = False) -> int:
     return budget if ranked else max(budget // 2, budget - copies)
 
 
+# draft tokens kept per round, on a draft model's trial window, that earn it the whole context
+TRIAL_PAYS = 0.5
+
+
+def trial_pays(accepted: int, rounds: int) -> bool:
+    """Whether a draft model on trial (reading only the last tokens of each context) has kept
+    enough of its drafts over ``rounds`` rounds (``accepted`` in all) to read the contexts
+    whole: a draft that keeps missing never costs the prefill of a long prompt."""
+    return rounds > 1 and accepted >= TRIAL_PAYS * rounds
+
+
+def self_draft_gamma(costs: StepCosts, alphas: Sequence[float], max_gamma: int,
+                     prober: Prober) -> int:
+    """How many tokens a self-draft chain runs this round for rows accepting with ``alphas``:
+    the best expected rate by the measured costs (MagicDec's cost model), 0 where drafting
+    loses to plain steps, except a one-token probe when ``prober`` says one is due."""
+    best = costs.best_gamma(alphas, max_gamma)
+    if best is None:  # nothing measured yet: one draft pass measures both passes at the
+        return 1  # least risk
+    if 1 not in costs.target:  # a plain step, measured: what every draft must beat
+        return 0
+    if best > 0:
+        prober.drafted(hit=True)
+        return best
+    if prober.due():
+        prober.drafted(hit=False)
+        return 1  # a probe: acceptance and costs may have changed with the context
+    prober.wait()
+    return 0
+
+
 def depth_pays(mean_accepted: float, depth: int, cost: float) -> bool:
     """Whether a draft pass for depth ``depth + 1`` pays, at ``cost`` target steps a pass:
     each depth is accepted with about ``alpha = m / (1 + m)`` when ``m`` draft tokens are kept
