@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lab import write_result
+from lab import held_out_prompts, write_result
 from rag_spec.bench.report import command_line, machine
 
 NEW_TOKENS = 128
@@ -47,16 +47,9 @@ def _int8_decoder(lm: Any, config: Any) -> Any:
 
 def main() -> dict[str, Any]:
     import rag_spec
-    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS
 
     lm = rag_spec.load_model()
-    kb = rag_spec.KnowledgeBase.load_default()
-    questions = list(HELD_OUT_RAG_QUESTIONS[:6])
-    sets = {"rag": [rag_spec.chat_input_ids(lm.tokenizer, rag_spec.rag_messages(q, hits))
-                    for q, hits in zip(questions, kb.search(questions, k=3))],
-            "open_ended": [rag_spec.chat_input_ids(lm.tokenizer,
-                                                   [{"role": "user", "content": p}])
-                           for p in HELD_OUT_OPEN_PROMPTS[:6]]}
+    sets = held_out_prompts(lm, 6, 6)
     eager = rag_spec.LookaheadConfig(compile=False)
     none = rag_spec.LookaheadConfig(compile=False, budget=0)
     systems: dict[str, Any] = {

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lab import write_result
+from lab import held_out_prompts, write_result
 from rag_spec.bench.report import command_line, machine
 
 NEW_TOKENS = 96
@@ -110,17 +110,13 @@ def main() -> dict[str, Any]:
     import llama_cpp as lib
 
     import rag_spec
-    from rag_spec.bench.prompts import HELD_OUT_RAG_QUESTIONS
 
     lib.llama_backend_init()
     params = lib.llama_model_default_params()
     params.use_extra_bufts = False  # the AMX Xeon's repacked-weight path crashes on batches
     model = lib.llama_model_load_from_file(str(_gguf()).encode(), params)
     lm = rag_spec.load_model()
-    kb = rag_spec.KnowledgeBase.load_default()
-    questions = list(HELD_OUT_RAG_QUESTIONS[:6])
-    prompts = [rag_spec.chat_input_ids(lm.tokenizer, rag_spec.rag_messages(q, hits))
-               for q, hits in zip(questions, kb.search(questions, k=3))]
+    prompts = held_out_prompts(lm, 6, 0)["rag"]
     rows = []
     for prompt in prompts:
         row: dict[str, Any] = {"prompt_tokens": len(prompt)}

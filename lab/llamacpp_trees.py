@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lab import write_result
+from lab import held_out_prompts, write_result
 from lab.llamacpp_numerics import _gguf
 from rag_spec.bench.report import command_line, machine
 
@@ -164,20 +164,13 @@ def main(budget: int = 12) -> dict[str, Any]:
     import llama_cpp as lib
 
     import rag_spec
-    from rag_spec.bench.prompts import HELD_OUT_OPEN_PROMPTS, HELD_OUT_RAG_QUESTIONS
 
     lib.llama_backend_init()
     params = lib.llama_model_default_params()
     params.use_extra_bufts = False
     model = lib.llama_model_load_from_file(str(_gguf()).encode(), params)
     lm = rag_spec.load_model()
-    kb = rag_spec.KnowledgeBase.load_default()
-    questions = list(HELD_OUT_RAG_QUESTIONS[:8])
-    sets = {"rag": [rag_spec.chat_input_ids(lm.tokenizer, rag_spec.rag_messages(q, hits))
-                    for q, hits in zip(questions, kb.search(questions, k=3))],
-            "open_ended": [rag_spec.chat_input_ids(lm.tokenizer,
-                                                   [{"role": "user", "content": p}])
-                           for p in HELD_OUT_OPEN_PROMPTS[:6]]}
+    sets = held_out_prompts(lm, 8, 6)
     drafter = rag_spec.TrieDrafter()
     report: dict[str, Any] = {"benchmark": "llamacpp_trees", "command": command_line(),
                               "llama_cpp_python": lib.__version__, "machine": machine(),
