@@ -76,16 +76,6 @@ BENCHES = (
           "projections read."),
 )
 
-# The papers' own figures (their settings differ: 7B-65B models on GPUs).
-PAPERS = {
-    "lookahead": ("2.66-6.26x", "Lookahead, arXiv 2312.12728: Alipay RAG, 7-13B, A100"),
-    "ralm_exact": ("1.75-2.39x", "RaLMSpec, arXiv 2401.14021: exact dense, 21M passages"),
-    "ralm_bm25": ("1.31-1.77x", "RaLMSpec: BM25"),
-    "knnlm": ("up to 7.59x", "RaLMSpec: kNN-LM, exact dense, WikiText-103"),
-    "specinfer": ("1.5-2.8x", "SpecInfer, arXiv 2305.09781: LLaMA-7B/65B, 68M drafts"),
-    "magicdec": ("1.18-1.84x", "MagicDec, arXiv 2408.11049: batch 32-256, 8k-32k tokens, "
-                 "8x A100"),
-}
 
 SYSTEMS = {
     "hf": "transformers `generate`",
@@ -235,6 +225,7 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
     ralm = {n: load(f"ralm_{n}", directory) for n in ("exact_5000000", "bm25_300ms",
                                                       "milvus_300ms")}
     knn = load("knnlm_exact_5000000_k16_float16", directory)
+    papers = load("papers", directory)["papers"]  # what each paper reports, in its setting
 
     def loop(report: dict[str, Any]) -> str:
         s = report["systems"]
@@ -283,7 +274,7 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
     lines = ["| technique | paper (setting) | peer measured here | rag-spec here | data |",
              "| --- | --- | --- | --- | --- |"]
     for technique, paper, peer, ours, data in rows:
-        cited = f"{PAPERS[paper][0]} ({PAPERS[paper][1]})" if paper else "-"
+        cited = f"{papers[paper]['figure']} ({papers[paper]['setting']})" if paper else "-"
         lines.append(f"| {technique} | {cited} | {peer} | {ours} | [{data}](#{_anchor(data)}) |")
     return lines
 
