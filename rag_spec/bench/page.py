@@ -19,7 +19,6 @@ from typing import Any
 from rag_spec.bench.report import REPORT_DIR
 
 README = Path("README.md")
-PAGE = REPORT_DIR / "README.md"
 START, END = "<!-- how-fast: python -m rag_spec.bench.page -->", "<!-- /how-fast -->"
 
 
