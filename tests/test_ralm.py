@@ -272,15 +272,34 @@ class Concurrency:
 @pytest.mark.slow
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 def test_rounds_in_flight_overlap_up_to_the_limit_with_identical_output(lm, in_flight):
-    expected = naive(lm, HashRetriever(), stride=1, query_tokens=12)
-    counted = Concurrency(DelayedRetriever(HashRetriever(), latency_ms=120))
+    expected = naive(lm, HashRetriever(stable=True), stride=1, query_tokens=12)
+    counted = Concurrency(DelayedRetriever(HashRetriever(stable=True), latency_ms=120))
     spec = IterativeRaLM(lm, SpecRetriever(counted), stride=1, query_tokens=12,
                          speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True,
                                                      max_in_flight=in_flight))
     result = spec.generate(QUESTION, max_new_tokens=40)
     assert result.token_ids == expected.token_ids
-    # A call outlasts a one-token stride, so the pipeline fills to its limit and no further.
+    # Guesses that hold (one stable passage) and a call that outlasts a one-token stride: the
+    # pipeline fills to its limit and no further.
     assert counted.most == in_flight
+
+
+@pytest.mark.slow
+def test_rounds_run_ahead_only_while_the_guesses_hold(lm):
+    """Guesses scored against another ranking than the store's mostly miss; a round run ahead
+    of one would throw its call away, so the pipeline stays one round deep once the misses
+    show (the cold start, with no evidence, may run one ahead)."""
+    expected = naive(lm, HashRetriever(), stride=1, query_tokens=12)
+    counted = Concurrency(DelayedRetriever(HashRetriever(lying=True), latency_ms=120))
+    spec = IterativeRaLM(lm, SpecRetriever(counted), stride=1, query_tokens=12,
+                         speculation=RaLMSpeculation(os3=False, stride=1, asynchronous=True,
+                                                     max_in_flight=3))
+    result = spec.generate(QUESTION, max_new_tokens=40)
+    assert result.token_ids == expected.token_ids
+    assert result.stats.rollbacks > 0  # the guesses did miss
+    assert counted.most <= 2
+    calls = naive(lm, counted, stride=1, query_tokens=12).stats.kb_calls
+    assert result.stats.kb_calls <= calls + 2
 
 
 def test_a_retriever_that_raises_surfaces_and_leaves_no_thread(lm):

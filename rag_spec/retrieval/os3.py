@@ -90,6 +90,13 @@ class StrideScheduler:
         machine a CPU-bound search on a worker thread slows decoding more than it hides."""
         return self.asynchronous and not self.cpu_bound
 
+    def rounds_ahead(self, most: int, unverified: int) -> int:
+        """Rounds that may be under verification at once: ``most`` while the ``unverified``
+        guesses still in flight are likelier all right than not, else 1. A round decoded past
+        a wrong guess is thrown away with its call; with guesses that mostly miss (a scorer
+        that disagrees with the store's ranking), rounds run ahead only add calls."""
+        return most if self.gamma ** unverified >= 0.5 else 1
+
     def record_guess(self, seconds: float) -> None:
         self._g.append(seconds)
 

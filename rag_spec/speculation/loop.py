@@ -97,7 +97,7 @@ def _rounds(spec: Speculation[P, T], scheduler: StrideScheduler, tally: Speculat
         # 2. The round is complete: settle the oldest rounds in flight while the pipeline is
         # full (all of them once there is nothing left to speculate on).
         rolled_back = False
-        while in_flight and (settled or len(in_flight) >= max_in_flight):
+        while in_flight and (settled or _full(in_flight, scheduler, max_in_flight)):
             future, verified = in_flight.popleft()
             waited = time.perf_counter()
             truths, seconds = future.result()  # a retriever's error surfaces here
@@ -124,6 +124,14 @@ def _rounds(spec: Speculation[P, T], scheduler: StrideScheduler, tally: Speculat
                 return
             spec.go_on(pending[-1], truths[-1])
         pending, stride = [], scheduler.next_stride()
+
+
+def _full(in_flight: deque[tuple[Future, list[P]]], scheduler: StrideScheduler,
+          max_in_flight: int) -> bool:
+    """Whether a new round must wait for the oldest in flight: the pipeline holds as many
+    rounds as the scheduler lets run ahead of the guesses still unverified."""
+    unverified = sum(len(points) for _, points in in_flight)
+    return len(in_flight) >= scheduler.rounds_ahead(max_in_flight, unverified)
 
 
 def _settle(spec: Speculation[P, T], points: list[P], truths: list[T], seconds: float,
