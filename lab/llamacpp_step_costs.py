@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from lab import write_result
-from lab.llamacpp_trees import Context, step_ms
+from lab.llamacpp_numerics import Context
+from lab.llamacpp_trees import step_ms
 from rag_spec.bench.report import command_line, machine
 
 

@@ -18,67 +18,20 @@ Needs llama-cpp-python and the GGUF (see ``lab.llamacpp_numerics``).
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from lab import held_out_prompts, write_result
-from lab.llamacpp_numerics import _gguf
+from lab.llamacpp_numerics import Context, _gguf
 from rag_spec.bench.report import command_line, machine
 
 NEW_TOKENS = 128
 
 
-class Context:
-    """A llama.cpp context whose sequence 0 is the answer and 1..n the branches of a tree."""
-
-    def __init__(self, lib: Any, model: Any, seqs: int) -> None:
-        self.lib = lib
-        params = lib.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = 4096, 512, 512
-        params.n_seq_max, params.kv_unified = seqs, True
-        params.n_threads = max(multiprocessing.cpu_count() // 2, 1)  # llama-cpp-python's
-        params.n_threads_batch = multiprocessing.cpu_count()
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self.ctx = lib.llama_init_from_model(model, params)
-        self.memory = lib.llama_get_memory(self.ctx)
-        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-        self.batch = lib.llama_batch_init(512, 0, seqs)
-
-    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]],
-               outputs: list[bool]) -> np.ndarray:
-        b = self.batch
-        b.n_tokens = len(tokens)
-        for i, (token, pos, ids, out) in enumerate(zip(tokens, positions, seqs, outputs)):
-            b.token[i], b.pos[i], b.logits[i], b.n_seq_id[i] = token, pos, out, len(ids)
-            for j, s in enumerate(ids):
-                b.seq_id[i][j] = s
-        if self.lib.llama_decode(self.ctx, b) != 0:
-            msg = "llama_decode failed"
-            raise RuntimeError(msg)
-        rows = [i for i, out in enumerate(outputs) if out]
-        return np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i),
-                                               shape=(self.vocab,)) for i in rows])
-
-    def prefill(self, prompt: list[int]) -> int:
-        for start in range(0, len(prompt), 512):
-            chunk = prompt[start:start + 512]
-            last = [i == len(chunk) - 1 for i in range(len(chunk))]
-            logits = self.decode(chunk, list(range(start, start + len(chunk))),
-                                 [[0]] * len(chunk), last)
-        return int(logits[-1].argmax())
-
-    def close(self) -> None:
-        self.lib.llama_batch_free(self.batch)
-        self.lib.llama_free(self.ctx)
-
-
 def plain(ctx: Context, prompt: list[int]) -> tuple[list[int], int]:
-    out = [ctx.prefill(prompt)]
+    out = [int(ctx.prefill(prompt).argmax())]
     while len(out) < NEW_TOKENS:
         at = len(prompt) + len(out) - 1
         out.append(int(ctx.decode([out[-1]], [at], [[0]], [True])[0].argmax()))
@@ -92,7 +45,7 @@ def speculative(ctx: Context, prompt: list[int], session: Any, budget: int
     them. Only committed tokens' cells stay, appended in position order: a key's place in the
     cache is the order attention sums it in, so the answer's cells keep one-token decoding's
     order whatever branch was accepted."""
-    out, passes = [ctx.prefill(prompt)], 0
+    out, passes = [int(ctx.prefill(prompt).argmax())], 0
     pending = [out[0]]  # committed, not yet in the cache
     session.observe(prompt + out, len(prompt))
     while len(out) < NEW_TOKENS:

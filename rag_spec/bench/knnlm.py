@@ -8,7 +8,6 @@ so the datastore holds text the generation can follow.
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -18,7 +17,6 @@ import numpy as np
 
 from rag_spec.bench.report import (
     Run,
-    command_line,
     interleaved,
     loop_summary,
     machine,
@@ -27,6 +25,7 @@ from rag_spec.bench.report import (
     publish,
     rss_mb,
     speedup_bars,
+    stamped,
 )
 
 PROMPT_WORDS = 8  # of a passage's text after its title
@@ -114,10 +113,9 @@ def compare_keys(eval_source: str = "pkg:tqdm", limit: int = 150, k: int = 16,
 
     lm = load_model()
     texts = [passage_text(p.title, p.text) for p in load_passages([eval_source])][:limit]
-    report: dict[str, Any] = {"benchmark": "knnlm_keys", "command": command_line(),
-                              "date": datetime.date.today().isoformat(), "eval_source": eval_source,
-                              "eval_texts": len(texts), "k": k, "lambda": lambda_,
-                              "machine": machine(), "keys": {}}
+    report: dict[str, Any] = stamped({
+        "eval_source": eval_source, "eval_texts": len(texts), "k": k, "lambda": lambda_,
+        "machine": machine(), "keys": {}}, "knnlm_keys")
     for key in KEY_KINDS:
         store = KNNDatastore.open(lm, key=key)
         scores: dict[str, list[float]] = {"lm": [], "knn_top1": []}

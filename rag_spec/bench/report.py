@@ -149,6 +149,12 @@ def command_line() -> str:
     return shlex.join(["python", *sys.orig_argv[1:]])
 
 
+def stamped(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """``report`` with its bench's name, the command that ran it and today's date first."""
+    return {"benchmark": name, "command": command_line(),
+            "date": datetime.date.today().isoformat(), **report}
+
+
 def publish(report: dict[str, Any], json_out: str | None, name: str,
             plot: Callable[[dict[str, Any], Path], None],
             table: Callable[[dict[str, Any]], None], directory: Path = REPORT_DIR) -> None:
@@ -157,8 +163,7 @@ def publish(report: dict[str, Any], json_out: str | None, name: str,
     ``python -m rag_spec.bench.page`` renders the benchmarks page from docs/benchmarks/."""
     out = Path(json_out) if json_out else directory / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": name, "command": command_line(),
-              "date": datetime.date.today().isoformat(), **report}
+    report = stamped(report, name)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
     table(report)
