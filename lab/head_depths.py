@@ -54,8 +54,8 @@ def main() -> None:
         TrieDrafter,
     )
     from rag_spec.drafters.draft_head import find_head, load_head
-    from rag_spec.drafters.tree_expansion import Expansion
     from rag_spec.models import load_model
+    from rag_spec.policy.expansion import Expansion
 
     limit, n = int(os.environ.get("HD_LIMIT", 8)), int(os.environ.get("HD_N", 128))
     fixed = int(os.environ.get("HD_FIXED", 0))

@@ -166,9 +166,9 @@ def pool_sweep() -> None:
     from rag_spec.bench.report import machine
     from rag_spec.drafters.draft_head import SHIPPED, load_head, model_fingerprint
     from rag_spec.drafters.feature_drafter import FeatureDrafter
-    from rag_spec.drafters.tree_expansion import Expansion
     from rag_spec.drafters.trie_drafter import TrieConfig, TrieDrafter
     from rag_spec.models import load_model
+    from rag_spec.policy.expansion import Expansion
 
     limit, n = int(os.environ.get("TR_LIMIT", 8)), int(os.environ.get("TR_N", 128))
     lm = load_model("smollm2-135m-instruct")

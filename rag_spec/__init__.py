@@ -37,7 +37,7 @@ _EXPORTS = {
     "FeatureDrafter": "rag_spec.drafters.feature_drafter",
     "MergedDrafter": "rag_spec.drafters.merged_drafter",
     "SelfSpecDrafter": "rag_spec.drafters.self_drafter",
-    "Expansion": "rag_spec.drafters.tree_expansion",
+    "Expansion": "rag_spec.policy.expansion",
     "Drafter": "rag_spec.drafters.drafter",
     "DraftRequest": "rag_spec.drafters.drafter",
     "DraftSession": "rag_spec.drafters.drafter",

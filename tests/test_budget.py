@@ -229,7 +229,7 @@ def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
 
 
 def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch):
-    import rag_spec.engine.decoder as decoder_module
+    import rag_spec.policy.plan as plan_module
     from conftest import tiny_llama
     from rag_spec.drafters.model_drafter import EarlyExitDrafter
     from rag_spec.drafters.self_drafter import SelfSpecDrafter
@@ -242,7 +242,7 @@ def test_the_decoder_sizes_trees_where_tokens_do_not_depend_on_them(monkeypatch)
             built.append(True)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(decoder_module, "TreeSizer", Spy)
+    monkeypatch.setattr(plan_module, "TreeSizer", Spy)
     model, prompt = tiny_llama(), [5, 6, 7, 5, 6]
     LookaheadDecoder(model).generate(prompt, 4)
     assert built == [True]  # the trie, greedy: sized
@@ -289,7 +289,7 @@ def test_a_single_row_verifies_what_pays_of_its_trees(monkeypatch):
 ])
 def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_path(
         committed, learnt):
-    from rag_spec.engine.decoder import _learn, _Row
+    from rag_spec.policy.plan import RowPolicy
     from rag_spec.target.tree import TokenTree
 
     class Recording(AdaptiveBudget):
@@ -299,11 +299,12 @@ def test_a_proposal_is_learnt_from_as_soon_as_the_committed_tokens_settle_its_pa
             self.paths.append(list(path))
 
     budget = Recording(8)
-    row = _Row(prompt=[1, 2], session=None, budget=budget, sampler=None, output=committed)
-    row.proposals.append((TokenTree.from_paths([[5, 6, 7], [5, 8, 3]]), 2))
-    _learn(row)
+    row = RowPolicy(budget)
+    row.proposed(TokenTree.from_paths([[5, 6, 7], [5, 8, 3]]), 2, 0.0)
+    row.learn([1, 2, *committed], finished=False)
     assert budget.paths == ([] if learnt is None else [learnt])
-    assert len(row.proposals) == (learnt is None)
+    row.learn([1, 2, *committed], finished=True)  # a finished row learns what is left
+    assert len(budget.paths) == 1
 
 
 def test_a_cost_is_counted_from_its_second_timing_the_first_being_a_warm_up():

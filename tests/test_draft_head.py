@@ -14,10 +14,10 @@ from rag_spec.drafters.draft_head import load_head, save_head
 from rag_spec.drafters.feature_drafter import FeatureDrafter
 from rag_spec.drafters.merged_drafter import MergedDrafter, _extensions, _merged
 from rag_spec.drafters.model_drafter import EarlyExitDrafter
-from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.expansion import Expansion
 from rag_spec.target.transformers.prefill import prefill
 from rag_spec.target.transformers.runner import Runner
 from rag_spec.target.transformers.step_inputs import tree_step

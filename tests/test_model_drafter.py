@@ -2,7 +2,6 @@
 greedy output equals generate's, sampled output keeps plain sampling's distribution, and the
 draft's KV cache follows the target without re-reading the context."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -10,11 +9,11 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
-from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.drafters.trie_drafter import TrieDrafter
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.engine.verify.acceptance import accept, accept_speculative
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.expansion import Expansion
 from rag_spec.target.sampling import SamplingParams, target_choices, target_probs
 from rag_spec.target.transformers.runner import ModuleRunner
 from rag_spec.target.tree import TokenTree
@@ -199,7 +198,7 @@ def test_the_early_exit_drafts_on_the_targets_own_cache(target):
     assert all(before == after for before, after in lengths)
 
 
-def test_a_tree_carries_what_drafting_it_cost(target, monkeypatch):
+def test_a_plan_carries_what_drafting_its_tree_cost(target, monkeypatch):
     # Counted in passes and weights, not timed: a sampled row drafts the same in any batch.
     from rag_spec.drafters.model_drafter import _weights
     from rag_spec.policy.budget import AdaptiveBudget
@@ -402,8 +401,12 @@ def test_a_draft_that_missed_is_not_probed_afresh_in_every_greedy_request(target
     class Missing(EarlyExitDrafter):  # a dear draft that is never right
         def propose(self, requests, view):
             asked[-1].append(sum(r.budget > 0 for r in requests))
-            return [replace(TokenTree.from_paths([[miss]]), cost=2.0) if r.budget else tree
-                    for r, tree in zip(requests, super().propose(requests, view))]
+            trees = super().propose(requests, view)
+            for r in requests:
+                if r.budget:
+                    r.plan.spend(2.0)
+            return [TokenTree.from_paths([[miss]]) if r.budget else tree
+                    for r, tree in zip(requests, trees)]
 
     decoder = ablated(target, drafter=MergedDrafter(Missing(1), TrieDrafter(memory_mb=0)),
                       adaptive=False)

@@ -60,14 +60,6 @@ def test_every_path_is_in_the_tree_once(path_list):
             assert tuple(path[:end]) in seen
 
 
-def test_a_merged_tree_costs_both_drafts_and_a_cut_costs_the_whole():
-    guess = TokenTree((5, 6), (-1, 0), cost=0.8)
-    merged = guess.merged(TokenTree.from_paths([[7]]), budget=3)
-    assert merged.tokens == (5, 6, 7) and merged.cost == 0.8
-    assert merged.merged(TokenTree((9,), (-1,), cost=0.5), budget=4).cost == 1.3
-    assert merged.first(1).cost == 0.8  # drafting was paid whatever is verified
-
-
 @given(paths, st.randoms(use_true_random=False))
 def test_a_ranked_tree_keeps_its_paths_likeliest_first(path_list, rng):
     tree = TokenTree.from_paths(path_list)

@@ -118,8 +118,8 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
     from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
-    from rag_spec.drafters.tree_expansion import Expansion
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.policy.expansion import Expansion
 
     model, layers = lm.model, adapter.layers
 

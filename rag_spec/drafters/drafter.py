@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.plan import RowPlan
 from rag_spec.policy.step_costs import StepCosts
 from rag_spec.target.tree import TokenTree
 
@@ -54,6 +55,10 @@ class DraftRequest:
     # the row's sampler: drafters that compute read its params (to process q as p is processed)
     # and draw from its draft_generator; None: greedy
     sampler: RowSampler | None = None
+    # the row's sizing this step (``budget`` is its ``nodes``): what a drafter asks before it
+    # drafts more than ``budget`` says (a model's share, a deeper pass) and tells what its
+    # passes cost (``RowPlan.spend``); None where no decoder plans (no more than ``budget``)
+    plan: RowPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,11 @@ class Capabilities:
     # (multi-step speculative sampling), so sampled rows keep budgets of their own; False
     # (copies, sample-and-match): sampled batches are sized as greedy ones
     draws_drafts: bool = True
-    # it chooses its own draft lengths from measured step costs: its trees are verified whole
-    sizes_own_drafts: bool = False
+    # it drafts chains of at most this many tokens (0: trees), each round's length chosen by
+    # the policy from measured pass costs and the rows' acceptance (MagicDec's cost model) and
+    # verified whole; ``chain_probes``: plain rounds between probes while drafting loses
+    chain: int = 0
+    chain_probes: int = 8
     # its hits come about independently from step to step (a trained draft): estimates
     # average over about twenty trees (``budget.STEADY_SMOOTHING``) and carry over from one
     # greedy generation to the next
@@ -97,8 +105,8 @@ class Drafter(abc.ABC):
     row (each row's session ``observe``s what was committed), ``keep_rows`` when finished rows
     leave the batch (only where ``capabilities.keeps_rows``), and ``end(target)`` when the
     batch is done, however it ends. Under greedy decoding the decoder verifies the first nodes
-    of each tree that pay for the batch's step (``TreeSizer``), unless the drafter sizes its
-    own (``Capabilities``).
+    of each tree that pay for the batch's step (``TreeSizer``); a drafter of chains has their
+    length chosen each round (``Capabilities.chain``). Each request carries its row's plan.
     """
 
     capabilities = Capabilities()

@@ -26,8 +26,8 @@ from rag_spec.drafters.model_drafter import (
     SharedPasses,
     _weights,
 )
-from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
+from rag_spec.policy.expansion import Expansion
 from rag_spec.target.transformers.runner import Runner
 from rag_spec_kernels import linear_stacks
 

@@ -46,12 +46,9 @@ from rag_spec.drafters.drafter import (
 )
 from rag_spec.drafters.model_drafter import ModelDrafter
 from rag_spec.drafters.trie_drafter import TrieDrafter
-from rag_spec.policy.budget import AdaptiveBudget, merged_share
+from rag_spec.policy.plan import RowPlan
 from rag_spec.target.tree import TokenTree
 
-# A trie path this deep means the answer is copying (a passage, the prompt, an earlier answer):
-# a draft model's passes are spared.
-_COPYING = 2
 # The model's likeliest guesses the trie extends, and the nodes it may copy after each.
 _EXTENDED, _EXTENSION = 4, 4
 # Chances of acceptance for ranking a greedy row's copies against the model's guesses: a copy's
@@ -63,44 +60,11 @@ _COPY_CHANCE, _DEEPER = 0.45, (0.7, 0.7, 0.8, 0.87)
 
 
 class _Both:
-    """A request's sessions with both drafters, and the model's own budget: it stops drafting
-    (and costing passes) while its guesses keep missing, even when the trie's keep the
-    request's overall budget up."""
+    """A request's sessions with both drafters (how much the model drafts is the row's plan's:
+    ``RowPlan.model``)."""
 
-    def __init__(self, model: DraftSession, trie: DraftSession, owner: MergedDrafter, *,
-                 eager: bool, reads_features: bool, steady: bool) -> None:
-        self.model, self.trie, self.owner = model, trie, owner
-        # a draft head: no passes of its own to spare while the trie's copies go on, and more
-        # nodes cost it nothing (a greedy row's ranking then chooses among all of them)
-        self.reads_features = reads_features
-        # a draft model costs passes, and a prefill on first use: unless eager, it waits for
-        # the first probe (the fourth step), by which time a copying answer has shown itself
-        self.model_budget = AdaptiveBudget(1, initial=1.0 if eager else 0.0, steady=steady)
-        self._guess, self._asked_at = TokenTree.empty(), 0  # the model's last tree, and when
-        self._greedy: bool | None = None  # known from the first request
-
-    def model_share(self, context: Sequence[int], budget: int, copies: TokenTree,
-                    greedy: bool) -> int:
-        """Nodes the model may draft this step, after learning what its last tree earned. A
-        greedy row goes on with the model's budget where the last greedy row left it
-        (``MergedDrafter.learnt``); a sampled row starts afresh, as the tokens it samples
-        depend on its trees, never on what ran before."""
-        if self._greedy is None:
-            self._greedy = greedy
-            if greedy and self.owner.learnt is not None:
-                self.model_budget = self.owner.learnt.carried()
-        if self._asked_at:
-            accepted = len(self._guess.follow(context[self._asked_at:]))
-            self.model_budget.update(max(len(self._guess), 1), accepted, self._guess.cost)
-            self._asked_at = 0
-        else:
-            self.model_budget.update(0, 0)  # an idle step: counts toward the next probe
-        if not self.model_budget.current or (not self.reads_features and _copying(copies)):
-            return 0
-        return merged_share(budget, len(copies), ranked=greedy and self.reads_features)
-
-    def guessed(self, context: Sequence[int], guess: TokenTree) -> None:
-        self._guess, self._asked_at = guess, len(context)
+    def __init__(self, model: DraftSession, trie: DraftSession) -> None:
+        self.model, self.trie = model, trie
 
     def propose(self, context: Sequence[int], budget: int) -> TokenTree:
         return self.trie.propose(context, budget)
@@ -112,8 +76,6 @@ class _Both:
     def finish(self, output: Sequence[int]) -> None:
         self.model.finish(output)
         self.trie.finish(output)
-        if self._greedy:
-            self.owner.learnt = self.model_budget
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> None:
         self.model.add_documents(documents)
@@ -133,9 +95,6 @@ class MergedDrafter(Drafter):
         self.model = model
         self.trie = trie or TrieDrafter()
         self.eager = eager  # ask the model from the first step, not from the fourth
-        # the model's budget as the last greedy row left it: a draft that keeps missing is not
-        # probed afresh in every request (a draft model's first probe costs about two steps)
-        self.learnt: AdaptiveBudget | None = None
 
     @property
     def label(self) -> str:  # type: ignore[override]
@@ -159,31 +118,27 @@ class MergedDrafter(Drafter):
     def session(self, prompt: Sequence[int], extra_context: Sequence[Sequence[int]] = ()
                 ) -> _Both:
         return _Both(self.model.session(prompt, extra_context),
-                     self.trie.session(prompt, extra_context), self,
-                     # the draft head reads the target's states: no passes of its own to spare
-                     eager=self.eager or self.capabilities.reads_features,
-                     reads_features=self.capabilities.reads_features,
-                     steady=self.capabilities.steady)
+                     self.trie.session(prompt, extra_context))
 
     def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
                 ) -> list[TokenTree]:
         copies = propose(self.trie, [replace(r, session=r.session.trie) for r in requests],
                          target)
-        shares = [r.session.model_share(r.context, r.budget, t, _greedy(r)) if r.budget else 0
-                  for r, t in zip(requests, copies)]
-        guesses = propose(self.model, [replace(r, session=r.session.model, budget=share)
-                                       for r, share in zip(requests, shares)], target)
-        for r, share, guess in zip(requests, shares, guesses):
-            if share:
-                r.session.guessed(r.context, guess)
-        # The model's passes are weighed by its own budget (fed with its trees' cost), so the
-        # merged tree carries none: a row must not stop verifying the trie's free copies for it.
+        features = self.capabilities.reads_features
+        # the draft head reads the target's states: no passes of its own to spare
+        plans = [r.plan.model(r.context, t, greedy=_greedy(r), eager=self.eager or features,
+                              reads_features=features, steady=self.capabilities.steady)
+                 if r.plan is not None else RowPlan(0, 0) for r, t in zip(requests, copies)]
+        guesses = propose(self.model, [replace(r, session=r.session.model, budget=plan.nodes,
+                                               plan=plan)
+                                       for r, plan in zip(requests, plans)], target)
+        for r, plan, guess in zip(requests, plans, guesses):
+            if r.plan is not None:
+                r.plan.guessed(r.context, guess, plan)
+        # The model's passes are weighed by its own budget (what its plan spent), so the row's
+        # plan spends none: a row must not stop verifying the trie's free copies for them.
         return [_merged(guess, copy, _extensions(guess, r.session.trie, r.context), r.budget)
                 for r, guess, copy in zip(requests, guesses, copies)]
-
-
-def _copying(copies: TokenTree) -> bool:
-    return len(copies) > 0 and copies.depths.max() >= _COPYING
 
 
 def _extensions(guess: TokenTree, trie: DraftSession, context: Sequence[int]
@@ -213,7 +168,7 @@ def _merged(guess: TokenTree, copies: TokenTree,
         for path, copied in grafts:
             followed |= _followed(path, copied)
         tree = tree.ranked(_chances(tree, guess, followed)).first(budget)
-    return replace(tree, cost=0.0)
+    return tree
 
 
 def _followed(prefix: tuple[int, ...], copies: TokenTree) -> dict[tuple[int, ...], float]:

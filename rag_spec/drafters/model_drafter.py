@@ -5,7 +5,7 @@ A draft model keeps a KV cache of its own per batch, in step with what the targe
 after a step it keeps the slots of the draft tokens the target accepted and feeds only what it
 has not seen (at least the newest token), never the whole context again. Its prefill is put off
 until its drafts pay: it first reads only the last ``TRIAL_CONTEXT`` tokens of each context, and
-reads them whole once its drafts on that window pay (``policy.budget.trial_pays``) (a draft that
+reads them whole once its drafts on that window pay (``policy.plan.trial_paid``) (a draft that
 keeps missing so never costs a prefill of a long prompt). An early exit keeps
 none: its layers are the target's first layers, so it drafts on the target's own cache. A round
 is one forward pass for the pending tokens and one per further depth, for every row of the
@@ -31,9 +31,9 @@ import torch
 
 from rag_spec.drafters.drafter import Drafter, DraftRequest, TargetView
 from rag_spec.drafters.exit_adapter import ExitAdapter
-from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
-from rag_spec.policy.budget import depth_pays, trial_pays
+from rag_spec.policy.expansion import Expansion
+from rag_spec.policy.plan import RowPlan, trial_paid
 from rag_spec.policy.step_costs import prior_cost
 from rag_spec.target.sampling import SamplingParams, processed_logits
 from rag_spec.target.transformers.passes import ModuleRunner
@@ -73,9 +73,6 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # draft nodes
     parents: list[int] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)  # round slot of each node (None: leaf)
-    mean_accepted: float = 1.0  # draft tokens the target kept per round (smoothed)
-    rounds: int = 0  # rounds drafted
-    total_accepted: int = 0  # draft tokens the target kept, all rounds
 
     def accepted(self, context: Sequence[int], root: int) -> list[int]:
         """The drafted nodes the target accepted, drafted below the token at ``root`` of
@@ -83,12 +80,8 @@ class _Row:
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         return tree.follow(context[root + 1:len(context) - 1])
 
-    def learn(self, accepted: Sequence[int]) -> None:
-        """End the round: weigh what the target kept, forget the drafts."""
-        if self.chain:
-            self.mean_accepted = 0.7 * self.mean_accepted + 0.3 * len(accepted)
-            self.rounds += 1
-            self.total_accepted += len(accepted)
+    def clear(self) -> None:
+        """End the round: forget the drafts (what the target kept is the policy's to learn)."""
         self.chain, self.tokens, self.parents, self.slots = [], [], [], []
 
     def kept(self, context: Sequence[int], base: int) -> list[int]:
@@ -100,7 +93,7 @@ class _Row:
             if self.slots[node] is None:  # a leaf no pass wrote
                 break
             slots.append(self.slots[node])
-        self.learn(accepted)
+        self.clear()
         return slots
 
 
@@ -154,9 +147,6 @@ class DraftPasses:
         step = round_step(cache, input_ids, position_ids, sees, runner.dtype, self.sparse)
         return runner.forward(cache, step), first
 
-    def record(self, row: int, drafted: int, accepted: int) -> None:
-        """Row ``row`` kept ``accepted`` of the ``drafted`` tokens of its last round."""
-
     def end_round(self, batch: DraftBatch) -> None:
         """The round's passes are done."""
 
@@ -205,20 +195,17 @@ class DraftBatch:
 
     def begin_round(self, requests: Sequence[DraftRequest], expansion: Expansion
                     ) -> Expansion | None:
-        """Learn what the target accepted of the last round's drafts (an own cache commits it,
-        or after a trial that paid reads the whole contexts); returns this round's tree shape
-        (None: no draft)."""
+        """Drop the last round's drafts (an own cache commits what the target accepted, or after
+        a trial that paid reads the whole contexts); returns this round's tree shape (None: no
+        draft)."""
         if self.draft.shares_cache:
             for b, (row, request) in enumerate(zip(self.rows, requests)):
-                accepted = row.accepted(request.context, self.roots[b])
-                self.draft.record(b, len(row.tokens), len(accepted))
-                row.learn(accepted)
+                row.clear()
                 self.roots[b] = len(request.context) - 1
             return self.draft.shape(self, requests, expansion)
         kept = [row.kept(r.context, self.start(b))
                 for b, (row, r) in enumerate(zip(self.rows, requests))]
-        rounds = sum(row.rounds for row in self.rows)
-        if self.on_trial and trial_pays(sum(row.total_accepted for row in self.rows), rounds):
+        if self.on_trial and trial_paid([r.plan for r in requests if r.plan is not None]):
             self.cache = prefill(self.draft.runner, [r.context for r in requests])
             self.offsets = [0] * len(requests)
         else:
@@ -454,6 +441,8 @@ def _draft(batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expan
                 growing[b].row.slots[node] = first + j
             growing[b].set_q(new, logits[b, :len(new)])
     batch.end_round()
+    for g in growing.values():
+        g.plan.spend(g.passes * g.cost)
     return [growing[b].tree() if b in growing else TokenTree.empty()
             for b in range(len(requests))]
 
@@ -467,6 +456,7 @@ class _Growth:
         self.base = base  # position of the first pending token in the draft's cache
         row.chain = list(request.context[start:])  # from ``start`` of the context
         self.context = request.context  # committed tokens (read for repetition penalty)
+        self.plan = request.plan or RowPlan(request.budget, request.budget)
         self.budget = request.budget
         sampler = request.sampler
         self.params = sampler.params if sampler is not None else _GREEDY
@@ -488,10 +478,8 @@ class _Growth:
     def grows(self, depth: int, new: list[int]) -> bool:
         """Whether the ``new`` nodes just added at ``depth`` get a pass (their children come
         next)."""
-        return (depth < self.expansion.max_depth and len(self.row.tokens) < self.budget
-                and max(self.cumulative[n] for n in new) >= self.expansion.grow_prob
-                and (not self.expansion.adaptive_depth
-                     or depth_pays(self.row.mean_accepted, depth, self.cost)))
+        return self.plan.grows(self.expansion, depth, len(self.row.tokens),
+                               max(self.cumulative[n] for n in new), self.cost)
 
     def sees(self, node: int) -> list[int]:
         """Round slots ``node`` attends to: the pending tokens and its ancestors."""
@@ -552,7 +540,7 @@ class _Growth:
             probs = full
         scores = tuple(self.cumulative[i] for i in range(len(self.row.tokens)))
         tree = TokenTree(tuple(self.row.tokens), tuple(self.row.parents), draft_probs=probs,
-                         cost=self.passes * self.cost, scores=scores)
+                         scores=scores)
         if sampled:  # siblings stay in draw order, as multi-step speculative sampling tries them
             return tree
         # greedy: likeliest paths first, so the sizer's cut to the first nodes keeps the best

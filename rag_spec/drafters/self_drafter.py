@@ -7,11 +7,11 @@ length, while its tokens agree with the full model's often. Nothing is prefilled
 draft's passes run on the target's own cache, in a round of their own whose slots are dropped
 before the target verifies (their KV entries were computed with the sparse view).
 
-Each round drafts a chain of ``gamma`` tokens per row, ``gamma`` chosen by MagicDec's cost
-model (``step_costs``) from this batch's measured pass costs and each row's acceptance, and 0
-(plain decoding) where drafting would lose; then every ``probe_every`` plain rounds a short draft
-measures again. Drafts carry their distributions, so sampling is verified by multi-step
-speculative sampling, as for any model draft.
+Each round drafts a chain of ``gamma`` tokens per row, ``gamma`` chosen by the policy with
+MagicDec's cost model (``policy.plan.StepPlanner``) from this batch's measured pass costs and
+each row's acceptance, and 0 (plain decoding) where drafting would lose; then every
+``probe_every`` plain rounds a short draft measures again. Drafts carry their distributions, so
+sampling is verified by multi-step speculative sampling, as for any model draft.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 
 from rag_spec.drafters.drafter import Capabilities, DraftRequest, TargetView
 from rag_spec.drafters.model_drafter import DraftBatch, DraftPasses, ModelDrafter, SharedPasses
-from rag_spec.drafters.tree_expansion import Expansion
 from rag_spec.errors import RagSpecError
-from rag_spec.policy.budget import Prober, self_draft_gamma
+from rag_spec.policy.expansion import Expansion
 from rag_spec.policy.step_costs import Acceptance, StepCosts, settle
 from rag_spec.target.transformers.sink_window import SinkWindow
+from rag_spec.target.tree import TokenTree
 
 
 class SelfSpecDrafter(ModelDrafter):
@@ -63,10 +63,19 @@ class SelfSpecDrafter(ModelDrafter):
         self.probe_every = probe_every
         self.last: SelfSpecStats | None = None  # the latest batch's costs and choices
 
-    # Its draft length comes from the measured costs of its own passes as well as the
-    # target's, so the decoder verifies whole drafts (its own choice beat the decoder's tree
-    # sizes at batch 16 x 4k: docs/concepts.md, "Why the defaults").
-    capabilities = Capabilities(sizes_own_drafts=True)
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Chains whose length the policy picks from the measured costs of the draft's passes
+        as well as the target's, verified whole (that choice beat tree sizes at batch 16 x 4k:
+        docs/concepts.md, "Why the defaults")."""
+        return Capabilities(chain=self.max_gamma, chain_probes=self.probe_every)
+
+    def propose(self, requests: Sequence[DraftRequest], target: TargetView | None
+                ) -> list[TokenTree]:
+        trees = super().propose(requests, target)
+        if self.last is not None:  # the round's length, as the plans gave it (0: plain)
+            self.last.gammas[max((r.budget for r in requests), default=0)] += 1
+        return trees
 
     def draft_passes(self, target: TargetView, requests: Sequence[DraftRequest]
                      ) -> DraftPasses:
@@ -76,7 +85,7 @@ class SelfSpecDrafter(ModelDrafter):
                    "layers (all or some) attend within a sliding window. Use the default "
                    "drafter.")
             raise RagSpecError(msg)
-        passes = _SelfView(self, target, len(requests))
+        passes = _SelfView(self, target)
         self.last = passes.stats
         return passes
 
@@ -86,7 +95,7 @@ class SelfSpecStats:
     """What a batch measured and chose: pass costs, each row's acceptance, rounds per gamma."""
 
     costs: StepCosts
-    acceptance: list[Acceptance]
+    acceptance: list[Acceptance] = field(default_factory=list)  # the drafting rows', lately
     gammas: Counter[int] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,30 +109,24 @@ class _SelfView(SharedPasses):
     """The target's own passes through a sink-and-window view of its cache, a chain of
     ``gamma`` tokens a round, ``gamma`` chosen from this batch's measured costs."""
 
-    def __init__(self, drafter: SelfSpecDrafter, target: TargetView, rows: int) -> None:
-        # its passes are weighed by its own timed cost model (``_gamma``), so its trees carry
-        # no cost for the decoder's budgets to weigh again (adaptive depth, which also reads
-        # it, is off for its chains)
+    def __init__(self, drafter: SelfSpecDrafter, target: TargetView) -> None:
+        # its passes are weighed by the chains' timed cost model (``self_draft_gamma``), so its
+        # plans spend nothing for the row's budgets to weigh again (adaptive depth, which also
+        # reads the cost, is off for its chains)
         super().__init__(target.runner, cost=0.0)
         self.drafter = drafter
         self.costs: StepCosts = target.costs
-        self.acceptance = [Acceptance() for _ in range(rows)]
-        self.stats = SelfSpecStats(self.costs, self.acceptance)
+        self.stats = SelfSpecStats(self.costs)
         self.started = 0.0
-        self.gamma = 0
-        self.prober = Prober(drafter.probe_every, drafter.probe_every)  # a steady pace
         self.window: SinkWindow | None = None
 
     def shape(self, batch: DraftBatch, requests: Sequence[DraftRequest], expansion: Expansion
               ) -> Expansion | None:
-        """Pick this round's gamma from each row's acceptance (None: no draft this round), and
-        select the slots the draft reads."""
-        self.gamma = self_draft_gamma(
-            self.costs, [a.alpha for a, r in zip(self.acceptance, requests) if r.budget > 0],
-            self.drafter.max_gamma, self.prober)
-        self.stats.gammas[self.gamma] += 1
-        if self.gamma == 0:
-            return None
+        """A chain as long as the rows' plans say (``Capabilities.chain``), reading the
+        slots of the sink-and-window view."""
+        self.stats.acceptance = [r.plan.row.model for r in requests
+                                 if r.budget > 0 and r.plan is not None and r.plan.row]
+        gamma = min(max(r.budget for r in requests), self.drafter.max_gamma)
         cache = batch.cache
         if self.window is not None:
             self.sparse = self.window.advance(cache)
@@ -133,14 +136,9 @@ class _SelfView(SharedPasses):
                                      self.drafter.budget - self.drafter.sinks)
             self.sparse = self.window.view
         self.started, batch.passes = time.perf_counter(), 0
-        return Expansion(widths=(1,), max_depth=self.gamma, adaptive_depth=False)
-
-    def record(self, row: int, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance[row].record(drafted, accepted)
+        return Expansion(widths=(1,), max_depth=gamma, adaptive_depth=False)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        self.acceptance[:] = [self.acceptance[b] for b in rows]  # ``stats`` holds this list
         if self.window is not None:
             self.window.keep_rows(rows)
             self.sparse = self.window.view

@@ -33,7 +33,7 @@ from rag_spec.engine.verify.grammar import Constraint, Grammars, row_requests
 from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 from rag_spec.models.limits import context_window
-from rag_spec.policy.budget import AdaptiveBudget, TreeSizer
+from rag_spec.policy.plan import Policy, RowPlan, RowPolicy, StepPlanner, cache_room, cache_slots
 from rag_spec.policy.step_costs import StepCosts, settle
 from rag_spec.progress import progress as progress_bar
 from rag_spec.target.sampling import RowSampler, SamplingParams
@@ -131,14 +131,11 @@ class _Row:
 
     prompt: list[int]
     session: DraftSession
-    budget: AdaptiveBudget
+    policy: RowPolicy  # the request's estimates: what sizes its trees
     sampler: RowSampler
     remember: bool = True  # hand the finished output to the drafter's cross-request memory
     constraint: Constraint | None = None  # the grammar the output follows, if any
     output: list[int] = field(default_factory=list)
-    # proposed trees, each with the context length it continues, until what they would have
-    # kept is known
-    proposals: list[tuple[TokenTree, int]] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -234,8 +231,8 @@ class LookaheadDecoder:
         self._tokens = serial(tokenizer)
         self._pending = threading.local()  # add_context documents, per calling thread
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
-        # a steady drafter's estimates at the end of the last greedy generation (``_budget``)
-        self._learnt: AdaptiveBudget | None = None
+        # every sizing decision, and what carries over between requests
+        self._policy = Policy(self.config.budget, adaptive=self._adaptive)
         # measured pass costs carried across a steady drafter's generations, per (rows, passes),
         # for the runner they were measured on (other drafters size from their own generation's)
         self._costs: tuple[Any, dict[tuple[int, str], dict[int, float]]] = (lambda: None, {})
@@ -359,7 +356,9 @@ class LookaheadDecoder:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
         with self._lock:
             started = time.perf_counter()
-            rows = [_Row(p, self.drafter.session(p, documents), self._budget(params),
+            greedy = not params.do_sample
+            rows = [_Row(p, self.drafter.session(p, documents),
+                         self._policy.row(greedy=greedy, steady=self._steady),
                          RowSampler(params, None if seed is None else seed + b),
                          constraint=constraints[b])
                     for b, p in enumerate(prompts)]
@@ -369,8 +368,7 @@ class LookaheadDecoder:
                               self._max_new(p, max_new_tokens)) for p in prompts]
             stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
             yield from self._decode(rows, rules, stream, started)
-            if self._steady and not params.do_sample:
-                self._learnt = max((r.budget for r in rows), key=lambda b: b.trees)
+            self._policy.ended([r.policy for r in rows], greedy=greedy, steady=self._steady)
         return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
                                  r.finish_reason or "length", r.stats,
                                  r.constraint is not None and not r.constraint.complete)
@@ -422,7 +420,7 @@ class LookaheadDecoder:
             return self.runner.package_steps(progress)
 
     def extend(self, cache: Any, context: list[int], max_new_tokens: int, session: DraftSession,
-               budget: AdaptiveBudget) -> GenerationResult:
+               policy: RowPolicy) -> GenerationResult:
         """Greedy tokens after ``context`` for a caller that manages its own KV cache.
 
         Iterative RaLM keeps one cache per passage and decodes a few tokens at a time; this
@@ -430,8 +428,9 @@ class LookaheadDecoder:
         ``kv_cache.new_cache``, one row) holds every position of it but the last token, so
         drafters read what ``generate`` hands them (a token's index is its position). On
         return the cache holds the sequence up to, not including, the last new token, so
-        consecutive calls chain. The session and budget persist across calls; nothing is
-        remembered across requests (call ``session.finish`` at the end).
+        consecutive calls chain. The session and the estimates (``segment_policy``) persist
+        across calls; nothing is remembered across requests (call ``session.finish`` at the
+        end).
         """
         tree_cache = TreeKVCache.of_row(cache, context[-1], self._window)
         length = tree_cache.length
@@ -441,13 +440,14 @@ class LookaheadDecoder:
                    "pending last token.")
             raise ValueError(msg)
         rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
-        row = _Row(list(context), session, budget, RowSampler(SamplingParams()), remember=False)
+        row = _Row(list(context), session, policy, RowSampler(SamplingParams()), remember=False)
         target = TargetView(self.runner, tree_cache)
+        planner = StepPlanner(self.config.budget, sized=False)
         with self._lock:
             self.drafter.begin(target)
             try:
                 while row.finish_reason is None:
-                    self._step([row], [rule], target)
+                    self._step([row], [rule], target, planner)
             finally:
                 self.drafter.end(target)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
@@ -484,22 +484,16 @@ class LookaheadDecoder:
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)
             yield
-        # Greedy output never depends on the drafts, so the batch may size its rows' trees;
-        # nor does sampled output under drafts that are not drawn (sample-and-match). A sampled
-        # row's does under multi-step speculative sampling: it keeps its own budget, so it
-        # samples the same tokens in any batch. A drafter that sizes its drafts from measured
-        # costs itself (``sizes_own_drafts``) is left to do so. Under a grammar a row verifies
-        # its own budget: the tokens the grammar forces into its trees cost no drafting.
         declared = self.drafter.capabilities
-        fixed = not rows[0].sampler.params.do_sample or not declared.draws_drafts
-        sized = fixed and not declared.sizes_own_drafts and not any(r.constraint for r in rows)
-        sizer = TreeSizer(self.config.budget, adaptive=self._adaptive,
-                          steady=self._steady) if sized else None
+        planner = self._policy.planner(
+            greedy=not rows[0].sampler.params.do_sample, draws_drafts=declared.draws_drafts,
+            constrained=any(r.constraint for r in rows), steady=self._steady,
+            chain=declared.chain, chain_probes=declared.chain_probes)
         live, live_rules = rows, rules  # the rows the cache holds, in its order
         self.drafter.begin(target)
         try:
             while any(r.finish_reason is None for r in live):
-                self._step(live, live_rules, target, sizer)
+                self._step(live, live_rules, target, planner)
                 if stream is not None:
                     stream.update(rows[0].output, rows[0].finish_reason is not None)
                 live, live_rules = self._without_finished(live, live_rules, target)
@@ -526,63 +520,49 @@ class LookaheadDecoder:
         return [rows[b] for b in keep], [rules[b] for b in keep]
 
     def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
-        """Slots of a static cache for a compiled runner: the longest prompt (shorter ones are
-        left-padded), its answer, and a round (a draft's passes, then roots and trees: twice a
-        step at most); None (a growing cache) without one, or for a sliding window, which the
-        static cache does not hold."""
+        """Slots of a static cache for a compiled runner (``plan.cache_slots``); None (a
+        growing cache) without one, or for a sliding window, which the static cache does not
+        hold."""
         if runner.compiled is None or self._window is not None:
             return None
-        answer = max(rule.max_new_tokens for rule in rules)
-        # rows that accept unequal paths leave holes in each other's slots: a batch gets an
-        # answer's length more for them (``_room`` keeps any batch inside)
-        holes = answer if len(rows) > 1 else 0
-        return runner.compiled.capacity(max(len(r.prompt) for r in rows) + answer + holes
-                                        + 2 * (self.config.budget + 1))
+        return runner.compiled.capacity(cache_slots(
+            max(len(r.prompt) for r in rows), max(rule.max_new_tokens for rule in rules),
+            len(rows), self.config.budget))
 
     def _room(self, cache: TreeKVCache, rows: list[_Row], rules: list[StopRule]) -> int | None:
-        """The most tree nodes a step may verify on a static cache so that every row can still
-        finish inside it (None: a growing cache). A step takes as many slots as its longest
-        accepted path, so rows that accept less leave holes; this keeps room for the furthest
-        behind to finish one token a step, and for a draft's passes (a round of up to a
-        budget's nodes) besides: one row never loses nodes to it, a batch only once its holes
-        have used the answer's length it was given."""
+        """The most tree nodes a step may verify on a static cache (``plan.cache_room``; None:
+        a growing cache)."""
         if cache.capacity is None:
             return None
         behind = max((rule.max_new_tokens - len(r.output) for r, rule in zip(rows, rules)
                       if r.finish_reason is None), default=0)
-        return max(0, cache.capacity - cache.length - behind - self.config.budget - 2)
+        return cache_room(cache.capacity - cache.length, behind, self.config.budget)
 
     @torch.inference_mode()
     def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
-              sizer: TreeSizer | None = None) -> None:
-        """One step for every row: draft, verify in one forward pass, accept, compact.
-
-        ``sizer`` caps the rows' trees at the size that pays for this batch (None: each row's
-        own budget)."""
+              planner: StepPlanner) -> None:
+        """One step for every row: plan, draft, verify in one forward pass, accept, compact."""
         cache, runner = target.cache, target.runner
         # 1. Draft: a tree per unfinished row (finished rows ride along with no draft until
-        # they leave the batch).
+        # they leave the batch). Rows propose their plan's trees and verify their first nodes:
+        # what the rest would have kept is learnt from the tokens committed next.
         t0 = time.perf_counter()
         active = [r.finish_reason is None for r in rows]
-        cap, propose_any = (self.config.budget, True) if sizer is None else sizer.size(
-            [r.budget for r, on in zip(rows, active) if on],
+        plans = planner.plan(
+            [r.policy if on else None for r, on in zip(rows, active)],
             [rule.max_new_tokens - len(r.output) for r, rule, on in zip(rows, rules, active) if on],
-            target.costs)
-        # Rows propose their full trees and verify their first ``cap`` nodes: what the rest
-        # would have kept is learnt from the tokens committed next.
-        requests = [DraftRequest(r.session, r.context,
-                                 r.budget.current if on and propose_any else 0, r.sampler)
-                    for r, on in zip(rows, active)]
+            target.costs, self._room(cache, rows, rules))
+        requests = [DraftRequest(r.session, r.context, plan.nodes, r.sampler, plan)
+                    for r, plan in zip(rows, plans)]
         proposals = [tree if on else TokenTree.empty() for tree, on in zip(
             propose(self.drafter, requests, target), active)]
         # a grammar cuts the drafts it forbids and drafts what it forces
-        proposals = [r.constraint.drafts(tree, self.config.budget) if on and r.constraint
-                     else tree for r, tree, on in zip(rows, proposals, active)]
-        room = self._room(cache, rows, rules)
-        trees = [tree.first(cap if room is None else min(cap, room)) for tree in proposals]
+        proposals = [r.constraint.drafts(tree, plan.verify) if on and r.constraint else tree
+                     for r, tree, plan, on in zip(rows, proposals, plans, active)]
+        trees = [tree.first(plan.verify) for tree, plan in zip(proposals, plans)]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        target.costs.record_proposal(max(t.cost for t in proposals), t1 - t0)
+        target.costs.record_proposal(max(plan.spent for plan in plans), t1 - t0)
         logits = runner.forward(cache, tree_step(cache, trees, runner.dtype),
                                 features=self.drafter.capabilities.reads_features)
         # the grammars' masks are filled on the CPU while an accelerator runs the pass
@@ -594,10 +574,10 @@ class LookaheadDecoder:
         verdicts = [verify(_allowed(row, logits[b, :1 + len(tree)], mask), tree,
                            row.sampler, row.context, len(row.output))
                     for b, (row, tree, mask) in enumerate(zip(rows, trees, masks))]
-        for row, rule, tree, proposal, verdict, on in zip(rows, rules, trees, proposals,
-                                                           verdicts, active):
+        for row, rule, tree, proposal, plan, verdict, on in zip(
+                rows, rules, trees, proposals, plans, verdicts, active):
             if on:
-                self._commit(row, rule, verdict.tokens, len(tree), proposal)
+                self._commit(row, rule, verdict.tokens, len(tree), proposal, plan)
         # 4. Roll back: keep only the accepted slots of the KV cache.
         cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
         t3 = time.perf_counter()
@@ -615,13 +595,13 @@ class LookaheadDecoder:
         verdicts = [verify(_allowed(row, logits[b:b + 1], _masks(row, empty)), empty,
                            row.sampler, row.context, 0) for b, row in enumerate(rows)]
         for row, rule, verdict in zip(rows, rules, verdicts):
-            self._commit(row, rule, verdict.tokens, 0, empty)
+            self._commit(row, rule, verdict.tokens, 0, empty, RowPlan(0, 0))
         cache.roots = [v.next_token for v in verdicts]
 
     def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
-                proposal: TokenTree) -> None:
+                proposal: TokenTree, plan: RowPlan) -> None:
         """Append tokens one by one until a stop rule fires; teach the drafter what was kept,
-        and the budget what the proposals would have kept."""
+        and the row's estimates what the proposals would have kept."""
         before = len(row.context)
         for token in tokens:
             row.output.append(token)
@@ -633,26 +613,17 @@ class LookaheadDecoder:
         row.stats.steps += 1
         row.stats.drafted += drafted
         row.stats.accepted_per_step.append(len(tokens) - 1)
-        row.proposals.append((proposal, before))
-        _learn(row)
+        row.policy.proposed(proposal, before, plan.spent)
+        row.policy.learn(row.context, row.finish_reason is not None)
         if self.config.budget:  # a drafter learns only to draft
             row.session.observe(row.context, before)
         if row.finish_reason is not None and row.remember:
             row.session.finish(row.output)
 
-    def segment_budget(self) -> AdaptiveBudget:
-        """A node budget for a loop that calls ``extend`` segment by segment (iterative RaLM):
-        one per request, carried across its segments."""
-        return AdaptiveBudget(self.config.budget, adaptive=self._adaptive)
-
-    def _budget(self, params: SamplingParams) -> AdaptiveBudget:
-        """A new row's budget. A steady drafter's greedy rows start from the estimates the
-        last greedy generation ended with (``budget.STEADY_TREES``); sampled rows start
-        afresh, as the tokens they sample depend on their trees, never on what ran before."""
-        if self._learnt is not None and not params.do_sample:
-            return self._learnt.resumed()
-        return AdaptiveBudget(self.config.budget, adaptive=self._adaptive,
-                              steady=self._steady)
+    def segment_policy(self) -> RowPolicy:
+        """Estimates for a loop that calls ``extend`` segment by segment (iterative RaLM): one
+        per request, carried across its segments."""
+        return self._policy.segment()
 
     @property
     def _steady(self) -> bool:
@@ -696,25 +667,6 @@ def _allowed(row: _Row, logits: torch.Tensor, mask: torch.Tensor | None) -> torc
     """A row's logits [1 + n, vocab], masked by its grammar along each node's path."""
     return logits if row.constraint is None or mask is None else \
         row.constraint.apply(logits, mask)
-
-
-def _learn(row: _Row) -> None:
-    """Record what each proposal would have kept, as soon as the tokens committed after it
-    settle that (or the row has finished): for greedy decoding, exactly the path its
-    verification would have accepted, whatever part of it was verified.
-
-    The path is settled once the committed tokens leave the tree (a token no child has) or
-    reach a leaf; a proposal that missed at its root is thus learnt from on the very step that
-    verified it, before the next step drafts again at the old, optimistic estimate."""
-    while row.proposals:
-        proposal, start = row.proposals[0]
-        committed = row.context[start:]
-        path = proposal.follow(committed)
-        settled = len(path) < len(committed) or not proposal.children(path[-1] if path else -1)
-        if row.finish_reason is None and not settled:
-            return
-        row.proposals.pop(0)
-        row.budget.record(len(proposal), path, proposal.cost)
 
 
 def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool]:

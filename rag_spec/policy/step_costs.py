@@ -134,20 +134,32 @@ class StepCosts:
 
 @dataclass
 class Acceptance:
-    """One row's per-token acceptance, estimated from its rounds: each drafted position is a
-    trial until the first miss (``accepted`` successes, then one failure unless all passed)."""
+    """What one request's model drafts earn, per token, per round and in all.
+
+    Per token (``alpha``, MagicDec's cost model): each drafted position of a round is a trial
+    until the first miss (``accepted`` successes, then one failure unless all passed). Per
+    round (``mean``): the draft tokens kept, what a deeper pass must pay for. In all
+    (``rounds``, ``kept``): whether a draft model on trial reads whole contexts.
+    """
 
     successes: float = 1.0  # a uniform prior: alpha starts at 1/2
     failures: float = 1.0
+    mean: float = 1.0  # an optimistic start: the first rounds draft deep
+    rounds: int = 0
+    kept: int = 0
 
     @property
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
     def record(self, drafted: int, accepted: int) -> None:
+        """A round whose deepest path was ``drafted`` tokens kept ``accepted`` of them."""
         if drafted:
             self.successes = _SMOOTHING * self.successes + accepted
             self.failures = _SMOOTHING * self.failures + (accepted < drafted)
+            self.mean = _SMOOTHING * self.mean + (1 - _SMOOTHING) * accepted
+            self.rounds += 1
+            self.kept += accepted
 
 
 def settle(device: torch.device) -> None:

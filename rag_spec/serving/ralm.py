@@ -183,7 +183,7 @@ class IterativeRaLM:
         # retrieves them. Drafters read the segment's own sequence: the tokens its cache holds.
         base = chat_input_ids(tokenizer, rag_messages(question, []))
         session = decoder.drafter.session(base)  # rows draft one by one: no batch cache
-        budget = decoder.segment_budget()
+        policy = decoder.segment_policy()
         seen: set[int] = set()
 
         def extend(segment: Segment, output: list[int], n: int) -> list[int]:
@@ -193,7 +193,7 @@ class IterativeRaLM:
                                                 add_special_tokens=False)["input_ids"])
                 seen.update(hit.doc_id for hit in new)
             return decoder.extend(segment.cache, segment.prompt + output, n, session,
-                                  budget).token_ids
+                                  policy).token_ids
 
         return session, extend
 

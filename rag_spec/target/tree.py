@@ -30,8 +30,6 @@ class TokenTree:
     # [n, vocab] the draft distribution each node's token was drawn from (siblings share their
     # parent's); None for drafts without probabilities (the trie)
     draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # what drafting it took, in one-token target steps (0: a lookup, such as the trie's)
-    cost: float = field(default=0.0, compare=False)
     # [n] each node's chance of being accepted as its drafter puts it (a model's path
     # probability, the trie's share of what followed); None where unknown: merges rank by it
     scores: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
@@ -106,8 +104,7 @@ class TokenTree:
             extra = torch.zeros(len(tokens) - len(self), probs.shape[1], dtype=probs.dtype)
             extra[torch.arange(len(extra)), torch.tensor(tokens[len(self):])] = 1.0
             probs = torch.cat([probs, extra])
-        return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs,
-                         cost=self.cost + other.cost)
+        return TokenTree(tuple(tokens), tuple(parents), draft_probs=probs)
 
     def ranked(self, scores: Sequence[float]) -> TokenTree:
         """The same tree, its nodes ordered by ``scores`` (best first; a child scores no more
@@ -124,7 +121,7 @@ class TokenTree:
         where = {-1: -1} | {node: i for i, node in enumerate(order)}
         probs = None if self.draft_probs is None else self.draft_probs[order]
         return TokenTree(tuple(self.tokens[i] for i in order),
-                         tuple(where[self.parents[i]] for i in order), probs, self.cost,
+                         tuple(where[self.parents[i]] for i in order), probs,
                          tuple(float(scores[i]) for i in order))
 
     def first(self, n: int) -> TokenTree:
@@ -138,7 +135,7 @@ class TokenTree:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:n]
         scores = None if self.scores is None else self.scores[:n]
-        return TokenTree(self.tokens[:n], self.parents[:n], probs, self.cost, scores)
+        return TokenTree(self.tokens[:n], self.parents[:n], probs, scores)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -290,7 +290,7 @@ class Constraint:
         index = {old: new for new, old in enumerate(kept)}
         return TokenTree(tuple(tree.tokens[i] for i in kept),
                          tuple(-1 if tree.parents[i] < 0 else index[tree.parents[i]]
-                               for i in kept), cost=tree.cost)
+                               for i in kept))
 
     def _forced(self) -> TokenTree:
         """The text the grammar forces next, tokenised, as far as the grammar accepts it."""

@@ -1,4 +1,5 @@
-"""How a draft model's token tree grows, one depth per forward pass, within the node budget.
+"""How a draft model's token tree grows, one depth per forward pass, within the node budget:
+how many children each node gets, and whether a depth gets a pass at all.
 
 Two policies, compared by ``rag-spec bench draft``:
 - *dynamic* (EAGLE-2, SuffixDecoding): at each depth, the new nodes are the ``top`` child slots
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from rag_spec.policy.budget import depth_pays
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,16 @@ class Expansion:
     def children_per_node(self) -> int:
         """Most children any node gets: how many ranked draft probabilities ``plan`` reads."""
         return max(self.widths) if self.widths is not None else self.top
+
+    def grows(self, depth: int, nodes: int, budget: int, likeliest: float,
+              mean_accepted: float, cost: float) -> bool:
+        """Whether the nodes just added at ``depth`` get a pass (their children come next):
+        within ``max_depth`` and the ``budget`` (``nodes`` drafted so far), below a node at
+        least ``grow_prob`` likely (``likeliest``: the new nodes' best path probability), and
+        where the depth pays for a pass at ``cost`` target steps while ``mean_accepted`` of a
+        round's draft tokens are kept (``budget.depth_pays``)."""
+        return (depth < self.max_depth and nodes < budget and likeliest >= self.grow_prob
+                and (not self.adaptive_depth or depth_pays(mean_accepted, depth, cost)))
 
     def plan(self, cumulative: Sequence[float], ranked: Sequence[Sequence[float]], budget: int,
              depth: int) -> list[int]:
