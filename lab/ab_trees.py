@@ -1,12 +1,16 @@
 """``python -m lab.ab_trees OLD_CHECKOUT``: the decoder of another checkout against this one's,
 interleaved on the same prompts in two persistent processes (the redesign's speed check).
 
-Rows: no drafts, the trie, and the draft head merged with the trie (``AB_HEAD``: a head file
-both checkouts can load). Per prompt set, the median of per-prompt time ratios new/old, each
-tree against ``generate``, tokens per pass, and whether every output is ``generate``'s.
-Environment: ``AB_LIMIT`` prompts per set (default 6), ``AB_N`` new tokens (96), ``AB_OUT``
-the JSON report, ``AB_ROWS`` / ``AB_SETS`` some rows / prompt sets only (comma-separated),
-``AB_REPEAT`` each prompt set that many times over (a row's noise shrinks).
+Rows: no drafts, the trie, the draft head merged with the trie (``AB_HEAD``: a head file
+both checkouts can load; the default drafter), a draft model (the model's first 8 layers as a
+model of its own) merged with the trie, an early exit (8 layers), and self-speculation
+(256 KV entries). Prompt sets: RAG answers, open-ended answers, and ``long`` (RAG prompts of
+about 2,048 tokens, for self-speculation). Per prompt set, the median of per-prompt time
+ratios new/old, each tree against ``generate``, tokens per pass, and whether every output is
+``generate``'s. Environment: ``AB_LIMIT`` prompts per set (default 6), ``AB_N`` new tokens
+(96), ``AB_OUT`` the JSON report, ``AB_ROWS`` / ``AB_SETS`` some rows / prompt sets only
+(comma-separated; default: the first three rows on the first two sets), ``AB_REPEAT`` each
+prompt set that many times over (a row's noise shrinks).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from pathlib import Path
 
 ROWS = ("no_drafts", "trie", "head_trie")
+MORE_ROWS = ("draft_model", "early_exit", "self_spec")
+SETS = ("rag", "open_ended")
 
 
 def worker() -> None:
@@ -29,18 +35,29 @@ def worker() -> None:
 
     import rag_spec
     from rag_spec import (
+        DraftModelDrafter,
+        EarlyExitDrafter,
         FeatureDrafter,
         LookaheadConfig,
         LookaheadDecoder,
         MergedDrafter,
+        SelfSpecDrafter,
         TrieDrafter,
+        first_layers_folder,
     )
     from rag_spec.models import load_model
 
     lm = load_model("smollm2-135m-instruct")
+    small = load_model(first_layers_folder(lm, 8))
     decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
                                               LookaheadConfig(budget=0), drafter=TrieDrafter()),
-                "trie": LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter())}
+                "trie": LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter()),
+                "draft_model": LookaheadDecoder(lm.model, lm.tokenizer, drafter=MergedDrafter(
+                    DraftModelDrafter(small.model))),
+                "early_exit": LookaheadDecoder(lm.model, lm.tokenizer,
+                                               drafter=EarlyExitDrafter(8)),
+                "self_spec": LookaheadDecoder(lm.model, lm.tokenizer,
+                                              drafter=SelfSpecDrafter(budget=256))}
     if os.environ.get("AB_HEAD"):
         try:
             from rag_spec.drafters.draft_head import load_head
@@ -67,12 +84,15 @@ def worker() -> None:
 
 def main(old: str) -> None:
     from rag_spec.bench.lookahead import prompt_sets
+    from rag_spec.bench.longctx import long_prompts
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("AB_LIMIT", 6)), int(os.environ.get("AB_N", 96))
-    rag, open_ended = prompt_sets(load_model("smollm2-135m-instruct").tokenizer,
-                                  RAG_QUESTIONS[:limit], limit)
+    tokenizer = load_model("smollm2-135m-instruct").tokenizer
+    rag, open_ended = prompt_sets(tokenizer, RAG_QUESTIONS[:limit], limit)
+    sets = os.environ.get("AB_SETS", ",".join(SETS)).split(",")
+    long = long_prompts(tokenizer, limit, [2048])[2048] if "long" in sets else []
     here = str(Path(__file__).resolve().parents[1])
     procs = {}
     for tree, root in (("old", old), ("new", here)):
@@ -84,7 +104,6 @@ def main(old: str) -> None:
         print(tree, procs[tree].stdout.readline().strip(), file=sys.stderr)
     rows = [r for r in os.environ.get("AB_ROWS", ",".join(ROWS)).split(",")
             if r != "head_trie" or os.environ.get("AB_HEAD")]
-    sets = os.environ.get("AB_SETS", "rag,open_ended").split(",")
     repeat = int(os.environ.get("AB_REPEAT", 1))
     systems = [("new", "hf")] + [(tree, row) for row in rows for tree in ("old", "new")]
 
@@ -97,7 +116,8 @@ def main(old: str) -> None:
     for tree, system in systems:
         ask(tree, system, rag[0][:64])  # warm-up
     report = {}
-    for name, prompts in (("rag", rag * repeat), ("open_ended", open_ended * repeat)):
+    for name, prompts in (("rag", rag * repeat), ("open_ended", open_ended * repeat),
+                          ("long", long * repeat)):
         if name not in sets:
             continue
         runs: dict[tuple[str, str], list[dict]] = {s: [] for s in systems}

@@ -30,8 +30,8 @@ class TokenTree:
     # [n, vocab] the draft distribution each node's token was drawn from (siblings share their
     # parent's); None for drafts without probabilities (the trie)
     draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # [n] each node's chance of being accepted as its drafter puts it (a model's path
-    # probability, the trie's share of what followed); None where unknown: merges rank by it
+    # [n] each node's probability by its drafter (a model's path probability, the trie's share
+    # of what followed); None where unknown: merges rank nodes by it
     scores: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
