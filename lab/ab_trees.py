@@ -83,8 +83,8 @@ def worker() -> None:
 
 
 def main(old: str) -> None:
-    from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.longctx import long_prompts
+    from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import RAG_QUESTIONS
     from rag_spec.models import load_model
 

@@ -26,10 +26,10 @@ asked). The model also has an adaptive budget of its own (the row's policy holds
 ``policy.plan.RowPolicy.model_share``), fed by the tokens of its own trees the target
 accepted, so while its guesses keep missing it is asked only in probe steps, and a useless
 draft costs the merged drafter little over the trie alone. That budget goes on from one greedy
-request to the next (``policy.plan.Policy``), probes' pace included, so a draft that missed is not probed afresh
-at the fourth step of each (measured: a draft model's probe, ~35-40 ms with its trial prefill,
-about two steps, once per 64-token RAG answer put it merged with the trie behind the trie
-alone).
+request to the next (``policy.plan.Policy``), probes' pace included, so a draft that missed is
+not probed afresh at the fourth step of each (measured: a draft model's probe, ~35-40 ms with
+its trial prefill, about two steps, once per 64-token RAG answer put it merged with the trie
+behind the trie alone).
 """
 
 from __future__ import annotations
