@@ -4,13 +4,13 @@ interleaved on the same prompts in two persistent processes (the redesign's spee
 Rows: no drafts, the trie, the draft head merged with the trie (``AB_HEAD``: a head file
 both checkouts can load; the default drafter), a draft model (the model's first 8 layers as a
 model of its own) merged with the trie, an early exit (8 layers), and self-speculation
-(256 KV entries). Prompt sets: RAG answers, open-ended answers, and ``long`` (RAG prompts of
-about 2,048 tokens, for self-speculation). Per prompt set, the median of per-prompt time
-ratios new/old, each tree against ``generate``, tokens per pass, and whether every output is
-``generate``'s. Environment: ``AB_LIMIT`` prompts per set (default 6), ``AB_N`` new tokens
-(96), ``AB_OUT`` the JSON report, ``AB_ROWS`` / ``AB_SETS`` some rows / prompt sets only
-(comma-separated; default: the first three rows on the first two sets), ``AB_REPEAT`` each
-prompt set that many times over (a row's noise shrinks).
+(256 KV entries). Prompt sets, all of held-out questions and prompts: RAG answers, open-ended
+answers, and ``long`` (RAG prompts of about 2,048 tokens, for self-speculation). Per prompt
+set, the median of per-prompt time ratios new/old, each tree against ``generate``, tokens per
+pass, and whether every output is ``generate``'s. Environment: ``AB_LIMIT`` prompts per set
+(default 6), ``AB_N`` new tokens (96), ``AB_OUT`` the JSON report, ``AB_ROWS`` / ``AB_SETS``
+some rows / prompt sets only (comma-separated; default: the first three rows on the first two
+sets), ``AB_REPEAT`` each prompt set that many times over (a row's noise shrinks).
 """
 
 from __future__ import annotations
@@ -83,16 +83,18 @@ def worker() -> None:
 
 
 def main(old: str) -> None:
+    from lab import held_out_prompts
     from rag_spec.bench.longctx import long_prompts
-    from rag_spec.bench.lookahead import prompt_sets
-    from rag_spec.bench.prompts import RAG_QUESTIONS
+    from rag_spec.bench.prompts import HELD_OUT_RAG_QUESTIONS
     from rag_spec.models import load_model
 
     limit, n = int(os.environ.get("AB_LIMIT", 6)), int(os.environ.get("AB_N", 96))
-    tokenizer = load_model("smollm2-135m-instruct").tokenizer
-    rag, open_ended = prompt_sets(tokenizer, RAG_QUESTIONS[:limit], limit)
+    lm = load_model("smollm2-135m-instruct")
+    held_out = held_out_prompts(lm, limit, limit)
+    rag, open_ended = held_out["rag"], held_out["open_ended"]
     sets = os.environ.get("AB_SETS", ",".join(SETS)).split(",")
-    long = long_prompts(tokenizer, limit, [2048])[2048] if "long" in sets else []
+    long = long_prompts(lm.tokenizer, limit, [2048], HELD_OUT_RAG_QUESTIONS)[2048] \
+        if "long" in sets else []
     here = str(Path(__file__).resolve().parents[1])
     procs = {}
     for tree, root in (("old", old), ("new", here)):

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
     figure,
     machine,
@@ -120,15 +121,14 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
             for name in runners}
 
 
-def long_prompts(tokenizer: Any, count: int, contexts: Sequence[int]
-                 ) -> dict[int, list[list[int]]]:
-    """``count`` RAG prompts per context length: a question and the most top-ranked passages
-    that keep it within the length."""
-    from rag_spec.bench.prompts import RAG_QUESTIONS
+def long_prompts(tokenizer: Any, count: int, contexts: Sequence[int],
+                 questions: Sequence[str] = RAG_QUESTIONS) -> dict[int, list[list[int]]]:
+    """``count`` RAG prompts per context length, of the first of ``questions``: a question and
+    the most top-ranked passages that keep it within the length."""
     from rag_spec.prompts import chat_input_ids, rag_messages
     from rag_spec.retrieval import KnowledgeBase
 
-    questions = [RAG_QUESTIONS[i % len(RAG_QUESTIONS)] for i in range(count)]
+    questions = [questions[i % len(questions)] for i in range(count)]
     hits = KnowledgeBase.load_default("flat").search(questions, k=200)
     prompts: dict[int, list[list[int]]] = {}
     for context in contexts:

@@ -8,7 +8,6 @@ import functools
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -34,7 +33,7 @@ from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.policy.plan import Policy, RowPlan, RowPolicy, StepPlanner, cache_room, cache_slots
-from rag_spec.policy.step_costs import StepCosts, settle
+from rag_spec.policy.step_costs import settle
 from rag_spec.progress import progress as progress_bar
 from rag_spec.target.sampling import RowSampler, SamplingParams
 from rag_spec.target.transformers.kv_cache import attention_window, crop
@@ -233,9 +232,6 @@ class LookaheadDecoder:
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
         # every sizing decision, and what carries over between requests
         self._policy = Policy(self.config.budget, adaptive=self._adaptive)
-        # measured pass costs carried across a steady drafter's generations, per (rows, passes),
-        # for the runner they were measured on (other drafters size from their own generation's)
-        self._costs: tuple[Any, dict[tuple[int, str], dict[int, float]]] = (lambda: None, {})
 
     @property
     def runner(self) -> Runner:
@@ -472,11 +468,8 @@ class LookaheadDecoder:
                 cache = prefill(runner, [r.prompt for r in rows], capacity)
                 if capacity is not None and runner.compiled is not None:  # compiled steps
                     passes = runner.compiled.kind
-        if self._costs[0]() is not runner:  # held weakly: a replaced model's runner goes
-            self._costs = (weakref.ref(runner), {})
-        measured = self._costs[1].setdefault((len(rows), passes), {})
-        target = TargetView(runner, cache, StepCosts(
-            rows=len(rows), target=dict(measured) if self._steady else {}))
+        target = TargetView(runner, cache, self._policy.costs(runner, len(rows), passes,
+                                                              steady=self._steady))
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
             r.stats.passes = passes
@@ -501,7 +494,7 @@ class LookaheadDecoder:
         finally:  # also when a stream is left unfinished: the next generation replays graphs
             self.drafter.end(target)
             runner.release(cache)
-            measured.update(target.costs.target)
+            self._policy.measured(runner, passes, target.costs)
 
     def _without_finished(self, rows: list[_Row], rules: list[StopRule], target: TargetView
                           ) -> tuple[list[_Row], list[StopRule]]:

@@ -10,8 +10,10 @@ to the next lives in the decoder's ``Policy``, once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rag_spec.policy.budget import (
     AdaptiveBudget,
@@ -196,11 +198,11 @@ class Policy:
 
     A steady drafter's estimates (a trained draft's) belong to the drafter and the model more
     than to one request, so a greedy request starts from where the last ended
-    (``AdaptiveBudget.resumed``); so does a merged drafter's model budget, its probes' pace
-    included (a draft model's first probe, with its trial prefill, costs about two steps, so a
-    draft that missed is not probed afresh at the fourth step of each request). Sampled
-    requests start afresh: the tokens they sample depend on their trees, never on what ran
-    before.
+    (``AdaptiveBudget.resumed``), and so do its batches' measured pass costs; so does a merged
+    drafter's model budget, its probes' pace included (a draft model's first probe, with its
+    trial prefill, costs about two steps, so a draft that missed is not probed afresh at the
+    fourth step of each request). Sampled requests start afresh: the tokens they sample depend
+    on their trees, never on what ran before.
     """
 
     def __init__(self, full: int, *, adaptive: bool = True) -> None:
@@ -208,6 +210,10 @@ class Policy:
         self.adaptive = adaptive
         self._rows: AdaptiveBudget | None = None  # a steady drafter's, as the last ended
         self._model: AdaptiveBudget | None = None  # a merged drafter's model budget, likewise
+        # measured target pass seconds by width, per (rows, how passes ran), for the runner
+        # they were measured on (held weakly: a replaced model's runner goes)
+        self._runner: Any = lambda: None
+        self._measured: dict[tuple[int, str], dict[int, float]] = {}
 
     def row(self, *, greedy: bool, steady: bool) -> RowPolicy:
         """A new request's estimates."""
@@ -227,6 +233,19 @@ class Policy:
         models = [r.source for r in rows if r.source is not None]
         if models:
             self._model = max(models, key=lambda b: b.trees)
+
+    def costs(self, runner: object, rows: int, passes: str, *, steady: bool) -> StepCosts:
+        """A new batch's pass costs: for a steady drafter, what earlier batches of as many
+        rows measured on ``runner``'s ``passes``; others size from their own batch's."""
+        if self._runner() is not runner:
+            self._runner, self._measured = weakref.ref(runner), {}
+        measured = self._measured.get((rows, passes), {})
+        return StepCosts(rows=rows, target=dict(measured) if steady else {})
+
+    def measured(self, runner: object, passes: str, costs: StepCosts) -> None:
+        """A batch on ``runner``'s ``passes`` ended with ``costs`` measured."""
+        if self._runner() is runner:
+            self._measured.setdefault((costs.rows, passes), {}).update(costs.target)
 
     def planner(self, *, greedy: bool, draws_drafts: bool, constrained: bool, steady: bool,
                 chain: int = 0, chain_probes: int = 8) -> StepPlanner:
