@@ -223,6 +223,15 @@ def test_unmeasured_widths_cost_more_per_token_for_more_rows():
     assert best(rows(*[2.0] * 16), batch) == 0
 
 
+def test_two_noisy_neighbours_do_not_make_a_wider_pass_look_dear():
+    # measured on a draft head's batch: widths 8 and 9 a noisy 2.75 ms apart, the rest flat
+    costs = StepCosts(target={1: 10.66, 3: 12.42, 6: 12.44, 7: 13.87, 8: 11.94, 9: 14.69})
+    assert costs.verify(13) == pytest.approx(14.69 * (1 + 0.05 * 4))  # the prior bounds it
+    assert costs.verify(13) < 14.69 + 4 * (14.69 - 11.94)  # not the neighbours' slope
+    steep = StepCosts(target={1: 1.0, 2: 2.0, 3: 3.0})  # a batch whose rows all pay per token
+    assert steep.verify(5) == pytest.approx(5.0)
+
+
 def test_an_unmeasured_narrower_pass_is_expected_a_little_cheaper():
     costs = StepCosts(target={13: 2.0})
     assert 0 < costs.verify(1) < costs.verify(5) < 2.0 < costs.verify(20)
