@@ -7,8 +7,14 @@ noise. Here every pass costs what a fixed model says (a target pass ``1 + 0.08``
 token, a draft pass 0.3, a proposal its count), so the decisions are a function of the policy
 and the tokens alone: each drafter's steps, drafted nodes and accepted tokens, per prompt (one
 row, 4 held-out RAG and 4 held-out open-ended prompts, 64 tokens) and for a batch of the 4
-RAG prompts (48 tokens), must be equal in both checkouts. ``AB_HEAD``: a draft head file both
-can load.
+RAG prompts (48 tokens), are equal in both checkouts unless a change meant to decide
+otherwise. ``AB_HEAD``: a draft head file both can load.
+
+Against the checkout before the one plan per step (lab/results/same_decisions.json): the trie,
+the draft model, the early exit and self-speculation decide alike; the draft head merged with
+the trie drafts a few nodes more on 4 of 8 prompts, as meant: a merged model's acceptance per
+round, which sets its depth, is now learnt on the step after it drafted from all the tokens its
+draft would have kept, not at its next draft from the verified ones only.
 """
 
 from __future__ import annotations
