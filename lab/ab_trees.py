@@ -11,6 +11,20 @@ pass, and whether every output is ``generate``'s. Environment: ``AB_LIMIT`` prom
 (default 6), ``AB_N`` new tokens (96), ``AB_OUT`` the JSON report, ``AB_ROWS`` / ``AB_SETS``
 some rows / prompt sets only (comma-separated; default: the first three rows on the first two
 sets), ``AB_REPEAT`` each prompt set that many times over (a row's noise shrinks).
+
+``python -m lab.ab_trees OLD_CHECKOUT --decisions``: whether this checkout's sizing decides
+what another's does, step for step, once timing is taken out. A step's sizing reads measured
+pass costs, so two runs of the same policy verify different cuts whenever their timings
+differ, and an A/B's tokens per pass moves with the machine's noise. Here every pass costs
+what a fixed model says, so the decisions are a function of the policy and the tokens alone:
+each drafter's steps, drafted nodes and accepted tokens, per prompt (one row, 4 held-out RAG
+and 4 held-out open-ended prompts, 64 tokens) and for a batch of the 4 RAG prompts (48
+tokens), are equal in both checkouts unless a change meant to decide otherwise. Against the
+checkout before the one plan per step (lab/results/same_decisions.json) every drafter decides
+alike but the draft head merged with the trie, which drafts a few nodes more on 4 of 8
+prompts, as meant: a merged model's acceptance per round, which sets its depth, is now learnt
+on the step after it drafted from all the tokens its draft would have kept, not at its next
+draft from the verified ones only.
 """
 
 from __future__ import annotations
@@ -21,11 +35,42 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROWS = ("no_drafts", "trie", "head_trie")
-MORE_ROWS = ("draft_model", "early_exit", "self_spec")
 SETS = ("rag", "open_ended")
+DECIDING = ("trie", "head_trie", "draft_model", "early_exit", "self_spec")
+
+
+def drafters(lm: Any, self_budget: int = 256) -> dict[str, Callable[[], Any]]:
+    """How each row's drafter is made, in whichever checkout is imported: the trie, a draft
+    model (the model's first 8 layers) merged with the trie, an early exit (8 layers),
+    self-speculation (``self_budget`` KV entries) and, given ``AB_HEAD``, the draft head
+    merged with the trie."""
+    from rag_spec import (
+        DraftModelDrafter,
+        EarlyExitDrafter,
+        FeatureDrafter,
+        MergedDrafter,
+        SelfSpecDrafter,
+        TrieDrafter,
+        first_layers_folder,
+    )
+    from rag_spec.drafters.draft_head import load_head
+    from rag_spec.models import load_model
+
+    small = load_model(first_layers_folder(lm, 8))
+    makers: dict[str, Callable[[], Any]] = {
+        "trie": TrieDrafter,
+        "draft_model": lambda: MergedDrafter(DraftModelDrafter(small.model)),
+        "early_exit": lambda: EarlyExitDrafter(8),
+        "self_spec": lambda: SelfSpecDrafter(budget=self_budget)}
+    if os.environ.get("AB_HEAD"):
+        head = load_head(lm.model, Path(os.environ["AB_HEAD"]))
+        makers["head_trie"] = lambda: MergedDrafter(FeatureDrafter(head))
+    return makers
 
 
 def worker() -> None:
@@ -34,38 +79,14 @@ def worker() -> None:
     import torch
 
     import rag_spec
-    from rag_spec import (
-        DraftModelDrafter,
-        EarlyExitDrafter,
-        FeatureDrafter,
-        LookaheadConfig,
-        LookaheadDecoder,
-        MergedDrafter,
-        SelfSpecDrafter,
-        TrieDrafter,
-        first_layers_folder,
-    )
+    from rag_spec import LookaheadConfig, LookaheadDecoder, TrieDrafter
     from rag_spec.models import load_model
 
     lm = load_model("smollm2-135m-instruct")
-    small = load_model(first_layers_folder(lm, 8))
     decoders = {"no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
-                                              LookaheadConfig(budget=0), drafter=TrieDrafter()),
-                "trie": LookaheadDecoder(lm.model, lm.tokenizer, drafter=TrieDrafter()),
-                "draft_model": LookaheadDecoder(lm.model, lm.tokenizer, drafter=MergedDrafter(
-                    DraftModelDrafter(small.model))),
-                "early_exit": LookaheadDecoder(lm.model, lm.tokenizer,
-                                               drafter=EarlyExitDrafter(8)),
-                "self_spec": LookaheadDecoder(lm.model, lm.tokenizer,
-                                              drafter=SelfSpecDrafter(budget=256))}
-    if os.environ.get("AB_HEAD"):
-        try:
-            from rag_spec.drafters.draft_head import load_head
-        except ImportError:  # a checkout from before the redesign
-            from rag_spec.decoding.draft_head import load_head  # type: ignore[no-redef]
-        head = load_head(lm.model, Path(os.environ["AB_HEAD"]))
-        decoders["head_trie"] = LookaheadDecoder(lm.model, lm.tokenizer,
-                                                 drafter=MergedDrafter(FeatureDrafter(head)))
+                                              LookaheadConfig(budget=0), drafter=TrieDrafter())}
+    decoders.update({name: LookaheadDecoder(lm.model, lm.tokenizer, drafter=make())
+                     for name, make in drafters(lm).items()})
     print(json.dumps({"ready": rag_spec.__file__}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
@@ -80,6 +101,68 @@ def worker() -> None:
             tokens, per_pass = result.token_ids, result.stats.tokens_per_step
         print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - started,
                           "per_pass": per_pass}), flush=True)
+
+
+def decisions_worker() -> None:
+    """One checkout's sizing decisions on a fixed cost model (``--decisions``): every pass
+    costs what the model says (a target pass ``1 + 0.08`` per extra token, a draft pass 0.3,
+    a proposal its count), whatever it took."""
+    from rag_spec.policy.step_costs import StepCosts
+
+    def target(self: StepCosts, width: int, seconds: float) -> None:
+        self.target[width] = 1.0 + 0.08 * (width - 1)
+
+    def draft(self: StepCosts, seconds: float, passes: int) -> None:
+        if passes:
+            self.draft = 0.3
+
+    def proposal(self: StepCosts, counted: float, seconds: float) -> None:
+        if counted > 0:
+            self.counted_step = 1.0
+
+    StepCosts.record_target = target  # type: ignore[method-assign]
+    StepCosts.record_draft = draft  # type: ignore[method-assign]
+    StepCosts.record_proposal = proposal  # type: ignore[method-assign]
+
+    from lab import held_out_prompts
+    from rag_spec import LookaheadDecoder
+    from rag_spec.models import load_model
+
+    lm = load_model("smollm2-135m-instruct")
+    makers = drafters(lm, self_budget=64)  # short prompts: the sparse view must start
+    prompts = held_out_prompts(lm, 4, 4)
+    rag, open_ended = prompts["rag"], prompts["open_ended"]
+
+    def counts(result: Any) -> list[int]:
+        stats = result.stats
+        return [stats.steps, stats.drafted, sum(stats.accepted_per_step)]
+
+    decided = {}
+    for name in DECIDING:
+        decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=makers[name]())
+        one = [counts(decoder.generate(p, max_new_tokens=64)) for p in rag + open_ended]
+        batch = [counts(r) for r in decoder.generate(rag, max_new_tokens=48)]
+        decided[name] = {"one_row": one, "batch_of_4": batch}
+    print(json.dumps(decided))
+
+
+def decisions(old: str) -> None:
+    """Whether this checkout's sizing decides what ``old``'s does, step for step, once timing
+    is taken out (``--decisions``, module docstring)."""
+    here = str(Path(__file__).resolve().parents[1])
+    runs = {}
+    for tree, root in (("old", old), ("new", here)):
+        env = dict(os.environ, PYTHONPATH=f"{root}:{root}/kernels:{here}")
+        done = subprocess.run([sys.executable, __file__, "--decisions-worker"], env=env,
+                              cwd=root, capture_output=True, text=True, check=True)
+        runs[tree] = json.loads(done.stdout.strip().splitlines()[-1])
+    report = {name: {"same": runs["old"][name] == runs["new"][name],
+                     "old": runs["old"][name], "new": runs["new"][name]} for name in DECIDING}
+    for name, row in report.items():
+        print(f"{name:12s} {'same' if row['same'] else 'DIFFERENT'}")
+    from lab import write_result
+
+    write_result(report, "same_decisions")
 
 
 def main(old: str) -> None:
@@ -164,5 +247,9 @@ def plot(report: dict, path: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         worker()
+    elif sys.argv[1:] == ["--decisions-worker"]:
+        decisions_worker()
+    elif sys.argv[2:] == ["--decisions"]:
+        decisions(sys.argv[1])
     else:
         main(*sys.argv[1:])

@@ -354,3 +354,35 @@ def test_one_prober_backs_off_after_misses_returns_to_its_pace_on_a_hit_and_boun
         dear.wait()
         steps += 1
     assert 0.5 / steps <= PROBE_SHARE
+
+
+def test_one_planner_sizes_chains_for_the_rows_that_draft_and_none_for_finished_rows():
+    from rag_spec.policy.plan import Policy
+
+    policy = Policy(12)
+    planner = policy.planner(greedy=True, draws_drafts=True, constrained=False, steady=False,
+                             chain=4, chain_probes=8)
+    assert planner.sizer is None  # chains are verified whole
+    rows = [policy.row(greedy=True, steady=False), None, policy.row(greedy=True, steady=False)]
+    plans = planner.plan(rows, [10, 10], StepCosts())
+    assert [p.nodes for p in plans] == [1, 0, 1]  # nothing timed: one draft pass times both
+    assert all(p.verify == 12 for p in plans)
+    timed = StepCosts(target={1: 1.0, 2: 1.02, 5: 1.1}, draft=0.01)
+    for row in rows[::2]:
+        row.model.record(4, 4)  # chains that hold
+    assert {p.nodes for p in planner.plan(rows, [10, 10], timed, room=3)} == {4, 0}
+    assert all(p.verify == 3 for p in planner.plan(rows, [10, 10], timed, room=3))
+
+
+def test_what_a_drafter_spends_is_what_the_rows_budget_weighs():
+    from rag_spec.policy.plan import Policy
+    from rag_spec.target.tree import TokenTree
+
+    row = Policy(4).row(greedy=True, steady=False)
+    plan = Policy(4).planner(greedy=True, draws_drafts=True, constrained=False,
+                             steady=False).plan([row], [8], StepCosts())[0]
+    plan.spend(0.5)
+    plan.spend(0.25)
+    row.proposed(TokenTree.from_paths([[7]]), 0, plan.spent)
+    row.learn([9, 3], finished=False)  # missed at the root: settled at once
+    assert row.budget.cost == pytest.approx(0.75)

@@ -39,11 +39,11 @@ class RowPolicy:
     merged drafter, the model's own budget, which stops its drafting (and its passes) while its
     guesses miss even when the trie's copies keep the tree's budget up."""
 
-    def __init__(self, budget: AdaptiveBudget, model: AdaptiveBudget | None = None) -> None:
+    def __init__(self, budget: AdaptiveBudget, source: AdaptiveBudget | None = None) -> None:
         self.budget = budget
         self.model = Acceptance()
         # a merged drafter's model budget: the carried one, or made at its first share
-        self.source = model
+        self.source = source
         self.merged = False  # under a merged drafter: the model learns from its guesses alone
         self._guess: tuple[TokenTree, int, float] | None = None  # tree, context length, cost
         # proposed trees, each with the context length it continues and what drafting it
