@@ -24,7 +24,8 @@ checkout before the one plan per step (lab/results/same_decisions.json) every dr
 alike but the draft head merged with the trie, which drafts a few nodes more on 4 of 8
 prompts, as meant: a merged model's acceptance per round, which sets its depth, is now learnt
 on the step after it drafted from all the tokens its draft would have kept, not at its next
-draft from the verified ones only.
+draft from the verified ones only (with that rule patched back on a scratch copy, the head's
+decisions were the old tree's too).
 """
 
 from __future__ import annotations
