@@ -76,8 +76,10 @@ class TargetView:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a drafter declares about its drafts. The decoder reads these fields and nothing
-    else about a drafter's kind."""
+    """What a drafter declares about its drafts. The decoder and the policy read these fields
+    and nothing else about a drafter's kind; each is something the policy must know before a
+    batch's first tree (how to size it, what to keep), not something it could measure from
+    the trees that follow."""
 
     # its trees may carry ``draft_probs``: a sampled row's tokens then depend on the drafts
     # (multi-step speculative sampling), so sampled rows keep budgets of their own; False
