@@ -372,6 +372,9 @@ def test_one_planner_sizes_chains_for_the_rows_that_draft_and_none_for_finished_
         row.model.record(4, 4)  # chains that hold
     assert {p.nodes for p in planner.plan(rows, [10, 10], timed, room=3)} == {4, 0}
     assert all(p.verify == 3 for p in planner.plan(rows, [10, 10], timed, room=3))
+    segment = policy.segment_planner(chain=4)  # a RaLM segment's one row: chains sized alike
+    assert segment.sizer is None
+    assert segment.plan([policy.segment()], [10], StepCosts())[0].nodes == 1
 
 
 def test_what_a_drafter_spends_is_what_the_rows_budget_weighs():

@@ -438,7 +438,9 @@ class LookaheadDecoder:
         rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
         row = _Row(list(context), session, policy, RowSampler(SamplingParams()), remember=False)
         target = TargetView(self.runner, tree_cache)
-        planner = StepPlanner(self.config.budget, sized=False)
+        declared = self.drafter.capabilities
+        planner = self._policy.segment_planner(chain=declared.chain,
+                                               chain_probes=declared.chain_probes)
         with self._lock:
             self.drafter.begin(target)
             try:

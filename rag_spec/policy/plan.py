@@ -265,6 +265,12 @@ class Policy:
         its segments."""
         return RowPolicy(AdaptiveBudget(self.full, adaptive=self.adaptive))
 
+    def segment_planner(self, *, chain: int = 0, chain_probes: int = 8) -> StepPlanner:
+        """A segment's planner: its one row verifies what its own budget proposes (chains
+        sized as in ``planner``)."""
+        return StepPlanner(self.full, sized=False, adaptive=self.adaptive, chain=chain,
+                           chain_probes=chain_probes)
+
 
 def cache_slots(longest_prompt: int, answer: int, rows: int, full: int) -> int:
     """Slots a static cache needs: the longest prompt (shorter ones are left-padded), its
