@@ -143,11 +143,6 @@ class RowPlan:
         if self.row is not None and model.nodes:
             self.row.guessed(context, guess, model.spent)
 
-    @property
-    def alpha(self) -> float:
-        """The row's per-token acceptance of a model's drafts (1/2 before any is known)."""
-        return (self.row.model if self.row is not None else Acceptance()).alpha
-
 
 def trial_paid(plans: Sequence[RowPlan]) -> bool:
     """Whether a draft model on trial has kept enough of its drafts, over the batch's rows, to
