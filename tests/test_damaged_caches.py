@@ -417,6 +417,47 @@ def test_a_milvus_lite_collection_whose_every_manifest_is_damaged_is_set_aside_o
         LiteServer.serving(uri).stop()
 
 
+@pytest.mark.slow  # starts milvus-lite servers
+def test_every_damaged_collection_in_a_milvus_lite_folder_is_set_aside_by_one_rebuild(
+        capfd, corpus, tmp_path):
+    """Two corpora in one folder, every manifest of both damaged: the rebuild that the
+    message names (one command, for the corpus asked for) repairs the folder; the other
+    corpus is built again when it is next opened."""
+    pytest.importorskip("milvus_lite")
+    from rag_spec.retrieval.milvus import MilvusKnowledgeBase
+    from rag_spec.retrieval.milvus_lite import LiteServer
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(6):
+        (other / f"note{i}.md").write_text(f"note {i}: " + " ".join(WORDS[i::3]))
+    uri = tmp_path / "kb.db"
+    try:
+        expected = {}
+        for source in (corpus, str(other)):
+            assert run(capfd, "index", "build", "--backend", "milvus", "--uri", str(uri),
+                       "--source", source)[0] == 0
+            expected[source] = [h.doc_id for h in MilvusKnowledgeBase.open(
+                [source], uri=str(uri), progress=False).search(["json parse"], 3)[0]]
+        LiteServer.serving(uri).stop()
+        manifests = list(uri.rglob("manifest.json*"))
+        assert len(manifests) == 4  # two of each collection
+        for manifest in manifests:
+            manifest.write_text('{"garbage": tru')
+        build = ["index", "build", "--backend", "milvus", "--uri", str(uri), "--source", corpus]
+        code, err = run(capfd, *build)
+        assert code == 2 and "--rebuild" in err
+        code, err = run(capfd, *build, "--rebuild")
+        assert code == 0, err
+        assert err.count("set aside") == 2 and "another corpus's" in err
+        assert len(list(uri.glob("damaged-*"))) == 2
+        for source in (corpus, str(other)):  # the other one built again on opening
+            kb = MilvusKnowledgeBase.open([source], uri=str(uri), progress=False)
+            assert [h.doc_id for h in kb.search(["json parse"], 3)[0]] == expected[source]
+    finally:
+        LiteServer.serving(uri).stop()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "zeroed"])
 def test_a_damaged_knn_datastore_is_rebuilt_to_the_same_entries(capsys, tmp_path, damage):
     from conftest import char_lm

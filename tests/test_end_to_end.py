@@ -47,6 +47,17 @@ def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
         assert result.stats.drafts == "draft head + trie"
 
 
+@pytest.mark.parametrize("text", ["hi", "Hello there"])
+def test_a_prompt_of_one_or_two_tokens_is_generates(user_cache, lm, text):
+    """A one-token prompt's first pass comes before any prefill: the compiled steps (built
+    by `make test`) take it as the eager steps do."""
+    prompt = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    result = LookaheadDecoder(lm.model, lm.tokenizer).generate(prompt, max_new_tokens=8)
+    expected = lm.model.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                 do_sample=False)[0, len(prompt):].tolist()
+    assert result.token_ids == expected
+
+
 def test_the_shipped_head_is_the_embedded_models_and_drafts_by_default(lm):
     from rag_spec.drafters.draft_head import SHIPPED, find_head, model_fingerprint
 

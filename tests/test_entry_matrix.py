@@ -75,6 +75,15 @@ def test_greedy_batched_and_streamed_are_generates(decoder, lm):
     assert text == lm.tokenizer.decode(expected[1], skip_special_tokens=True)
 
 
+def test_a_one_token_prompt_is_generates(decoder, lm):
+    """The first pass of a one-token prompt comes before any prefill: nothing is cached yet,
+    and the drafter has one token to draft from."""
+    one = prompts(lm)[0][:1]
+    assert decoder.generate(one, N).token_ids == hf_greedy(lm.model, one, N)
+    assert [r.token_ids for r in decoder.generate([one, prompts(lm)[1]], N)] == \
+        [hf_greedy(lm.model, p, N) for p in (one, prompts(lm)[1])]
+
+
 def test_sampled_with_one_candidate_is_greedy(decoder, lm):
     """top_k=1 leaves one token to sample: whatever the drafts, sampling must give it (the
     distribution itself is ``test_sampling.py``'s)."""

@@ -108,6 +108,27 @@ def test_a_batch_of_one_length_runs_through_the_package(packaged):
     assert any(s[0] == 3 for _, s in shapes)  # three rows in one pass
 
 
+def test_every_prompt_length_runs_through_the_package(packaged):
+    """From one token (its first pass comes before any prefill allocated the static cache,
+    which the package's graphs take whole) to the context's end: greedy tokens generate's,
+    alone and in a batch of ragged lengths, through the package's graphs."""
+    model = tiny_llama(seed=6, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    shapes = calls_through(decoder.runner.compiled)
+    window = model.config.max_position_embeddings
+    phrase = repetitive_prompt(6) * (window // 36 + 1)
+    lengths = [*range(1, 10), 35, window - 9, window - 2]
+    for length in lengths:
+        prompt = phrase[:length]
+        result = decoder.generate(prompt, 12)  # cut at the context's end near it
+        assert result.token_ids == hf_greedy(model, prompt, min(12, window - length)), length
+        assert result.stats.passes == "compiled ahead of time"
+    ragged = [phrase[:1], phrase[:2], phrase[:7]]
+    assert [r.token_ids for r in decoder.generate(ragged, 12)] == \
+        [hf_greedy(model, p, 12) for p in ragged]
+    assert {name for name, _ in shapes} >= {"one"}
+
+
 def test_without_a_package_auto_decodes_eagerly_and_compiles_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",

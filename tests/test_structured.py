@@ -580,14 +580,16 @@ def test_a_forced_tool_call_cut_at_max_tokens_is_an_invalid_call(printable_dir):
 
     bound = ChatLookahead(model=printable_dir, max_tokens=45).bind_tools(
         [magic_function], tool_choice="magic_function")
-    for message in (bound.invoke("magic of 3"), functools.reduce(operator.add,
-                                                                 bound.stream("magic of 3"))):
+    invoked = bound.invoke("magic of 3")
+    streamed = functools.reduce(operator.add, bound.stream("magic of 3"))
+    for message in (invoked, streamed):
         assert message.response_metadata["finish_reason"] == "length"
         assert not message.tool_calls and not message.content  # no answer an agent would take
         (invalid,) = message.invalid_tool_calls
-        assert invalid["args"].startswith("<tool_call>")
-    assert bound.invoke("magic of 3").invalid_tool_calls[0]["name"] == "magic_function"
-    assert "raise max_tokens" in bound.invoke("magic of 3").invalid_tool_calls[0]["error"]
+        assert invalid["name"] == "magic_function"  # forced: named before the model wrote it
+        assert "<tool_call>" not in invalid["args"] and '"name"' not in invalid["args"]
+        assert "raise max_tokens" in invalid["error"]
+    assert streamed.invalid_tool_calls == invoked.invalid_tool_calls  # the same entry
 
 
 def test_llama_index_forces_structured_programs_and_names_a_cut_call(printable_dir):

@@ -1,8 +1,10 @@
 """A folder of text files as a corpus: .txt, .md, .rst and .py, read recursively.
 
-Files that are not text (a NUL byte, invalid UTF-8, or mostly unprintable characters) are
-skipped with a warning that counts them: indexing them would fill the knowledge base with
-noise that retrieval then cites.
+Files that are not text (a NUL byte, bytes no text encoding reads, or mostly unprintable
+characters) are skipped with a warning that counts them: indexing them would fill the
+knowledge base with noise that retrieval then cites. Text in another encoding than UTF-8
+(Latin-1, cp1252, ...) is read in the encoding charset-normalizer detects, and the log says
+which.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+
+import charset_normalizer
 
 from rag_spec.errors import RagSpecError
 
@@ -34,8 +38,8 @@ def folder_documents(folder: str | Path) -> Iterator[tuple[str, str]]:
             else:
                 yield str(path.relative_to(root)), text
     if skipped:
-        log.warning("rag-spec: skipped %d file(s) in %s that are not text (e.g. %s).",
-                    len(skipped), root, skipped[0])
+        log.warning("rag-spec: skipped %d file(s) in %s that are not text in any encoding "
+                    "(e.g. %s).", len(skipped), root, skipped[0])
 
 
 def read_text(path: Path) -> str | None:
@@ -46,6 +50,10 @@ def read_text(path: Path) -> str | None:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        return None
+        found = charset_normalizer.from_bytes(data).best()
+        if found is None:
+            return None
+        log.info("rag-spec: %s is not UTF-8; read it as %s.", path, found.encoding)
+        text = str(found)
     unprintable = sum(not (c.isprintable() or c.isspace()) for c in text)
     return None if unprintable > _MAX_UNPRINTABLE * max(len(text), 1) else text

@@ -183,27 +183,34 @@ _DAMAGED = re.compile(r"manifest\.json and manifest\.json\.prev failed to load i
 
 def _set_aside_damaged(client: Any, uri: str, alias: str, token: str | None,
                        timeout: float) -> Any:
-    """A milvus-lite folder whose collection files cannot be read serves nothing (it cannot
-    even list its collections): move that collection's folder aside (``damaged-<name>`` in
-    the folder), restart the server and connect again."""
+    """A milvus-lite folder any of whose collections' files cannot be read serves nothing (it
+    cannot even list its collections), whichever corpus the damaged one holds: move each
+    such collection's folder aside (``damaged-<name>`` in the folder), restarting the server
+    after each, until the folder serves again. Another corpus's collection set aside is built
+    again the next time that corpus is opened."""
     from pymilvus import MilvusException
 
     from rag_spec.retrieval.milvus_lite import LiteServer
 
-    try:
-        client.has_collection(alias, timeout=timeout)
-    except MilvusException as err:
-        damaged = _DAMAGED.search(getattr(err, "message", None) or str(err))
-    else:
-        return client
-    if damaged is None:  # another failure: ``open`` reports it
-        return client
-    folder = Path(damaged.group(1))
-    LiteServer.serving(uri).stop()
-    os.replace(folder, Path(uri).expanduser() / f"damaged-{folder.name}-{time.time_ns()}")
-    print(f"rag-spec: the Milvus collection {folder.name} could not be read; set aside as "
-          f"damaged-{folder.name}-... in {uri}, rebuilding.", file=sys.stderr)
-    return connect(uri, token, timeout)
+    aside: set[Path] = set()
+    while True:
+        try:
+            client.has_collection(alias, timeout=timeout)
+        except MilvusException as err:
+            damaged = _DAMAGED.search(getattr(err, "message", None) or str(err))
+        else:
+            return client
+        if damaged is None or Path(damaged.group(1)) in aside:  # another failure: ``open``
+            return client                                        # reports it
+        folder = Path(damaged.group(1))
+        LiteServer.serving(uri).stop()
+        os.replace(folder, Path(uri).expanduser() / f"damaged-{folder.name}-{time.time_ns()}")
+        aside.add(folder)
+        whose = "rebuilding it" if folder.name.startswith(f"{alias}_") else \
+            "another corpus's: it is built again when that corpus is next opened"
+        print(f"rag-spec: the Milvus collection {folder.name} could not be read; set aside as "
+              f"damaged-{folder.name}-... in {uri} ({whose}).", file=sys.stderr)
+        client = connect(uri, token, timeout)
 
 
 def connect(uri: str, token: str | None, timeout: float) -> Any:

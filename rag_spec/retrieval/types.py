@@ -51,6 +51,13 @@ def check_search_args(queries: Sequence[str], k: int) -> None:
     if k < 1:
         msg = f"k must be at least 1 (got {k})."
         raise RagSpecError(msg)
+    blank = [i for i, query in enumerate(queries)
+             if not isinstance(query, str) or not query.strip()]
+    if blank:
+        msg = (f"search() takes non-empty query strings; query {blank[0]} is "
+               f"{queries[blank[0]]!r}, which every passage matches as well as any other. "
+               f"Drop it, or ask something.")
+        raise RagSpecError(msg)
 
 
 def require_retriever(source: object, accepted: str) -> Retriever:

@@ -27,12 +27,14 @@ from rag_spec.serving.drafts import draft_key, drafter_for
 from rag_spec.serving.tools import (
     GENERIC,
     CallFormat,
+    CutCall,
     Tool,
     ToolCall,
     call_format,
     chat_messages,
     options_grammar,
 )
+from rag_spec.target.sampling import check_sampling
 from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
 
@@ -58,6 +60,15 @@ class GenerateOptions:
     tool_choice: str = "auto"  # or "any" (a call is made), or a tool's name
     parallel_tool_calls: bool = False  # a forced answer may hold several calls
 
+    def __post_init__(self) -> None:
+        """Checked as the decoder checks its own arguments, in the same words, so a framework
+        class refuses what ``LookaheadDecoder.generate`` refuses."""
+        if self.max_new_tokens < 1:
+            msg = f"max_new_tokens must be at least 1 (got {self.max_new_tokens})."
+            raise RagSpecError(msg)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                       greedy_at_zero=True)
+
     def decoder_kwargs(self) -> dict[str, Any]:
         sample = self.temperature > 0
         return {"max_new_tokens": self.max_new_tokens, "do_sample": sample,
@@ -74,14 +85,23 @@ class Completion:
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop" (a stop string) or "length"
     stats: DecodeStats
     content: str  # the text outside tool calls (the text, where no tools were offered)
     calls: tuple[ToolCall, ...] = ()  # the calls it made, parsed
     # constrained output (a JSON schema, a grammar, tool calls) that ended before its grammar
     # was complete, at the token limit
     incomplete: bool = False
-    cut_call: str = ""  # the text of a tool call cut at the token limit (not in ``content``)
+    cut_call: CutCall | None = None  # a tool call cut at the token limit (not in ``content``)
+
+    @property
+    def api_finish_reason(self) -> str:
+        """Why it ended, in the OpenAI API's words that LangChain and LlamaIndex pass on:
+        "stop" (the model's end of text, or a stop string), "length" (the token limit),
+        "tool_calls" (it called tools and ended)."""
+        if self.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.calls else "stop"
 
     @property
     def seconds(self) -> float:
@@ -272,19 +292,15 @@ class LocalLM:
 
     def _completion(self, result: Any, prompt_tokens: int,
                     options: GenerateOptions) -> Completion:
-        text, cut_call = result.text, ""
+        text, cut_call = result.text, None
         if options.tools and result.incomplete:
             at = self.call_format.unfinished(text, forced=options.tool_choice != "auto")
             if at is not None:
-                text, cut_call = text[:at], text[at:]
+                text, cut_call = text[:at], self.call_format.cut(text[at:], options.tool_choice)
         content, calls = self.call_format.parse(text) if options.tools else (text, [])
         return Completion(result.text, result.token_ids, prompt_tokens, result.finish_reason,
                           result.stats, content, tuple(calls), result.incomplete, cut_call)
 
 
 def _checked(options: GenerateOptions | None) -> GenerateOptions:
-    options = options or GenerateOptions()
-    if options.max_new_tokens < 1:
-        msg = f"max_new_tokens must be at least 1 (got {options.max_new_tokens})."
-        raise RagSpecError(msg)
-    return options
+    return options or GenerateOptions()

@@ -199,7 +199,11 @@ class IterativeRaLM:
 
     def _query(self, question_ids: list[int], output: list[int]) -> str:
         tail = (question_ids + output)[-self.query_tokens:]
-        return self._tokens.decode(tail, skip_special_tokens=True)
+        text = self._tokens.decode(tail, skip_special_tokens=True)
+        if text.strip():
+            return text
+        # output of whitespace alone: knowledge bases refuse a blank query, so the question
+        return self._tokens.decode(question_ids, skip_special_tokens=True)
 
     def _search(self, search: Any, queries: list[str], stats: RalmStats
                 ) -> tuple[list[list[Hit]], float]:

@@ -82,6 +82,16 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CutCall:
+    """A tool call that the token limit cut before it closed: the tool's name where the
+    answer wrote it whole (or the choice forced it), and its arguments' JSON as far as the
+    answer got, without the call format's markup."""
+
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
 class CallFormat:
     """How one model family writes tool calls: ``open`` + calls joined by ``sep`` +
     ``close``, each call ``call_open`` + ``{"name": ..., <key>: {arguments}}`` +
@@ -180,6 +190,20 @@ class CallFormat:
             at = search
         return at if at >= 0 else None
 
+    def cut(self, text: str, tool_choice: str = "auto") -> CutCall:
+        """The call that ``text``, an answer's end from where ``unfinished`` says a call was
+        left open, holds: its name (a forced ``tool_choice``'s where the answer had not
+        written it yet) and its arguments so far."""
+        starts = list(_CALL_START.finditer(text))
+        found = _CALL_HEAD.match(text, starts[-1].start()) if starts else None
+        name = found["name"] if found is not None and found["closed"] else None
+        if tool_choice not in ("auto", "any"):
+            name = tool_choice
+        arguments = ""
+        if found is not None and found["key"] in (self.key, "arguments", "parameters"):
+            arguments = text[found.end():]
+        return CutCall(name, arguments)
+
     def call_id(self, call_id: str) -> str:
         """``call_id`` as the template accepts it (Mistral's: 9 letters or digits, stably
         derived from any other id, so a call and its result keep matching)."""
@@ -213,6 +237,11 @@ class CallFormat:
                 continue
             end = _skip(text, at, self.close)
             return (calls, end) if end >= 0 else ([], at)
+
+
+_CALL_START = re.compile(r'\{\s*"name"\s*:')
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>"?)'
+                        r'(?:\s*,\s*"(?P<key>\w+)"\s*:\s*)?')
 
 
 def _skip(text: str, at: int, literal: str) -> int:

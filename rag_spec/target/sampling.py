@@ -31,18 +31,32 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0 = off
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.temperature <= 0:
-            problems.append("temperature must be > 0 (use do_sample=False for greedy)")
-        if self.top_k < 0:
-            problems.append("top_k must be >= 0 (0 turns it off)")
-        if not 0 < self.top_p <= 1:
-            problems.append("top_p must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            problems.append("repetition_penalty must be > 0 (1.0 turns it off)")
-        if problems:
-            msg = "Invalid sampling settings: " + "; ".join(problems) + "."
-            raise RagSpecError(msg)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                       greedy_at_zero=False)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float, *,
+                   greedy_at_zero: bool) -> None:
+    """Refuse sampling settings that no decoding honours, in one sentence: the decoder's and
+    every framework class's settings go through here. ``greedy_at_zero``: the caller's
+    ``temperature=0`` means greedy decoding (the frameworks' convention; the decoder's is
+    ``do_sample=False``)."""
+    problems = []
+    if greedy_at_zero and temperature < 0:
+        problems.append(f"temperature must be >= 0 (0 decodes greedily; got {temperature})")
+    elif not greedy_at_zero and temperature <= 0:
+        problems.append(f"temperature must be > 0 (use do_sample=False for greedy; got "
+                        f"{temperature})")
+    if top_k < 0:
+        problems.append(f"top_k must be >= 0 (0 turns it off; got {top_k})")
+    if not 0 < top_p <= 1:
+        problems.append(f"top_p must be in (0, 1] (got {top_p})")
+    if repetition_penalty <= 0:
+        problems.append(f"repetition_penalty must be > 0 (1.0 turns it off; got "
+                        f"{repetition_penalty})")
+    if problems:
+        msg = "Invalid sampling settings: " + "; ".join(problems) + "."
+        raise RagSpecError(msg)
 
 
 class RowSampler:

@@ -7,7 +7,8 @@ from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+from typing_extensions import Self
 
 from rag_spec import (
     DEFAULT_MODEL,
@@ -45,6 +46,12 @@ class LookaheadSettings(BaseModel):
     seed: int | None = None
     """Fixes sampled output (drafts never change it)."""
 
+    @model_validator(mode="after")
+    def _check_options(self) -> Self:
+        """Refused when built, in the decoder's words, not at the first call."""
+        self.options(None, {})
+        return self
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model, **self.options(None, {}).decoder_kwargs()}
@@ -77,9 +84,12 @@ class LookaheadSettings(BaseModel):
 
 
 def response_metadata(completion: Completion, model: str) -> dict[str, Any]:
-    """What a caller sees about one generation: model, finish reason, speculation stats."""
+    """What a caller sees about one generation: model, why it ended (``finish_reason`` in the
+    OpenAI API's words; ``ended_by``: "eos", a "stop" string or the "length" limit), and
+    speculation stats."""
     return {"model_name": model, "model_provider": "rag_spec",
-            "finish_reason": completion.finish_reason, "speculation": completion.speculation()}
+            "finish_reason": completion.api_finish_reason,
+            "ended_by": completion.finish_reason, "speculation": completion.speculation()}
 
 
 def usage(completion: Completion) -> dict[str, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
@@ -146,12 +145,11 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
 
     def _result(self, completion: Completion) -> ChatResult:
         message = AIMessage(content=completion.content, usage_metadata=usage(completion),
-                            tool_calls=[{"name": c.name, "args": c.arguments, "id": c.id,
-                                         "type": "tool_call"} for c in completion.calls],
+                            tool_calls=_calls(completion),
                             invalid_tool_calls=_cut(completion),
                             response_metadata=response_metadata(completion, self.model))
         return ChatResult(generations=[ChatGeneration(
-            message=message, generation_info={"finish_reason": completion.finish_reason})])
+            message=message, generation_info={"finish_reason": completion.api_finish_reason})])
 
     def _chunk(self, chunk: Chunk) -> ChatGenerationChunk:
         if chunk.completion is None:
@@ -161,16 +159,16 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
             message=AIMessageChunk(content=chunk.text, chunk_position="last",
                                    usage_metadata=usage(done),
                                    response_metadata=response_metadata(done, self.model)),
-            generation_info={"finish_reason": done.finish_reason})
+            generation_info={"finish_reason": done.api_finish_reason})
 
 
 def _cut(completion: Completion) -> list[dict[str, Any]]:
     """A tool call cut at the token limit, as an invalid call (an agent loop must not take
-    its text for the final answer)."""
-    if not completion.cut_call:
+    its text for the final answer): the tool's name, its arguments so far."""
+    cut = completion.cut_call
+    if cut is None:
         return []
-    name = re.search(r'"name"\s*:\s*"([^"]*)"', completion.cut_call)
-    return [{"name": name.group(1) if name else None, "args": completion.cut_call, "id": None,
+    return [{"name": cut.name, "args": cut.arguments, "id": None,
              "error": "The tool call was cut at max_tokens before it closed; raise max_tokens.",
              "type": "invalid_tool_call"}]
 
@@ -185,22 +183,28 @@ def _closed(message: BaseMessage) -> BaseMessage:
 
 
 def _with_calls(chunks: Any, chunk: Any) -> Iterator[ChatGenerationChunk]:
-    """A streamed answer with tools: its text outside calls, then each call as a
-    ``tool_call_chunks`` entry, in the last chunk (a call is yielded only once it parses; one
-    cut at the token limit keeps its text as arguments, which LangChain files as invalid)."""
+    """A streamed answer with tools: its text outside calls, then its calls, in the last
+    chunk (a call is yielded only once it parses), as ``invoke`` gives them: a call cut at
+    the token limit is the same ``invalid_tool_calls`` entry. It stays out of the chunk's
+    ``tool_call_chunks``, from which LangChain's chunk addition would parse its partial
+    arguments into a call to run."""
     pieces = list(chunks)
     last = chunk(pieces[-1])
     done = pieces[-1].completion
-    calls = [(c.name, json.dumps(c.arguments), c.id) for c in done.calls]
-    calls += [(cut["name"], cut["args"], None) for cut in _cut(done)]
-    yield ChatGenerationChunk(
-        message=AIMessageChunk(
-            content=done.content, chunk_position="last", usage_metadata=last.message.usage_metadata,
-            response_metadata=last.message.response_metadata,
-            tool_call_chunks=[{"name": name, "args": args, "id": call_id, "index": i,
-                               "type": "tool_call_chunk"}
-                              for i, (name, args, call_id) in enumerate(calls)]),
-        generation_info=last.generation_info)
+    calls = _calls(done)
+    message = AIMessageChunk(
+        content=done.content, chunk_position="last", usage_metadata=last.message.usage_metadata,
+        response_metadata=last.message.response_metadata, tool_calls=calls,
+        invalid_tool_calls=_cut(done))
+    message.tool_call_chunks = [{"name": c["name"], "args": json.dumps(c["args"]),
+                                 "id": c["id"], "index": i, "type": "tool_call_chunk"}
+                                for i, c in enumerate(calls)]
+    yield ChatGenerationChunk(message=message, generation_info=last.generation_info)
+
+
+def _calls(completion: Completion) -> list[dict[str, Any]]:
+    return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
+            for c in completion.calls]
 
 
 def _chat(messages: list[BaseMessage]) -> list[dict[str, Any]]:

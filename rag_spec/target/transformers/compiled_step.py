@@ -98,6 +98,7 @@ class CompiledStep:
                  attention_mask: torch.Tensor, cache: Any, features: bool = False) -> Any:
         with self._lock, torch.inference_mode(), stack_table(self.stacks):
             if self.package is not None:
+                allocate(cache, self.module, input_ids.shape[0])
                 return self.package(input_ids, position_ids, attention_mask, cache, features)
             inputs = {"input_ids": input_ids, "position_ids": position_ids,
                       "attention_mask": attention_mask, "features": features,
@@ -150,6 +151,21 @@ def static_cache(config: Any, capacity: int) -> Any:
     from transformers import StaticCache
 
     return StaticCache(config=config, max_cache_len=capacity)
+
+
+def allocate(cache: Any, module: torch.nn.Module, batch: int) -> None:
+    """Allocate a static ``cache``'s layers for ``batch`` rows where no pass has yet (a
+    one-token prompt's first pass comes before any prefill wrote them): a package's graphs
+    take every layer's tensors, where an eager pass allocates them itself (transformers'
+    ``early_initialization``, as its export recipes use it)."""
+    if all(layer.is_initialized for layer in cache.layers):
+        return
+    config = module.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    weight = next(p for p in module.parameters() if p.is_floating_point())
+    cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
 
 
 def rewind(cache: Any, length: int) -> None:

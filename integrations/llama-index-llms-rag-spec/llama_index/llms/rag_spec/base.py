@@ -16,7 +16,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -73,6 +73,12 @@ class LookaheadLLM(FunctionCallingLLM):
     context_window: int | None = Field(
         default=None, description="Tokens the model takes; None reads it from the model.")
 
+    @model_validator(mode="after")
+    def _check_options(self) -> LookaheadLLM:
+        """Refused when built, in the decoder's words, not at the first call."""
+        self._options({})
+        return self
+
     @classmethod
     def class_name(cls) -> str:
         return "RagSpecLookaheadLLM"
@@ -109,8 +115,9 @@ class LookaheadLLM(FunctionCallingLLM):
         calls = response.message.additional_kwargs.get("tool_calls", [])
         if not calls and error_on_no_tool_call:
             cut = response.message.additional_kwargs.get("cut_tool_call")
-            msg = (f"The tool call was cut at max_new_tokens before it closed ({cut!r:.200}); "
-                   f"raise max_new_tokens." if cut else
+            msg = (f"The tool call to {cut['name']} was cut at max_new_tokens before it closed "
+                   f"(arguments so far: {cut['arguments']!r:.200}); raise max_new_tokens."
+                   if cut else
                    f"Expected a tool call, got text: {response.message.content!r:.200}")
             raise ValueError(msg)
         return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"])
@@ -216,16 +223,17 @@ async def _aaccumulate(chunks: Any) -> Any:
 def _details(completion: Completion | None) -> dict[str, Any]:
     if completion is None:
         return {}
-    return {**completion.usage(), "finish_reason": completion.finish_reason,
-            **completion.speculation()}
+    return {**completion.usage(), "finish_reason": completion.api_finish_reason,
+            "ended_by": completion.finish_reason, **completion.speculation()}
 
 
 def _completion_response(result: Any, text: str | None = None,
                          delta: str | None = None) -> CompletionResponse:
     """A response from a Completion, or from a stream Chunk with the text so far."""
     completion = result if isinstance(result, Completion) else result.completion
+    details = _details(completion)
     return CompletionResponse(text=result.text if text is None else text, delta=delta,
-                              additional_kwargs=_details(completion))
+                              additional_kwargs=details, raw=details or None)
 
 
 def _chat_response(result: Any, text: str | None = None, delta: str | None = None,
@@ -240,8 +248,9 @@ def _chat_response(result: Any, text: str | None = None, delta: str | None = Non
     extra: dict[str, Any] = {"tool_calls": [{"id": c.id, "name": c.name,
                                              "arguments": c.arguments}
                                             for c in made]} if made else {}
-    if completion is not None and completion.cut_call:
-        extra["cut_tool_call"] = completion.cut_call
+    if completion is not None and completion.cut_call is not None:
+        extra["cut_tool_call"] = {"name": completion.cut_call.name,
+                                  "arguments": completion.cut_call.arguments}
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
                                             additional_kwargs=extra),
-                        delta=delta, additional_kwargs=reply.additional_kwargs)
+                        delta=delta, additional_kwargs=reply.additional_kwargs, raw=reply.raw)
