@@ -57,3 +57,18 @@ def test_fingerprint_sees_any_change():
 
 def test_token_count_is_offline_cl100k():
     assert count_tokens(["hello world"]) == 2
+
+
+def test_text_in_another_encoding_is_read_not_skipped(tmp_path, caplog):
+    """Latin-1 Markdown and Python files are text: read in the encoding detected, and the
+    log says which, instead of "not text"."""
+    (tmp_path / "notes.md").write_bytes(
+        "Le café crème coûte très cher à Zürich; été, naïve, façade. ".encode("latin-1") * 8)
+    (tmp_path / "mod.py").write_bytes(
+        '"""Gérer les données: lecture, écriture, mise à jour."""\n'.encode("latin-1") * 6)
+    with caplog.at_level("INFO", logger="rag_spec.corpus.files"):
+        passages = load_passages([str(tmp_path)])
+    text = " ".join(p.text for p in passages)
+    assert "café crème" in text and "données" in text
+    assert {p.title for p in passages} == {"notes.md", "mod.py"}
+    assert "is not UTF-8; read it as" in caplog.text and "not text" not in caplog.text

@@ -47,9 +47,14 @@ def test_k_larger_than_the_corpus(embedder):
     assert len(kb.search(["passage"], k=5)[0]) == 1
 
 
-@pytest.mark.parametrize("queries, k, match", [("one string", 1, "list"), (["q"], 0, "k must")])
-def test_bad_search_arguments(passages, queries, k, match):
-    kb = KnowledgeBase.build(passages, "bm25")
+@pytest.mark.parametrize("queries, k, match", [
+    ("one string", 1, "list"), (["q"], 0, "k must"),
+    # every passage matches an empty query as well as any other: refused, as the CLI does
+    ([""], 2, "query 0 is ''"), (["json", "  \n"], 1, r"query 1 is '  \\n'"),
+])
+@pytest.mark.parametrize("kind", ["bm25", "flat"])
+def test_bad_search_arguments(passages, queries, k, match, kind):
+    kb = KnowledgeBase.build(passages, kind)
     with pytest.raises(RagSpecError, match=match):
         kb.search(queries, k=k)
 

@@ -206,3 +206,45 @@ def test_a_draft_model_leaves_the_answer_unchanged(tiny_model_dir, draft):
         tiny_model_dir, load_model(tiny_model_dir).tokenizer(prompt[:20])["input_ids"])]
     expected = "SelfSpecDrafter" if draft.startswith("self") else "MergedDrafter"
     assert type(drafted.local_lm().decoder.drafter).__name__ == expected
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"temperature": -1}, r"temperature must be >= 0 \(0 decodes greedily; got -1"),
+    ({"top_p": 0}, r"top_p must be in \(0, 1\] \(got 0"),
+    ({"top_k": -2}, r"top_k must be >= 0 \(0 turns it off; got -2\)"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be > 0"),
+    ({"max_tokens": 0}, r"max_new_tokens must be at least 1 \(got 0\)"),
+])
+def test_settings_are_checked_when_built_in_the_decoders_words(tiny_model_dir, setting, match):
+    """The framework classes refuse what ``LookaheadDecoder.generate`` refuses, with the
+    same sentence, at construction (not after loading a model), and per call too."""
+    from llama_index.llms.rag_spec import LookaheadLLM as IndexLLM
+
+    from rag_spec import LookaheadDecoder, RagSpecError
+
+    index_setting = {"max_new_tokens" if k == "max_tokens" else k: v for k, v in setting.items()}
+    for build in (lambda: ChatLookahead(model=tiny_model_dir, **setting),
+                  lambda: LookaheadLLM(model=tiny_model_dir, **setting),
+                  lambda: IndexLLM(model=tiny_model_dir, **index_setting)):
+        with pytest.raises(RagSpecError, match=match):
+            build()
+    with pytest.raises(RagSpecError, match=match):
+        ChatLookahead(model=tiny_model_dir, max_tokens=4).invoke("hi", **setting)
+    core = {"temperature": -1} if "temperature" in setting else {}
+    if core:  # the decoder's own check says the same of the same mistake, sampling
+        lm = load_model(tiny_model_dir)
+        with pytest.raises(RagSpecError, match=r"temperature must be > 0"):
+            LookaheadDecoder(lm.model, lm.tokenizer).generate([3, 4], 2, do_sample=True, **core)
+
+
+def test_why_an_answer_ended_is_in_the_response_metadata(tiny_model_dir):
+    """``finish_reason`` in the OpenAI API's words, ``ended_by`` as the decoder says it."""
+    free = ChatLookahead(model=tiny_model_dir, max_tokens=MAX).invoke("hello there")
+    assert (free.response_metadata["finish_reason"], free.response_metadata["ended_by"]) == \
+        ("length", "length")
+    stopped = ChatLookahead(model=tiny_model_dir, max_tokens=MAX,
+                            stop=[free.content[8:11]]).invoke("hello there")
+    assert (stopped.response_metadata["finish_reason"],
+            stopped.response_metadata["ended_by"]) == ("stop", "stop")
+    last = list(ChatLookahead(model=tiny_model_dir, max_tokens=MAX).stream("hello there"))[-1]
+    assert last.response_metadata["finish_reason"] == "length"

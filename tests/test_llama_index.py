@@ -206,3 +206,11 @@ async def test_a_function_agent_completes_a_two_tool_task_on_the_embedded_model(
     # (the 135M model says them in the results' own format, tags included)
     assert calls == [("add", {"a": 3, "b": 4}, 7), ("multiply", {"a": 5, "b": 6}, 30)]
     assert "7" in answer and "30" in answer
+
+
+def test_why_an_answer_ended_is_in_raw_and_additional_kwargs(llm):
+    for response in (llm.complete("the cat sat"),
+                     llm.chat([ChatMessage(role="user", content="hello there")]),
+                     list(llm.stream_complete("the cat sat"))[-1]):
+        assert response.raw["finish_reason"] == "length"  # the OpenAI API's words
+        assert response.additional_kwargs["ended_by"] == "length"  # the decoder's

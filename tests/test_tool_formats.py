@@ -263,3 +263,19 @@ def test_calls_parse_out_of_text_and_back(form):
         assert rest.split() == (["before", "after"] if text.startswith("before") else [])
     # a block that is not a call stays text
     assert form.parse('{"name": 3} and [{"oops"}]') == ('{"name": 3} and [{"oops"}]', [])
+
+
+@pytest.mark.parametrize("form, text, choice, expected", [
+    # forced: the tool's name before the model wrote it, no arguments yet, no markup
+    (GENERIC, '<tool_call>{"', "fetch", ("fetch", "")),
+    (GENERIC, '<tool_call>{"name": "fet', "any", (None, "")),  # the name itself was cut
+    (GENERIC, '<tool_call>{"name": "fetch", "arguments": {"url": "htt', "auto",
+     ("fetch", '{"url": "htt')),
+    (HERMES, '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "b", "arguments": {"y": [1, ', "any", ("b", '{"y": [1, ')),  # the open one
+    (LLAMA3_JSON, '{"name": "fetch", "parameters": {"q": "a b', "auto", ("fetch", '{"q": "a b')),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "get_w', "get_weather", ("get_weather", "")),
+])
+def test_a_cut_call_is_its_name_and_its_arguments_so_far(form, text, choice, expected):
+    cut = form.cut(text, choice)
+    assert (cut.name, cut.arguments) == expected

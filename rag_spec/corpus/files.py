@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import charset_normalizer
 
@@ -50,10 +51,22 @@ def read_text(path: Path) -> str | None:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        found = charset_normalizer.from_bytes(data).best()
+        found = _guessed(data)
         if found is None:
             return None
         log.info("rag-spec: %s is not UTF-8; read it as %s.", path, found.encoding)
         text = str(found)
     unprintable = sum(not (c.isprintable() or c.isspace()) for c in text)
     return None if unprintable > _MAX_UNPRINTABLE * max(len(text), 1) else text
+
+
+def _guessed(data: bytes) -> Any:
+    """charset-normalizer's best reading of ``data`` (None: no encoding reads it); among
+    readings it rates alike (Western text reads the same in cp1250 and cp1252 to it), the
+    commonest legacy encoding, Windows-1252 (Latin-1's superset)."""
+    matches = list(charset_normalizer.from_bytes(data))
+    if not matches:
+        return None
+    best = matches[0]
+    alike = [m for m in matches if (m.chaos, m.coherence) == (best.chaos, best.coherence)]
+    return next((m for m in alike if m.encoding in ("cp1252", "latin_1")), best)
