@@ -93,11 +93,12 @@ def test_every_block_a_user_may_paste_compiles():
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", [p for p in RUNNABLE if _blocks(p)], ids=lambda p: p.name)
-def test_every_block_runs_as_pasted_in_page_order(page, monkeypatch, user_cache):
+def test_every_block_runs_as_pasted_in_page_order(page, monkeypatch, user_cache, tmp_path):
     """One namespace a page, as one Python session a reader pastes each block into; run from
-    the repository root, where the blocks' folders (docs/examples) are; on the user's cache,
-    as the other end-to-end tests, so the model and index are built once."""
-    monkeypatch.chdir(ROOT)
+    a folder outside the checkout, as after ``pip install`` (a block reads only files it
+    wrote itself); on the user's cache, as the other end-to-end tests, so the model and
+    index are built once."""
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
     ran = 0
     for line, code in _blocks(page):

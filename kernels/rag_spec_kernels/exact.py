@@ -106,8 +106,8 @@ def invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
     other order of summation: small integers and a +-2**24 pair per row at random places, so
     a sum depends on which terms meet the large one (in float32, 2**24 + 1 == 2**24). Random
     inputs are not enough: where a half-precision kernel sums a wide layer in another order,
-    rounding to 8 bits hides it in all but ~1 output in 5,000 (measured on a Zen 4 CPU's
-    bfloat16 products over 1,536 inputs), so 32 random rows passed as invariant."""
+    rounding to 8 bits hides it in all but a rare output (bfloat16 products over a wide
+    layer), so a few dozen random rows pass as invariant."""
     # the layer's dtype, device and strides, small integers drawn in place (no second copy)
     on_device = torch.Generator(device=linear.weight.device).manual_seed(0)
     weight = torch.empty_like(linear.weight).random_(-2, 3, generator=on_device)

@@ -45,8 +45,8 @@ from rag_spec_kernels.streamed import (
 # conversions per call), and the reorder into the blocked layout oneDNN picks for a batch size.
 _POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-# The batch size the weight layout is tuned for: measured here, a layout for 16 rows makes
-# 1-16-row products ~30% faster than oneDNN's plain layout (it streams the weight better).
+# The batch size the weight layout is tuned for: a layout for 16 rows makes 1-16-row products
+# faster than oneDNN's plain layout (it streams the weight better; ``python -m lab.floor``).
 _LAYOUT_ROWS = 16
 
 # Sibling layers that attention and MLP blocks (Llama, Qwen2, Mistral, ...) apply to one input.
@@ -92,8 +92,8 @@ def packed_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None
 @functools.cache
 def one_row_packed(dtype: torch.dtype) -> bool:
     """Whether single rows multiply through oneDNN too: on AMD CPUs, where torch's BLAS (MKL)
-    computes a one-row product on one core at ~12 GB/s and oneDNN's reads the weight with every
-    core (16-24 GB/s on two EPYC cores). Decided by the CPU, not timed, so that a process's
+    computes a one-row product on one core and oneDNN's reads the weight with every core, at
+    more bandwidth (``python -m lab.floor``). Decided by the CPU, not timed, so that a process's
     rounding does not depend on how busy the machine was when it started."""
     return onednn_packs(dtype) and torch.backends.mkl.is_available() and _cpu_vendor() == "AMD"
 
@@ -113,8 +113,8 @@ def one_row_streamed() -> bool:
 def blas_from_rows(dtype: torch.dtype) -> int | None:
     """The row count from which a stack's products take torch's BLAS instead of the streamed
     kernel, or None: on Intel CPUs, where MKL's large-matrix kernels win for a prompt's many
-    rows (a 2-core AMX Xeon VM, the default model's layers over 30 layers: 620 rows 536 ms
-    against 633 ms streamed, 256 rows 230 against 264, 64 rows 78 against 74). Not on AMD CPUs,
+    rows, from about a hundred rows up (measured on an AMX Xeon VM on the default model's
+    layers). Not on AMD CPUs,
     where MKL takes slower code paths. Decided by the CPU, not timed (``one_row_packed``)."""
     return 128 if torch.backends.mkl.is_available() and _cpu_vendor() == "Intel" else None
 
@@ -333,7 +333,7 @@ class _Shared:
 
     An instance attribute from the start: ``torch.compile`` guards on where an attribute lives,
     and one first set on the instance by the first pass would make the second pass compile
-    the step all over again (~15 s on two cores)."""
+    the step all over again (seconds on two cores)."""
 
     def __init__(self) -> None:
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -343,8 +343,8 @@ class TracedLinear(_StandIn):
     """A linear layer for a module tree ``torch.compile`` traces on a CPU (same parameters).
 
     A single row is a sum over the weight's rows, which inductor compiles into a vectorised
-    reduction streaming the weight at ~40 GB/s on two Zen 4 cores, where oneDNN's one-row
-    product reads ~23 GB/s and BLAS's ~11 (``python -m lab.floor --compiled``); run eagerly,
+    reduction streaming the weight faster than oneDNN's one-row product and BLAS's read it
+    (``python -m lab.floor --compiled``); run eagerly,
     that sum would build an (out, in) temporary, so these layers are for compiled trees only.
     Where ``one_row_streamed`` says so (Intel CPUs), a single row takes the stack's streamed
     product instead.

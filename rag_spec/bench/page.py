@@ -110,7 +110,8 @@ PARTS = {"rag": "RAG prompts", "open_ended": "open-ended prompts", "greedy": "gr
          "extraction": "JSON extraction", "tool_call": "tool calls", "speed": "speed",
          "greedy_identical": "greedy identity", "attention_kernel": "attention kernel",
          "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex"}
-QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions"}
+QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions", "commit",
+         "data_commit"}
 
 
 def load(name: str, directory: Path = REPORT_DIR) -> dict[str, Any]:
@@ -126,6 +127,17 @@ def machine(report: dict[str, Any]) -> str:
     if m.get("cpu_family"):
         cpu += f" (family {m['cpu_family']}, model {m['cpu_model']})"
     return f"{m.get('cpus', '?')}-core VM, {cpu}, torch {m.get('torch', '?')}"
+
+
+def code(report: dict[str, Any]) -> str:
+    """The code a report ran: the commit it recorded, or (a report from before benches
+    recorded it) the commit that added its figures, whose code or its parent's ran."""
+    if "commit" in report:
+        return f"commit `{report['commit']}`"
+    if "data_commit" in report:
+        return (f"figures added in commit `{report['data_commit']}` (the code that commit or "
+                f"its parent holds)")
+    return "not recorded"
 
 
 def _number(value: Any) -> str:
@@ -195,7 +207,8 @@ def section(bench: Bench, report: dict[str, Any], directory: Path = REPORT_DIR) 
     where the bench drew one, and every table of its figures."""
     lines = [f"## {bench.title}", "", bench.about, ""]
     lines += [f"- command: `{report.get('command', '?')}`", f"- machine: {machine(report)}",
-              f"- date: {report.get('date', '?')}; data: [`{bench.name}.json`]({bench.name}.json)"]
+              f"- date: {report.get('date', '?')}; code: {code(report)}; data: "
+              f"[`{bench.name}.json`]({bench.name}.json)"]
     if _settings(report):
         lines.append(f"- setting: {_settings(report)}")
     lines.append("")
@@ -233,8 +246,8 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
                 f"{_x(report['amdahl_bound'])} for retrieval alone)")
 
     greedy = draft["greedy"]
-    magic = "; ".join(f"{r['batch']} x {r['context']}: {_x(r['self_spec_over_no_drafts'])}"
-                      for r in longctx["runs"])
+    magic = "; ".join(f"{r['batch']} x {r['context']}: {_x(r['self_spec_over_no_drafts'])} "
+                      f"({_x(r['self_spec_over_hf'])} `generate`)" for r in longctx["runs"])
     rows = [
         ("trie + draft head drafts, tree verification", "lookahead",
          f"`prompt_lookup_num_tokens=4`: {_x(_system(look, 'rag', 'pld4'))} RAG, "
@@ -268,14 +281,27 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
          f"{_x(_system(greedy, 'rag', 'rag_spec_merged'))} / "
          f"{_x(_system(greedy, 'open_ended', 'rag_spec_merged'))})", "draft"),
         ("sparse-KV self-speculation (MagicDec), over our own decoding", "magicdec",
-         "`generate` on the padded batch", magic, "longctx_plain_first"),
+         "our decoder without drafts on the same batch (in brackets: over `generate` on the "
+         "padded batch)", magic, "longctx_plain_first"),
     ]
     lines = ["| technique | paper (setting) | peer measured here | rag-spec here | data |",
              "| --- | --- | --- | --- | --- |"]
+    history = _history(directory)
     for technique, paper, peer, ours, data in rows:
         cited = f"{papers[paper]['figure']} ({papers[paper]['setting']})" if paper else "-"
-        lines.append(f"| {technique} | {cited} | {peer} | {ours} | [{data}](#{_anchor(data)}) |")
+        old = " (history: another VM, older code)" if data in history else ""
+        lines.append(f"| {technique} | {cited} | {peer} | {ours} | "
+                     f"[{data}](#{_anchor(data)}){old} |")
     return lines
+
+
+def _history(directory: Path) -> set[str]:
+    """The CPU benches not run on the headline's machine (``lookahead.json``'s): the page
+    shows them apart, as history."""
+    current = machine(load("lookahead", directory))
+    reports = {bench.name: load(bench.name, directory) for bench in BENCHES}
+    return {name for name, report in reports.items()
+            if "device" not in report and machine(report) != current}
 
 
 def _anchor(name: str) -> str:
@@ -299,36 +325,70 @@ def page(directory: Path = REPORT_DIR) -> str:
         "The papers ran 7B-65B models on GPUs, where a pass over dozens of tokens costs about "
         "one; here a 135M model runs on two CPU cores, where a wide step costs more than a "
         "one-token one.", "", *headline(directory), ""]
+    current = machine(load("lookahead", directory))
+    reports = {bench.name: load(bench.name, directory) for bench in BENCHES}
+    history = [b for b in BENCHES if b.name in _history(directory)]
     for bench in BENCHES:
-        lines += section(bench, load(bench.name, directory), directory)
+        if bench not in history:
+            lines += section(bench, reports[bench.name], directory)
+    if history:
+        lines += ["## History: other machines, older code", "",
+                  f"Measured before benches recorded their CPU, on a VM that may not be the "
+                  f"{current} above, and on older code (each section names its date and "
+                  f"commit). Kept for the record: a figure here is comparable only with the "
+                  f"others in its own section (`generate`'s own speed differs by up to 2x "
+                  f"between VMs), until its bench is run again.", ""]
+        for bench in history:
+            lines += ["#" + line if line.startswith("## ") else line
+                      for line in section(bench, reports[bench.name], directory)]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def how_fast(directory: Path = REPORT_DIR) -> str:
-    """README.md's one table: what a user of each surface gains, on one machine."""
+    """README.md's one table: what a user of each surface gains, on one machine, and how
+    much of it is our kernels and compiled steps (the no-draft ablation) and how much
+    speculation, where the bench measured the ablation."""
     look, chain, structured = (load(n, directory) for n in ("lookahead", "chain", "structured"))
     milvus = load("ralm_milvus_300ms", directory)
-    pairs: list[tuple[str, str, str]] = [
+
+    def decoded(part: str) -> str:
+        return (f"{_x(_system(look, part, 'rag_spec_no_drafts'))} without drafts (our kernels, "
+                f"compiled steps), drafts {_x(look[part]['rag_spec_over_no_drafts'])} over that")
+
+    apart = "not measured apart"
+    rows: list[tuple[str, str, str, str]] = [
         ("LangChain RAG chain (`SpecRetriever` + `ChatLookahead`)", "`ChatHuggingFace`",
-         _x(chain["langchain"]["speedup"])),
+         _x(chain["langchain"]["speedup"]), apart),
         ("LlamaIndex query engine (`LookaheadLLM`)", "`HuggingFaceLLM`",
-         _x(chain["llamaindex"]["speedup"])),
-        ("`LookaheadDecoder`, RAG answers", "`generate`", _x(_system(look, "rag", "rag_spec"))),
+         _x(chain["llamaindex"]["speedup"]), apart),
+        ("`LookaheadDecoder`, RAG answers", "`generate`", _x(_system(look, "rag", "rag_spec")),
+         decoded("rag")),
         ("`LookaheadDecoder`, open-ended answers", "`generate`",
-         _x(_system(look, "open_ended", "rag_spec"))),
+         _x(_system(look, "open_ended", "rag_spec")), decoded("open_ended")),
         ("JSON under a schema", "`generate` + xgrammar",
-         _x(_system(structured, "extraction", "rag_spec", "speedup_vs_peer"))),
+         _x(_system(structured, "extraction", "rag_spec", "speedup_vs_peer")),
+         f"{_x(_system(structured, 'extraction', 'rag_spec_no_drafts', 'speedup_vs_peer'))} "
+         f"without drafts"),
         ("iterative RaLM, Milvus behind 300 ms", "the naive loop",
-         _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]))]
-    machines = sorted({machine(r) for r in (look, chain, structured, milvus)})
+         _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]),
+         f"{_x(milvus['systems']['spec_all']['speedup_vs_naive'])} speculative retrieval "
+         f"alone, lookahead decoding the rest")]
+    reports = (look, chain, structured, milvus)
+    machines = sorted({machine(r) for r in reports})
+    wide = all("avx512f" in r.get("machine", {}).get("vector_flags", ()) for r in reports)
+    needs = (f"steps {look.get('default_passes', 'compiled ahead of time')} (`make compile`)"
+             + (", a CPU with AVX-512 (our linear kernel's widest path; an AVX2 CPU runs its "
+                "AVX2 path, and the kernels' share differs)" if wide else ""))
     return "\n".join([
-        "| what you run | instead of | speedup, same output |", "| --- | --- | ---: |",
-        *(f"| {a} | {b} | {c} |" for a, b, c in pairs), "",
-        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy. Every command, "
-        "machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md). The peers "
-        "here are the transformers-based classes; llama.cpp (`ChatLlamaCpp`, `LlamaCPP`, "
-        "Ollama), which decodes this model's GGUF faster than `generate` on a CPU, is not "
-        "measured against yet."])
+        "| what you run | instead of | speedup, same output | of which |",
+        "| --- | --- | ---: | --- |",
+        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
+        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy; with {needs}. "
+        "Parts are medians of per-prompt ratios, so they need not multiply to the whole. Every "
+        "command, machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md). "
+        "The peers here are the transformers-based classes; llama.cpp (`ChatLlamaCpp`, "
+        "`LlamaCPP`, Ollama), which decodes this model's GGUF faster than `generate` on a CPU, "
+        "is not measured against yet."])
 
 
 def with_how_fast(readme: str, table: str) -> str:

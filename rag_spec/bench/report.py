@@ -132,7 +132,7 @@ def machine() -> dict[str, Any]:
 
     cpu = cpu_info()
     return {"platform": platform.platform(), "processor": platform.processor(),
-            # which VM class ran it (a Zen 4, an AMX Xeon, an AVX2 machine): the figures move
+            # which VM class ran it (its CPU model and vector instructions): the figures move
             # with it
             "cpu": cpu.get("model name", ""), "cpu_family": cpu.get("cpu family", ""),
             "cpu_model": cpu.get("model", ""), "vector_flags": vector_flags(),
@@ -149,10 +149,29 @@ def command_line() -> str:
     return shlex.join(["python", *sys.orig_argv[1:]])
 
 
+def code_version() -> str:
+    """The code a bench ran: the checkout's commit (``+changes`` where files differ from it),
+    or the installed version outside a checkout."""
+    import subprocess
+
+    import rag_spec
+
+    here = Path(rag_spec.__file__).parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=10", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "-uno"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"rag-spec {rag_spec.__version__}"
+    return f"{commit}{'+changes' if changed else ''}"
+
+
 def stamped(report: dict[str, Any], name: str) -> dict[str, Any]:
-    """``report`` with its bench's name, the command that ran it and today's date first."""
+    """``report`` with its bench's name, the command that ran it, today's date and the code
+    it ran first."""
     return {"benchmark": name, "command": command_line(),
-            "date": datetime.date.today().isoformat(), **report}
+            "date": datetime.date.today().isoformat(), "commit": code_version(), **report}
 
 
 def publish(report: dict[str, Any], json_out: str | None, name: str,

@@ -20,16 +20,15 @@ context (a draft model, an early exit) drafts nothing while the trie offers a pa
 or more (the answer is copying: its passes would cost more than they add), and is first asked at
 the fourth step, by which time a copying answer has shown itself. The draft head, which reads the
 target's own states (one pass a few percent of a step, no prefill), is asked from the first step,
-copying or not: sparing it lost more of its hits than its passes cost (measured on the embedded
-model, one row, 8 prompts per set: 1.34 tokens per step on open-ended prompts spared, 1.53
-asked). The model also has an adaptive budget of its own (the row's policy holds it:
+copying or not: sparing it lost more of its hits than its passes cost, on the embedded
+model's open-ended prompts (docs/concepts.md, "Why the defaults"). The model also has an
+adaptive budget of its own (the row's policy holds it:
 ``policy.plan.RowPolicy.model_share``), fed by the tokens of its own trees the target
 accepted, so while its guesses keep missing it is asked only in probe steps, and a useless
 draft costs the merged drafter little over the trie alone. That budget goes on from one greedy
 request to the next (``policy.plan.Policy``), probes' pace included, so a draft that missed is
-not probed afresh at the fourth step of each (measured: a draft model's probe, ~35-40 ms with
-its trial prefill, about two steps, once per 64-token RAG answer put it merged with the trie
-behind the trie alone).
+not probed afresh at the fourth step of each (a draft model's probe, with its trial prefill,
+costs about two steps: once per RAG answer, it put the merged drafter behind the trie alone).
 """
 
 from __future__ import annotations

@@ -392,8 +392,8 @@ class LookaheadDecoder:
         one-token passes) and then drafting from the prompt (tree passes), on a private trie:
         this decoder's drafter learns nothing from them. A batch of several prompts compiles
         its own graphs at first use. Not in the background: compiling holds Python's
-        interpreter lock for most of a minute, and measured on two cores, eager steps on
-        another thread slowed from 44 ms to 0.7-1 s a token while it ran.
+        interpreter lock for most of a minute, and on two cores eager steps on another
+        thread slowed more than tenfold while it ran.
         """
         started = time.perf_counter()
         vocab = self.model.get_input_embeddings().num_embeddings

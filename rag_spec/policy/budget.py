@@ -16,8 +16,8 @@ PROBE_SHARE = 0.02  # the most of plain decoding's time that probes (drafts not 
 # A trie's drafts hit in runs (an answer copies a passage for a while, then stops): estimates
 # follow the last few trees, and probes back off while copying has stopped. A trained draft's
 # hit or miss about independently from step to step around a rate that changes slowly
-# (measured: the draft head on the embedded model's open-ended answers, a correlation of 0.03
-# between consecutive positions' hits, at a rate of 54%): estimates following the last few trees
+# (measured: the draft head on the embedded model's open-ended answers, consecutive positions'
+# hits all but uncorrelated, docs/concepts.md): estimates following the last few trees
 # swing with every miss, fall below what drafts cost, and with probes backing off stay there
 # (docs/concepts.md, "Why the defaults"). A steady drafter's estimates average over about
 # twenty trees, and its probes keep their pace.
@@ -25,8 +25,8 @@ STEADY_SMOOTHING = 0.95
 # A steady drafter's acceptance belongs to the drafter and the model more than to one request,
 # so a new greedy row starts from the estimates the last ended with (``AdaptiveBudget.resumed``)
 # counted as this many trees: the ~twenty the smoothing averages over. From scratch, a few
-# misses among an answer's first trees stopped the head's drafting there for a while (measured
-# on 8 open-ended prompts: 1.39 tokens per step from scratch, 1.46 carried over).
+# misses among an answer's first trees stopped the head's drafting there for a while (fewer
+# tokens per step from scratch than carried over, on open-ended prompts).
 STEADY_TREES = 20
 
 

@@ -22,7 +22,7 @@ import torch
 # one (relative to a one-token pass): optimistic, so unmeasured widths get tried and measured.
 # One row pays little per token (the step reads the weights either way); a batch pays for each
 # of its rows: an extra token per row is ``rows`` more rows through every linear layer and
-# more attention (measured at 16 x 4k on two cores: 0.016 of a plain step per row-token).
+# more attention (measured at 16 x 4k on two cores: about the per-row prior below).
 _PRIOR_SLOPE = 0.05
 _PRIOR_SLOPE_PER_ROW = 0.015
 _SMOOTHING = 0.7
@@ -72,8 +72,8 @@ class StepCosts:
 
     def _warm(self, key: int | str) -> bool:
         """Whether ``key``'s cost was timed before. The first pass of a width (or a draft, or
-        a proposal) pays one-off work: kernels picked or compiled (on an H100 a 4-token step
-        timed 1 s the first time, 13 ms for 2 tokens after theirs), oneDNN primitives, a
+        a proposal) pays one-off work: kernels picked or compiled (on a GPU a width's first
+        step takes many times its later ones), oneDNN primitives, a
         sparse view built. Until a cost is counted it is estimated, optimistically, so the
         pass is tried again."""
         if key in self._timed:
@@ -111,9 +111,8 @@ class StepCosts:
             prior = prior_cost(1 + abs(width - nearest), self.rows)
             return base * prior if width > nearest else base / prior
         # the slope of all measured widths: the two nearest alone, a token apart, made a wide
-        # pass look dear whenever their noise (a millisecond on a 12 ms step) ran uphill, and so
-        # it was never tried (measured: a draft head's sizes stuck at 7 nodes, 2.2 tokens a
-        # pass against 2.6 at 12 on repeated open-ended prompts, run after run). A wider pass
+        # pass look dear whenever their noise ran uphill, and so it was never tried (a draft
+        # head's sizes stuck small, run after run: lab/results/head_sizes.json). A wider pass
         # is no cheaper than the prior says, and a narrower one costs at least its share of
         # the tokens.
         line = base + _slope(self.target) * (width - nearest)

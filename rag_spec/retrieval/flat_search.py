@@ -1,13 +1,13 @@
 """Exact inner-product top-k over a flat index's own vectors, with torch's matrix products.
 
-On CPU, faiss's flat search below 20 queries grows with the batch (over 5M x 384 on 2 cores:
-393 ms for one query, 866 ms for eight); a matrix product reads the vectors once per batch at
-memory speed (~230 ms for one to four queries). A batch of queries then costs little more than
-one, which is what batched verification of speculated retrievals relies on.
+On CPU, faiss's flat search below 20 queries grows with the batch (eight queries cost about
+twice one); a matrix product reads the vectors once per batch at memory speed, the same for
+one to four queries. A batch of queries then costs little more than one, which is what batched
+verification of speculated retrievals relies on.
 
-Past four queries the plain product becomes compute-bound (~550 ms for eight). A packed copy in
-oneDNN's blocked layout (``PackedVectors``, twice the memory) keeps one to sixteen queries at
-~240 ms.
+Past four queries the plain product becomes compute-bound. A packed copy in oneDNN's blocked
+layout (``PackedVectors``, twice the memory) keeps one to sixteen queries at about one's cost
+(``rag-spec bench ralm --retriever exact --packed``).
 
 A matrix product's rounding depends on its shape: on some CPUs (AVX2-only ones, such as AMD's
 Zen 3) a query scored in a batch of nine differs in the last bits from the same query scored
@@ -79,7 +79,7 @@ def _plain_scores(vectors: torch.Tensor,
             yield start, (block @ queries.T).T
             continue
         # float16 vectors, computed in float32 a few thousand rows at a time: converted while
-        # they sit in cache, 1M x 577 take 0.17 s against 0.75 s converted in one piece.
+        # they sit in cache, several times faster than converted in one piece.
         scores = torch.empty((len(queries), len(block)))
         for sub in range(0, len(block), CONVERT_ROWS):
             part = block[sub:sub + CONVERT_ROWS].to(queries.dtype)

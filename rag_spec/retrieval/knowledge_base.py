@@ -70,9 +70,8 @@ class KnowledgeBase:
     def pack(self) -> None:
         """Keep a copy of a flat index's vectors in oneDNN's blocked layout (CPU only; as much
         memory again, ~2 s per 1M vectors to build). A batch of up to 16 queries then costs
-        about what one does, which makes speculative retrieval's batched verifications cheap:
-        over 5M x 384 vectors ~240 ms for 1-16 queries, against ~230 ms for one and ~550 ms
-        for eight unpacked."""
+        about what one does, which makes speculative retrieval's batched verifications cheap
+        (unpacked, eight cost about twice one; ``rag-spec bench ralm --packed``)."""
         if not isinstance(self.index, DenseIndex):
             msg = f"Only a flat (exact) index can be packed; this one is {self.kind}."
             raise RagSpecError(msg)

@@ -223,9 +223,10 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches ``top_p``: a token
     stays while the tokens likelier than it hold less than ``top_p`` (transformers' rule).
 
-    Sorting a whole vocabulary costs ~4.5 ms a row on a CPU, a tenth of a small model's step;
-    the nucleus is almost always among the ``_TOP_P_CANDIDATES`` likeliest tokens, found by
-    ``topk`` in ~0.4 ms, so only rows whose candidates hold less than ``top_p`` are sorted whole.
+    Sorting a whole vocabulary costs a noticeable share of a small model's step on a CPU;
+    the nucleus is almost always among the ``_TOP_P_CANDIDATES`` likeliest tokens, which
+    ``topk`` finds in a tenth of the time, so only rows whose candidates hold less than
+    ``top_p`` are sorted whole.
     """
     candidates = min(_TOP_P_CANDIDATES, logits.shape[-1])
     values, order = logits.topk(candidates, dim=-1)  # descending
