@@ -277,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
                      "trie where it has one (the embedded model does), else the trie")
     ask.add_argument("--json-schema", default=None, metavar="FILE",
                      help="answer as JSON following the JSON schema in FILE (constrained "
-                     "decoding, speculated; compact JSON)")
+                     "decoding, speculated; at most one whitespace character a place)")
     ask.add_argument("--json", action="store_true",
                      help="with --json-schema: print the answer's JSON alone on standard "
                      "output (for a pipe); the question, sources and speed go to standard error")

@@ -60,26 +60,6 @@ class TestChatLookaheadIntegration(ChatModelIntegrationTests):
     def test_json_mode(self, model):
         super().test_json_mode(model)
 
-    # Compact JSON (the default: no free whitespace) makes the 135M model's cat joke a string
-    # it never closes ('{"setup": "Situ pakai, sampu, sampu, ...'), where free whitespace let it
-    # write '{\n  "setup" : "Sit up, cat!"...' and JSON laid out with indent=2 loops too; on
-    # the held-out structured bench compact JSON is valid 8/8 + 8/8 in the fewest tokens.
-    _COMPACT = ("the 135M model's compact-JSON cat joke never closes within max_tokens: the cut "
-                "answer raises OutputParserException, as it must, never a partial object")
-
-    @pytest.mark.xfail(reason=_COMPACT)
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    def test_structured_output(self, model, schema_type):
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.xfail(reason=_COMPACT)
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    async def test_structured_output_async(self, model, schema_type):
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=_COMPACT)
-    def test_structured_output_pydantic_2_v1(self, model):
-        super().test_structured_output_pydantic_2_v1(model)
 
 class TestSpecRetrieverIntegration(RetrieversIntegrationTests):
     @property

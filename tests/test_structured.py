@@ -533,22 +533,30 @@ def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
 
 # -- answers that hold up: compact JSON, cut answers said, one string is no list of choices -------
 
-def test_json_is_compact_by_default_and_laid_out_on_request(lm, tok):
+def test_json_allows_one_free_whitespace_by_default_compact_or_laid_out_on_request(lm, tok):
     """A grammar that allows any whitespace lets a small model spend its tokens on newlines
-    and never close the object: the default allows none but after ``,`` and ``:``; an
+    and never close the object; one that allows none makes it run free strings on where it
+    would close them after a newline: the default allows one whitespace character a place
+    (lab.json_layouts measured both on the embedded model). ``whitespace=0`` is compact; an
     indent lays it out on fixed lines. Either way the tokens are constrained generate's on
     the same grammar."""
     from rag_spec import JsonSchema
 
-    compact = Constraint(compiled_for(lm, tok, json_schema=SCHEMA), len(tok), tok).matcher
+    default = Constraint(compiled_for(lm, tok, json_schema=SCHEMA), len(tok), tok).matcher
+    assert default.accept_string('{\n"name": "ab",')
+    assert not default.accept_string(' \n')  # two in a row
+    compact = Constraint(compiled_for(lm, tok, json_schema=JsonSchema(SCHEMA, whitespace=0)),
+                         len(tok), tok).matcher
     assert not compact.accept_string('{\n')
     assert compact.accept_string('{"name": "ab", "n": 1, "ok": true}') and compact.is_completed()
     pretty = compiled_for(lm, tok, json_schema=JsonSchema(SCHEMA, indent=2))
     assert Constraint(pretty, len(tok), tok).matcher.accept_string('{\n  "name": "ab",\n')
     decoder = LookaheadDecoder(lm, tok, LookaheadConfig(budget=8))
     ids = prompt(tok, '{"name": ')
-    result = decoder.generate(ids, 40, json_schema=JsonSchema(SCHEMA, indent=2))
-    assert result.token_ids == hf_constrained(lm, tok, ids, pretty, 40)
+    for layout in (JsonSchema(SCHEMA, indent=2), SCHEMA):
+        result = decoder.generate(ids, 40, json_schema=layout)
+        grammar = compiled_for(lm, tok, json_schema=layout)
+        assert result.token_ids == hf_constrained(lm, tok, ids, grammar, 40)
 
 
 def test_an_answer_cut_before_its_grammar_closes_says_so(lm, tok):

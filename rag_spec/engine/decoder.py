@@ -271,12 +271,14 @@ class LookaheadDecoder:
             context: documents this call may copy from, like ``add_context`` but for this call
                 only.
             json_schema: a JSON schema the output follows (a dict, a JSON string or a
-                Pydantic model class): compact JSON, no free whitespace (xgrammar's
-                ``compile_json_schema(schema, any_whitespace=False)``); wrap it as
-                ``JsonSchema(schema, indent=2)`` for JSON over lines. At most one of the four
-                grammar keywords per prompt; a list gives one per prompt of a batch. The
-                tokens are constrained decoding's on the same grammar: greedy picks the argmax
-                of the allowed tokens' logits, sampling draws from the allowed tokens.
+                Pydantic model class): at most one whitespace character at each place JSON
+                allows some (xgrammar's ``compile_json_schema(schema,
+                max_whitespace_cnt=1)``); wrap it as ``JsonSchema(schema, whitespace=0)`` for
+                compact JSON, ``JsonSchema(schema, indent=2)`` for JSON over lines. At most
+                one of the four grammar keywords per prompt; a list gives one per prompt of a
+                batch. The tokens are constrained decoding's on the same grammar: greedy picks
+                the argmax of the allowed tokens' logits, sampling draws from the allowed
+                tokens.
             regex: a regular expression the output matches.
             grammar: an EBNF grammar the output follows (start rule ``root``).
             choices: a list of the strings the output is one of (a bare string is refused).

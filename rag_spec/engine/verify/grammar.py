@@ -38,14 +38,13 @@ from rag_spec.target.tree import TokenTree
 class JsonSchema:
     """A JSON schema and the layout of the JSON that follows it.
 
-    By default (``indent=None``) the JSON is compact: one space after each ``,`` and ``:``
-    and no other whitespace, as ``json.dumps`` writes it and as OpenAI's and vLLM's JSON
-    modes produce in practice. A grammar that allows any whitespace lets a small model
-    spend its tokens on newlines and never close the object. ``indent=2`` lays the JSON out
-    over lines instead; the whitespace is fixed either way. Which layout a small model
-    closes more often depends on the schema: one that wants a newline after ``{`` may write
-    free strings that never end in compact JSON (``GenerationResult.incomplete`` says so);
-    try ``indent=2`` there.
+    By default (``whitespace=1``) at most one whitespace character stands at each place JSON
+    allows some: a grammar that allows any lets a small model spend its
+    tokens on newlines and never close the object, and one that allows none (compact JSON,
+    ``whitespace=0``: one space after ``,`` and ``:``, as ``json.dumps`` writes it) makes
+    some schemas' free strings run on, where the model would have closed them after a
+    newline it may not write. ``indent=2`` lays the JSON out over fixed lines instead.
+    ``GenerationResult.incomplete`` says when an answer did not close.
 
     Examples:
         >>> decoder.generate(ids, json_schema=JsonSchema(Answer, indent=2))  # doctest: +SKIP
@@ -53,6 +52,13 @@ class JsonSchema:
 
     schema: Any  # a dict, a JSON string or a Pydantic model class
     indent: int | None = None
+    whitespace: int = 1  # free whitespace characters a place, where ``indent`` is None
+
+    def compile_arguments(self) -> dict[str, Any]:
+        """xgrammar's ``compile_json_schema`` layout arguments for this layout."""
+        if self.indent is not None or self.whitespace == 0:
+            return {"any_whitespace": False, "indent": self.indent}
+        return {"any_whitespace": True, "max_whitespace_cnt": self.whitespace}
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,9 @@ class Grammars:
         kind, text = _source(request)
         try:
             if kind == "json_schema":
-                indent = request.json_schema.indent \
-                    if isinstance(request.json_schema, JsonSchema) else None
-                return self.compiler.compile_json_schema(text, any_whitespace=False,
-                                                         indent=indent)
+                layout = request.json_schema if isinstance(request.json_schema, JsonSchema) \
+                    else JsonSchema(None)
+                return self.compiler.compile_json_schema(text, **layout.compile_arguments())
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(text)
