@@ -194,8 +194,9 @@ def _set_aside_damaged(client: Any, uri: str, alias: str, token: str | None,
 
     aside: set[Path] = set()
     while True:
-        try:
-            client.has_collection(alias, timeout=timeout)
+        try:  # every collection read, not only the alias's: one damaged stops them all
+            for name in client.list_collections(timeout=timeout):
+                client.describe_collection(name, timeout=timeout)
         except MilvusException as err:
             damaged = _DAMAGED.search(getattr(err, "message", None) or str(err))
         else:
