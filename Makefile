@@ -8,6 +8,8 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 # the partner packages (LangChain's and LlamaIndex's integration layout), installed beside rag-spec
 PARTNERS := langchain-rag-spec llama-index-llms-rag-spec llama-index-retrievers-rag-spec \
 	llama-index-embeddings-rag-spec rag-spec-chain-bench
+# LangChain's agents (create_agent, LangGraph's prebuilt agent) on ChatLookahead
+EXTRAS_langchain-rag-spec := [agents]
 QUESTION ?= How do I join two path components with os.path?
 
 .PHONY: install pull compile demo test check docs bench bench-draft bench-page gpu-check clean
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.tom
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus]' \
-		$(foreach p,$(PARTNERS),-e integrations/$(p))
+		$(foreach p,$(PARTNERS),-e 'integrations/$(p)$(EXTRAS_$(p))')
 	touch $@
 
 install: $(STAMP)

@@ -493,7 +493,7 @@ def test_both_adapters_hand_on_calls_and_the_id_a_result_answers():
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.rag_spec.base import _chat as llama_index_chat
 
-    from langchain_rag_spec.chat_models import _chat as langchain_chat
+    from langchain_rag_spec.chat_models import chat_turns as langchain_chat
     from rag_spec.serving.tools import ToolCall
 
     call = ToolCall("add", {"a": 3}, id="c1")

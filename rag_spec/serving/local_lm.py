@@ -125,7 +125,9 @@ class Completion:
                 "accepted": sum(s.accepted_per_step),
                 "accepted_per_step": list(s.accepted_per_step),
                 "tokens_per_step": round(s.tokens_per_step, 3),
-                "tokens_per_second": round(self.tokens_per_second, 2)}
+                "tokens_per_second": round(self.tokens_per_second, 2),
+                # what reusing an unchanged prompt prefix (an agent's turns) could save at most
+                "prefill_share": round(s.prefill_seconds / max(self.seconds, 1e-9), 3)}
 
 
 @dataclass(frozen=True)

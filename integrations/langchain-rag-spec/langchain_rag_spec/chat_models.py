@@ -55,7 +55,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                   **kwargs: Any) -> ChatResult:
         lm = self.local_lm()
         options = self.options(stop, kwargs)
-        completion = lm.generate([_chat(messages)], options, kwargs.get("context", ()))[0]
+        completion = lm.generate([chat_turns(messages)], options, kwargs.get("context", ()))[0]
         return self._result(completion)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -63,7 +63,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                          **kwargs: Any) -> ChatResult:
         lm = self.local_lm()
         options = self.options(stop, kwargs)
-        completions = await lm.agenerate([_chat(messages)], options, kwargs.get("context", ()))
+        completions = await lm.agenerate([chat_turns(messages)], options, kwargs.get("context", ()))
         return self._result(completions[0])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -71,7 +71,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         lm = self.local_lm()
         options = self.options(stop, kwargs)
-        chunks = lm.stream(_chat(messages), options, kwargs.get("context", ()))
+        chunks = lm.stream(chat_turns(messages), options, kwargs.get("context", ()))
         yield from _with_calls(chunks, self._chunk) if options.tools else map(self._chunk, chunks)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -80,7 +80,7 @@ class ChatLookahead(LookaheadSettings, BaseChatModel):
         lm = self.local_lm()
         options = self.options(stop, kwargs)
         held: list[Chunk] = []  # with tools, text and calls come once the answer is whole
-        async for chunk in lm.astream(_chat(messages), options, kwargs.get("context", ())):
+        async for chunk in lm.astream(chat_turns(messages), options, kwargs.get("context", ())):
             if options.tools:
                 held.append(chunk)
             else:
@@ -207,7 +207,7 @@ def _calls(completion: Completion) -> list[dict[str, Any]]:
             for c in completion.calls]
 
 
-def _chat(messages: list[BaseMessage]) -> list[dict[str, Any]]:
+def chat_turns(messages: list[BaseMessage]) -> list[dict[str, Any]]:
     """LangChain messages as rag_spec's chat turns: an AI message's tool calls as
     ``ToolCall``s, a tool's result with the id of the call it answers (and its name where
     the message has one)."""

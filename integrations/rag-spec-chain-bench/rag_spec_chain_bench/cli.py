@@ -15,8 +15,24 @@ def add_command(kinds: Any) -> None:
     chain.set_defaults(run=_chain)
 
 
+def add_agent_command(kinds: Any) -> None:
+    agent = kinds.add_parser("agent", help="a LangChain agent with tools: generate + xgrammar "
+                             "vs ChatLookahead, per task")
+    agent.add_argument("--json", dest="json_out", help="write the report here")
+    agent.add_argument("--limit", type=int, default=6, help="use the first N tasks")
+    agent.add_argument("--max-new-tokens", type=int, default=128)
+    agent.set_defaults(run=_agent)
+
+
 def _chain(args: argparse.Namespace) -> int:
     from rag_spec_chain_bench.chain import run
+
+    run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from rag_spec_chain_bench.agent import run
 
     run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
     return 0
