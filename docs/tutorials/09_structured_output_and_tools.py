@@ -41,7 +41,8 @@ prompt = chat_input_ids(lm.tokenizer, [{"role": "user", "content": (
 #
 # Every output parses: the grammar masks each drafted node's logits along its own path, cuts
 # drafts it forbids, and drafts what it forces (a key, a closing quote) as a chain. The JSON
-# is compact by default (no free whitespace, which a small model would spend its tokens on);
+# allows at most one whitespace character at each place by default (any more, and a small
+# model spends its tokens on newlines; none, and it writes strings it never closes);
 # `rag_spec.JsonSchema(Api, indent=2)` lays it out over lines.
 
 # %%
@@ -56,12 +57,12 @@ print(f"{result.stats.tokens_per_step:.2f} tokens per forward pass")
 # %% [markdown]
 # ## The same tokens as constrained greedy decoding
 #
-# The peer decodes under the same grammar: the schema's compact JSON.
+# The peer decodes under the same grammar: at most one whitespace character a place.
 
 # %%
 info = xgr.TokenizerInfo.from_huggingface(
     lm.tokenizer, vocab_size=lm.model.get_input_embeddings().num_embeddings)
-compiled = xgr.GrammarCompiler(info).compile_json_schema(Api, any_whitespace=False)
+compiled = xgr.GrammarCompiler(info).compile_json_schema(Api, max_whitespace_cnt=1)
 ids = torch.tensor([prompt])
 started = time.perf_counter()
 out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
