@@ -139,7 +139,8 @@ def run(json_out: str | None = None, limit: int = 6, max_new_tokens: int = 128) 
             messages = agents[name].invoke({"messages": [("user", task)]})["messages"]
             runs[name].append({"seconds": time.perf_counter() - started,
                                "turns": _turns(messages), "transcript": transcript(messages)})
-    report: dict[str, Any] = {"model": chat.model, "max_new_tokens": max_new_tokens,
+    report: dict[str, Any] = {"model": chat.model, "dtype": str(chat.local_lm().lm.dtype),
+                              "max_new_tokens": max_new_tokens,
                               "tasks": len(tasks), "machine": machine(), "systems": {}}
     peer = runs["hf_xgrammar"]
     for name in SYSTEMS:
