@@ -2,8 +2,8 @@
 
 torch, faiss and oneDNN parallelise with OpenMP, which gives every thread that computes its
 own team of worker threads; once two teams exist on the same cores, every parallel region
-runs slower, for as long as both threads live (measured on 2 cores: a decoding step 1.7-2x
-slower after one search on a live pool thread). Hence two rules:
+runs slower, for as long as both threads live (measured on 2 cores: a decoding step took
+nearly twice as long after one search on a live pool thread). Hence two rules:
 
 - async entry points run their work on one shared compute thread (``run_in_compute_thread``),
   never on the event loop's default executor, whose several threads would each build a team;

@@ -2,8 +2,8 @@
 ``tree_attention`` for float32 on AVX-512 CPUs, the Triton kernel's twin.
 
 At long context a step's attention reads the whole KV cache for a few query rows, and SDPA's
-CPU flash kernel takes two to three times as long as that read (batch 16 x 4k on the default
-model: 137 ms of a 159 ms step). This kernel passes each KV head's keys once, 32 at a time, for
+CPU flash kernel takes two to three times as long as that read (at batch 16 x 4k on the default
+model, most of a step). This kernel passes each KV head's keys once, 32 at a time, for
 every query row sharing it, with an online softmax; selected slots (a sparse view) are read in
 place, so no buffer is gathered. Same contract as ``reference_attention``; tested against it.
 

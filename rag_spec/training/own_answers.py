@@ -2,8 +2,8 @@
 
 A draft agrees with the model best on the kind of text the model writes, not on the corpus as
 it stands. Measured on the embedded model's own answers to the benchmark's prompts, an exit
-trained on 800 passages agreed with it on 19% of open-ended answer tokens and 27% of RAG ones;
-with 240 of the model's own answers (below) added, 25% and 34%. So an exit also trains on chat
+trained on passages alone agreed with it on fewer open-ended and RAG answer tokens than one
+trained with a few hundred of the model's own answers (below) added. So an exit also trains on chat
 prompts followed by the model's own greedy answers, of two kinds:
 
 - questions about the user's passages, shown with that passage and its neighbours in the

@@ -87,7 +87,7 @@ class CompiledStep:
 
     def bucket(self, width: int) -> int:
         """The width a pass of ``width`` tokens runs at. CUDA graphs record one graph per
-        width, at its first pass (~0.1 s on an H100, in the middle of an answer), so there
+        width, at its first pass (a pause in the middle of an answer), so there
         trees are padded to 2, 4, 8 or a multiple of 8 tokens: a few graphs serve them all.
         Elsewhere one compilation serves every width, and passes run as they are."""
         if not self.graphs or width <= 2:

@@ -2,7 +2,7 @@
 
 Its layers are ``SlabLayer``s: keys and values are views of a preallocated slab, so a step
 appends in place. transformers' ``DynamicLayer`` concatenates instead, which copies the whole
-cache every step (at batch 16 x 4k context: 3 GB per step, 70% of its time).
+cache every step (at batch 16 x 4k context, most of a step's time).
 
 Speculation writes draft entries and then keeps only accepted ones, so every layer must hold
 every position: a sliding-window layer that drops old entries by itself would lose the slots
