@@ -17,7 +17,7 @@ QUESTION ?= How do I join two path components with os.path?
 $(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus]' \
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus,serve]' \
 		$(foreach p,$(PARTNERS),-e 'integrations/$(p)$(EXTRAS_$(p))')
 	touch $@
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 import warnings
@@ -253,6 +254,23 @@ def _draft_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from rag_spec.serving.server import serve
+    except ImportError as err:
+        msg = (f"rag-spec serve needs FastAPI and uvicorn ({err}); install them with: "
+               f"pip install 'rag-spec[serve]'.")
+        raise RagSpecError(msg) from err
+    if args.max_waiting < 1:
+        msg = f"--max-waiting must be at least 1 (got {args.max_waiting})."
+        raise RagSpecError(msg)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    serve(args.model, host=args.host, port=args.port,
+          api_key=args.api_key or os.environ.get("RAG_SPEC_API_KEY"),
+          max_waiting=args.max_waiting)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from rag_spec.models.registry import DEFAULT_MODEL
     from rag_spec.serving.drafts import DRAFT_HELP
@@ -283,6 +301,18 @@ def _parser() -> argparse.ArgumentParser:
                      "output (for a pipe); the question, sources and speed go to standard error")
     _add_backend_flags(ask)
     ask.set_defaults(run=_ask)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (chat, completions, "
+                                "embeddings) decoding speculatively")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                       "loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                       "(default: $RAG_SPEC_API_KEY, else none)")
+    serve.add_argument("--max-waiting", type=int, default=32,
+                       help="requests in flight before new ones get 429 (default 32)")
+    serve.set_defaults(run=_serve)
 
     index = commands.add_parser("index", help="build knowledge-base indexes")
     index_commands = index.add_subparsers(required=True, metavar="ACTION")
