@@ -5,18 +5,17 @@ input is a 4xx with the API's error body and a sentence, never a traceback."""
 
 import json
 import threading
-import time
 from contextlib import contextmanager
 
 import pytest
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from langchain_rag_spec import ChatLookahead, LookaheadLLM  # noqa: E402
-from rag_spec.serving.server import create_app  # noqa: E402
+from rag_spec import Server, create_app  # noqa: E402
 
 MAX = 16
 
@@ -24,20 +23,9 @@ MAX = 16
 @contextmanager
 def running(app):
     """``app`` served on a free loopback port for the block; stopped after it."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:  # waits for the socket, asserts nothing on time
-        if not thread.is_alive():
-            pytest.fail("the server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
+    with Server(app=app) as server:
+        yield server.url
+    assert not server._thread.is_alive()
 
 
 @pytest.fixture(scope="module")

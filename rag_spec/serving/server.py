@@ -264,6 +264,48 @@ async def _text_events(lm: LocalLM, prompt: Any, options: Any, request_id: str, 
     yield "data: [DONE]\n\n"
 
 
+class Server:
+    """``rag-spec serve`` inside this process, on a thread of its own, for a notebook or a
+    test: ``with Server() as server: ChatOpenAI(base_url=server.url + "/v1", ...)``. It listens
+    on 127.0.0.1 (``port=0``: a free port) and stops when the block ends. ``app``: an
+    application ``create_app`` made, served as it is."""
+
+    def __init__(self, model: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, max_waiting: int = 32, app: Any = None) -> None:
+        import uvicorn
+
+        self.app = app if app is not None else create_app(
+            model, api_key=api_key, max_waiting=max_waiting, background=False)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                                     log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="rag-spec-serve",
+                                        daemon=True)
+        self.url = ""
+
+    def start(self) -> Server:
+        """Listen; returns once the socket is open (``url`` then says where)."""
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                msg = "rag-spec serve did not start: its log says why (a port in use?)."
+                raise RagSpecError(msg)
+            self._thread.join(0.01)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        """Stop taking requests, finish those in flight, close."""
+        self._server.should_exit = True
+        self._thread.join()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 32,
           load_kwargs: dict[str, Any] | None = None) -> None:
