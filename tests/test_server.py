@@ -210,3 +210,58 @@ def test_tools_json_and_embeddings_on_the_embedded_model():
         assert [len(d.embedding) for d in vectors.data] == [384, 384]
         assert max(abs(a - b) for d, e in zip(vectors.data, expected)
                    for a, b in zip(d.embedding, e)) < 1e-5
+
+
+SOAK_BOUND_MB = 200  # the server's RSS growth over 200 requests, after a warm-up round
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.usefixtures("user_cache")
+def test_a_soak_of_200_mixed_requests_from_16_clients():
+    """Streamed and not, tools, JSON schemas, bad requests and dropped streams, 16 clients at
+    once: every valid request answered, every bad one a 4xx with a sentence, memory growth
+    bounded, and the server still answering."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rag_spec.bench.report import rss_mb
+
+    chat = "/v1/chat/completions"
+    ask = [{"role": "user", "content": "What does os.path.join do?"}]
+    valid = [
+        (chat, {"messages": ask, "max_tokens": 8}),
+        (chat, {"messages": ask, "max_tokens": 8, "stream": True}),
+        (chat, {"messages": ask, "max_tokens": 8, "temperature": 0.7, "seed": 3}),
+        ("/v1/completions", {"prompt": "import os\n", "max_tokens": 8}),
+        (chat, {"messages": ask, "max_tokens": 48, "tools": [WEATHER],
+                "tool_choice": "required"}),
+        (chat, {"messages": ask, "max_tokens": 32, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {
+                "type": "object", "required": ["ok"],
+                "properties": {"ok": {"type": "boolean"}}}}}}),
+    ]
+    bad = [(chat, {"messages": ask, "top_p": 7}), (chat, {"messages": []}),
+           ("/v1/completions", {"prompt": 3}), (chat, {"messages": ask, "nope": True})]
+    kinds = [*(("valid", r) for r in valid), *(("bad", r) for r in bad), ("drop", valid[1])]
+    with Server() as server:
+        def send(item):
+            kind, (route, body) = item
+            if kind == "drop":  # a client that hangs up mid-stream
+                with httpx.stream("POST", server.url + route, json=body, timeout=120) as s:
+                    next(s.iter_lines())
+                return kind, 200, ""
+            answer = httpx.post(server.url + route, json=body, timeout=300)
+            return kind, answer.status_code, answer.text
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(send, kinds))  # warm-up: grammars compiled, kernels loaded
+            before = rss_mb()
+            results = list(pool.map(send, [kinds[i % len(kinds)] for i in range(200)]))
+        grown = rss_mb() - before
+        for kind, status, text in results:
+            if kind == "valid":
+                assert status == 200, text
+            elif kind == "bad":
+                assert 400 <= status < 500 and json.loads(text)["error"]["message"], text
+        assert grown < SOAK_BOUND_MB, f"RSS grew {grown:.0f} MB over 200 requests"
+        assert httpx.post(server.url + chat, json=valid[0][1], timeout=60).status_code == 200
