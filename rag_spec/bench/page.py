@@ -47,6 +47,12 @@ BENCHES = (
           "pipeline makes no tool calls) against `ChatLookahead` and its no-draft ablation; "
           "wall time per task, each model turn's tokens per pass and prefill share, and "
           "whether each transcript equals the peer's."),
+    Bench("serve", "rag-spec serve under concurrent clients",
+          "The OpenAI-compatible server under 1-16 concurrent `openai` SDK clients on held-out "
+          "RAG questions (greedy): aggregate tokens per second against one client, latency of "
+          "whole answers, time to first token of streamed ones, and each answer against the "
+          "same request sent alone. llama.cpp's server is the peer where llama-cpp-python's "
+          "`[server]` extra is installed; the JSON's `llama_cpp_server` says whether it was."),
     Bench("structured", "Structured output",
           "JSON under a schema and tool calls: `generate` with xgrammar's logits processor "
           "against our constrained decoding, with and without drafts."),
@@ -104,20 +110,25 @@ METRICS = (
     ("tokens_per_step", "tokens per pass"), ("kb_calls", "KB calls"),
     ("mean_stride", "stride"), ("rollbacks", "rollbacks"),
     ("seconds_per_request", "s per question"), ("seconds_per_prompt", "s per prompt"),
-    ("median_seconds", "median s"), ("knn_top1_accuracy", "nearest token right"),
+    ("median_seconds", "median s"), ("p50_seconds", "p50 s"), ("p95_seconds", "p95 s"),
+    ("ttft_p50_seconds", "first token p50 s"), ("ttft_p95_seconds", "first token p95 s"),
+    ("knn_top1_accuracy", "nearest token right"),
     ("triton_ms", "Triton ms"), ("stock_sdpa_ms", "SDPA ms"), ("max_error", "max error"),
     ("identical_to_hf", "identical"), ("identical_to_naive", "identical"),
     ("identical_to_nodraft", "identical"), ("identical_answers", "identical"),
-    ("identical_to_no_drafts", "identical"), ("tool_calls", "tool calls"),
+    ("identical_to_no_drafts", "identical"), ("identical_to_alone", "identical to alone"),
+    ("tool_calls", "tool calls"),
     ("batch1", "identical, 1 row"),
     ("batch4", "identical, 4 rows"), ("valid", "valid"))
 COUNTED = {"identical_to_hf", "identical_to_naive", "identical_to_nodraft", "identical_answers",
+           "identical_to_alone",
            "identical_to_no_drafts", "batch1", "batch4", "valid"}
 PARTS = {"rag": "RAG prompts", "open_ended": "open-ended prompts", "greedy": "greedy",
          "sampling": "sampled", "greedy_batch4": "greedy, batches of 4",
          "extraction": "JSON extraction", "tool_call": "tool calls", "speed": "speed",
          "greedy_identical": "greedy identity", "attention_kernel": "attention kernel",
-         "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex"}
+         "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex",
+         "levels": "by concurrent clients"}
 QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions", "tasks",
          "commit", "data_commit"}
 
@@ -167,6 +178,10 @@ def _tables(node: Any, path: list[str], count: Any) -> Iterator[tuple[str, dict,
     """Every table in a report: each dict holding two or more systems' figures, titled by
     where it sits; a dict whose parts hold their own ``systems`` skips its own (an older
     report's copy of its first part)."""
+    if isinstance(node, list) and node and all(_is_system(x) and "clients" in x for x in node):
+        yield " / ".join(path), {f"{x['clients']} client{'s' * (x['clients'] > 1)}": x
+                                   for x in node}, count
+        return
     if isinstance(node, list):
         for i, item in enumerate(node):
             if isinstance(item, dict):

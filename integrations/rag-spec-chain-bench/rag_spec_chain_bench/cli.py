@@ -15,6 +15,14 @@ def add_command(kinds: Any) -> None:
     chain.set_defaults(run=_chain)
 
 
+def add_serve_command(kinds: Any) -> None:
+    serve = kinds.add_parser("serve", help="rag-spec serve under 1-16 concurrent OpenAI clients")
+    serve.add_argument("--json", dest="json_out", help="write the report here")
+    serve.add_argument("--clients", default="1,4,8,16", help="concurrency levels")
+    serve.add_argument("--max-new-tokens", type=int, default=64)
+    serve.set_defaults(run=_serve)
+
+
 def add_agent_command(kinds: Any) -> None:
     agent = kinds.add_parser("agent", help="a LangChain agent with tools: generate + xgrammar "
                              "vs ChatLookahead, per task")
@@ -35,4 +43,12 @@ def _agent(args: argparse.Namespace) -> int:
     from rag_spec_chain_bench.agent import run
 
     run(json_out=args.json_out, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rag_spec_chain_bench.serve import run
+
+    run(json_out=args.json_out, clients=tuple(int(c) for c in args.clients.split(",")),
+        max_new_tokens=args.max_new_tokens)
     return 0
