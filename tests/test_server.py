@@ -174,7 +174,8 @@ WEATHER = {"type": "function", "function": {
 @pytest.mark.usefixtures("user_cache")
 def test_tools_json_and_embeddings_on_the_embedded_model():
     """A forced call parses into the API's tool_calls, as ChatLookahead's own call; JSON under
-    a schema parses; embeddings are the knowledge bases' MiniLM vectors."""
+    a schema parses; embeddings are the knowledge bases' MiniLM vectors; ChatOpenAI's
+    ``bind_tools`` and ``with_structured_output`` give what ChatLookahead's give."""
     from rag_spec import Embedder
 
     with running(create_app(background=False)) as address:
@@ -210,6 +211,25 @@ def test_tools_json_and_embeddings_on_the_embedded_model():
         assert [len(d.embedding) for d in vectors.data] == [384, 384]
         assert max(abs(a - b) for d, e in zip(vectors.data, expected)
                    for a, b in zip(d.embedding, e)) < 1e-5
+        from langchain_openai import ChatOpenAI
+        from pydantic import BaseModel, Field
+
+        class Flags(BaseModel):
+            """Whether it holds, and a digit."""
+
+            ok: bool
+            n: int = Field(ge=0, le=9)
+
+        remote = ChatOpenAI(base_url=f"{address}/v1", api_key="unused", temperature=0,
+                            model="smollm2-135m-instruct", max_tokens=64)
+        local = ChatLookahead(max_tokens=64)
+        asked = "What is the weather in Paris?"
+        calls = [llm.bind_tools([WEATHER], tool_choice="any").invoke(asked).tool_calls
+                 for llm in (remote, local)]
+        assert [[(c["name"], c["args"]) for c in made] for made in calls] == \
+            [[(c["name"], c["args"]) for c in calls[1]]] * 2
+        assert remote.with_structured_output(Flags).invoke("Is 3 odd? n is 3.") == \
+            local.with_structured_output(Flags).invoke("Is 3 odd? n is 3.")
 
 
 SOAK_BOUND_MB = 200  # the server's RSS growth over 200 requests, after a warm-up round
