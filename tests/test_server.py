@@ -285,3 +285,46 @@ def test_a_soak_of_200_mixed_requests_from_16_clients():
                 assert 400 <= status < 500 and json.loads(text)["error"]["message"], text
         assert grown < SOAK_BOUND_MB, f"RSS grew {grown:.0f} MB over 200 requests"
         assert httpx.post(server.url + chat, json=valid[0][1], timeout=60).status_code == 200
+
+
+@pytest.mark.slow  # a process of its own
+def test_the_command_serves_and_sigterm_finishes_the_request_in_flight(tiny_model_dir):
+    """``rag-spec serve`` on loopback: a request in flight when SIGTERM comes is answered
+    whole, then the process exits without a traceback."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as probe:  # a free port on loopback
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "rag_spec.cli", "serve", "--model", tiny_model_dir,
+               "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:  # until it listens and the model is loaded
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            threading.Event().wait(0.2)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "prompt": "the cat", "max_tokens": 200, "temperature": 0,
+                "stream": True}) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)  # in flight now
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+        # uvicorn drains, then re-raises the signal it caught: the exit status says SIGTERM
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
