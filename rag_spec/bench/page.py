@@ -252,9 +252,9 @@ def _system(report: dict[str, Any], part: str, name: str, key: str = "speedup_vs
     return report[part]["systems"][name][key]
 
 
-def headline(directory: Path = REPORT_DIR) -> list[str]:
+def headline(directory: Path = REPORT_DIR, history: frozenset[str] = frozenset()) -> list[str]:
     """Each technique: the paper's figure, the peer a user would pick instead and ours, as
-    measured here (each from its bench's JSON)."""
+    measured here (each from its bench's JSON); rows whose data is in ``history`` say so."""
     look, chain, draft = (load(n, directory) for n in ("lookahead", "chain", "draft"))
     structured, longctx = load("structured", directory), load("longctx_plain_first", directory)
     ralm = {n: load(f"ralm_{n}", directory) for n in ("exact_5000000", "bm25_300ms",
@@ -309,7 +309,6 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
     ]
     lines = ["| technique | paper (setting) | peer measured here | rag-spec here | data |",
              "| --- | --- | --- | --- | --- |"]
-    history = _history(directory)
     for technique, paper, peer, ours, data in rows:
         cited = f"{papers[paper]['figure']} ({papers[paper]['setting']})" if paper else "-"
         old = " (history: another VM, older code)" if data in history else ""
@@ -318,10 +317,10 @@ def headline(directory: Path = REPORT_DIR) -> list[str]:
     return lines
 
 
-def _history(directory: Path) -> set[str]:
-    """The CPU benches run before benches recorded their CPU (on a VM that may differ from
-    every other section's, on older code): the page shows them apart, as history."""
-    reports = {bench.name: load(bench.name, directory) for bench in BENCHES}
+def _history(reports: dict[str, dict[str, Any]]) -> set[str]:
+    """Of ``reports`` (by name), the CPU benches run before benches recorded their CPU (on a
+    VM that may differ from every other section's, on older code): the page shows them
+    apart, as history."""
     return {name for name, report in reports.items()
             if "device" not in report and not report.get("machine", {}).get("cpu")}
 
@@ -335,7 +334,8 @@ def page(directory: Path = REPORT_DIR) -> str:
     """docs/benchmarks/README.md."""
     current = machine(load("lookahead", directory))
     reports = {bench.name: load(bench.name, directory) for bench in BENCHES}
-    history = [b for b in BENCHES if b.name in _history(directory)]
+    old = _history(reports)
+    history = [b for b in BENCHES if b.name in old]
     others = sorted({machine(r) for r in reports.values() if "device" not in r
                      and machine(r) != current} - {machine(reports[b.name]) for b in history})
     lines = [
@@ -351,7 +351,7 @@ def page(directory: Path = REPORT_DIR) -> str:
         "", "## The headline", "",
         "The papers ran 7B-65B models on GPUs, where a pass over dozens of tokens costs about "
         "one; here a 135M model runs on two CPU cores, where a wide step costs more than a "
-        "one-token one.", "", *headline(directory), "",
+        "one-token one.", "", *headline(directory, frozenset(old)), "",
         f"The headline's decoding figures come from a {current}; "
         + (f"sections run on other machines ({'; '.join(others)}) say so, and their figures "
            f"compare only within their own section." if others else
