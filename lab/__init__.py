@@ -32,3 +32,40 @@ def held_out_prompts(lm: object, rag: int, open_ended: int) -> dict[str, list[li
                     for q, h in zip(questions, hits)],
             "open_ended": [rag_spec.chat_input_ids(tokenizer, [{"role": "user", "content": p}])
                            for p in HELD_OUT_OPEN_PROMPTS[:open_ended]]}
+
+
+def interleaved(runs: dict, sets: dict, baseline: str, references: dict[str, str]) -> dict:
+    """Each set's prompts through every system in ``runs`` (a callable per name: prompt ids ->
+    token ids or a ``GenerationResult``), interleaved per prompt with the order rotating; per
+    set: tok/s, the median per-prompt speedup over ``baseline``, tokens per step where known,
+    and for each system in ``references`` how many outputs equal its reference system's."""
+    import statistics
+    import time
+
+    report = {}
+    for set_name, prompts in sets.items():
+        seconds: dict = {name: [] for name in runs}
+        outputs: dict = {name: [] for name in runs}
+        names = list(runs)
+        for i, prompt in enumerate(prompts):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                started = time.perf_counter()
+                outputs[name].append(runs[name](prompt))
+                seconds[name].append(time.perf_counter() - started)
+        tokens = {n: [o if isinstance(o, list) else o.token_ids for o in outs]
+                  for n, outs in outputs.items()}
+        row: dict = {}
+        for name in runs:
+            row[name] = {
+                "tok_per_s": round(sum(map(len, tokens[name])) / sum(seconds[name]), 1),
+                f"speedup_vs_{baseline}": round(statistics.median(
+                    b / s for b, s in zip(seconds[baseline], seconds[name])), 3)}
+            if not isinstance(outputs[name][0], list):
+                row[name]["tokens_per_step"] = round(statistics.mean(
+                    o.stats.tokens_per_step for o in outputs[name]), 2)
+        for name, reference in references.items():
+            row[name][f"identical_to_{reference}"] = sum(
+                a == b for a, b in zip(tokens[name], tokens[reference]))
+        report[set_name] = {"prompts": len(prompts), "systems": row}
+        print(set_name, row, flush=True)
+    return report

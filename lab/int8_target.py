@@ -14,13 +14,11 @@ lab/results/int8_target.json. ``python -m lab.int8_target``.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 
-from lab import held_out_prompts, write_result
+from lab import held_out_prompts, interleaved, write_result
 from rag_spec.bench.report import command_line, machine
 
 NEW_TOKENS = 128
@@ -83,33 +81,8 @@ def main() -> dict[str, Any]:
         run(sets["rag"][0][:64])
     report: dict[str, Any] = {"benchmark": "int8_target", "command": command_line(),
                               "machine": machine(), "new_tokens": NEW_TOKENS, "passes": "eager"}
-    for set_name, prompts in sets.items():
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
-        outputs: dict[str, list[Any]] = {name: [] for name in runs}
-        names = list(runs)
-        for i, prompt in enumerate(prompts):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                started = time.perf_counter()
-                outputs[name].append(runs[name](prompt))
-                seconds[name].append(time.perf_counter() - started)
-        tokens = {n: [o if isinstance(o, list) else o.token_ids for o in outs]
-                  for n, outs in outputs.items()}
-        row = {}
-        for name in runs:
-            done = [len(t) for t in tokens[name]]
-            row[name] = {
-                "tok_per_s": round(sum(done) / sum(seconds[name]), 1),
-                "speedup_vs_float32_no_drafts": round(statistics.median(
-                    b / s for b, s in zip(seconds["float32_no_drafts"], seconds[name])), 3)}
-            if not isinstance(outputs[name][0], list):
-                row[name]["tokens_per_step"] = round(statistics.mean(
-                    o.stats.tokens_per_step for o in outputs[name]), 2)
-        row["float32"]["identical_to_own_no_drafts"] = sum(
-            a == b for a, b in zip(tokens["float32"], tokens["float32_no_drafts"]))
-        row["int8"]["identical_to_own_no_drafts"] = sum(
-            a == b for a, b in zip(tokens["int8"], tokens["int8_no_drafts"]))
-        report[set_name] = {"prompts": len(prompts), "systems": row}
-        print(set_name, row, flush=True)
+    report.update(interleaved(runs, sets, "float32_no_drafts",
+                              {"float32": "float32_no_drafts", "int8": "int8_no_drafts"}))
     write_result(report, "int8_target")
     return report
 

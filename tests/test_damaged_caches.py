@@ -69,7 +69,11 @@ def fake_pulls(monkeypatch):
         tiny_llama(vocab_size=35, eos=2).save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    monkeypatch.setattr(embedded, "_fetch_gguf", lambda spec, workdir: workdir / "x.gguf")
+    def fetch(spec, workdir):
+        (workdir / "x.gguf").write_bytes(b"GGUF")
+        return workdir / "x.gguf"
+
+    monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
     monkeypatch.setattr(embedded, "_convert", convert)
     monkeypatch.setattr(loader, "_loaded", {})  # no model kept from another test
     embedded.pull(NAME, log=lambda *_: None)

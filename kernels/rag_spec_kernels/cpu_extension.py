@@ -1,4 +1,5 @@
-"""Our C++ CPU kernels (``streamed_linear.cpp``, ``tree_attention.cpp``, ``move_slots.cpp``):
+"""Our C++ CPU kernels (``streamed_linear.cpp``, ``quantized_linear.cpp``, ``tree_attention.cpp``,
+``move_slots.cpp``):
 the CPU implementations of the ``rag_spec_cpu`` operators, built for this machine on first use
 by torch's extension loader (gcc and ninja, ~60 s once, then cached under torch's extension
 root, ``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are
@@ -20,7 +21,8 @@ from types import MappingProxyType
 
 import torch
 
-_SOURCES = ("streamed_linear.cpp", "tree_attention.cpp", "move_slots.cpp", "bindings.cpp")
+_SOURCES = ("streamed_linear.cpp", "quantized_linear.cpp", "tree_attention.cpp", "move_slots.cpp",
+            "bindings.cpp")
 _build_lock = threading.Lock()
 # compiler flags per instruction set torch reports (``get_cpu_capability``: its AVX512 means
 # the F, DQ, BW and VL extensions)

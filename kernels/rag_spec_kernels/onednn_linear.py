@@ -28,12 +28,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rag_spec_kernels.cpu_extension import cpu_info
+from rag_spec_kernels.quantized import (
+    GroupQuantized,
+    pack_quantized,
+    quantized_available,
+    quantized_linear,
+    stacked,
+)
 from rag_spec_kernels.streamed import (
     pack_streamed,
     quantized,
@@ -146,11 +153,14 @@ class LinearStack:
     integers with a scale per output (``quantized``), every row count through the streamed
     kernel: a half or a quarter of the bytes per product, for layers whose outputs need not
     equal the float32 layers' (a draft head's); ignored where the streamed kernel is not
-    available.
+    available. ``blocks``: the layers' weights as a GGUF file quantised them, which every row
+    count then multiplies by (``quantized_linear``, where it runs); they are the file's, packed
+    once: a change to the float32 layers later is not seen.
     """
 
     def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True,
-                 stored: torch.dtype | None = None) -> None:
+                 stored: torch.dtype | None = None,
+                 blocks: list[GroupQuantized] | None = None) -> None:
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
         self.out_features = sum(self.sizes)
@@ -158,21 +168,26 @@ class LinearStack:
         self._pending = threading.local()  # index -> (input, output), per thread
         self._lock = threading.Lock()
         self._version: tuple = ()
-        self.streamed = streamed and streamed_available(linears[0].weight.dtype)
+        # the layers' quantised weights (a GGUF file's), multiplied as they are
+        self.blocks = blocks if blocks and quantized_available() else None
+        self.streamed = (streamed and self.blocks is None
+                         and streamed_available(linears[0].weight.dtype))
         self.stored = stored if self.streamed else None
         self.refresh()
         # single rows on the streamed kernel, compiled too (``one_row_streamed``)
         self.one_row_streamed = self.streamed and one_row_streamed()
-        # a narrow copy takes the streamed kernel for every row count: BLAS would read the
-        # float32 weight
+        # a narrow copy takes the streamed (or quantised) kernel for every row count: BLAS
+        # would read the float32 weight
         self.one_row_packed = (one_row_packed(linears[0].weight.dtype) or bool(self.stored)
-                               or self.one_row_streamed)
+                               or self.one_row_streamed or self.blocks is not None)
         self.blas_from_rows = (blas_from_rows(linears[0].weight.dtype)
                                if self.streamed and not self.stored else None)
 
     @property
     def nbytes(self) -> int:
         """Memory of the reordered copy: the stacked weights' size (as stored)."""
+        if self.blocks is not None:
+            return sum(weight.nbytes for weight in self.blocks)
         return sum(linear.weight.numel() * (self.stored or linear.weight.dtype).itemsize
                    for linear in self.linears)
 
@@ -191,8 +206,8 @@ class LinearStack:
         """Reorder the weights again if one of them changed (in place or replaced) since."""
         version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
         with self._lock:
-            if version == self._version:
-                return
+            if version == self._version or self.blocks is not None and self._version:
+                return  # unchanged, or a file's quantised weights (packed once)
             weight = torch.cat([g.weight.detach() for g in self.linears])
             biases = [g.bias for g in self.linears]
             bias = None if all(b is None for b in biases) else torch.cat([
@@ -201,8 +216,11 @@ class LinearStack:
             scale = None
             if self.stored == torch.int8:
                 weight, scale = quantized(weight)
-            packed = (pack_streamed(weight, None if scale is not None else self.stored)
-                      if self.streamed else pack_weight(weight))
+            if self.blocks is not None:  # the file's weights: they do not change
+                packed = pack_quantized(stacked(self.blocks))
+            else:
+                packed = (pack_streamed(weight, None if scale is not None else self.stored)
+                          if self.streamed else pack_weight(weight))
             if self.streamed and self._version:  # traced layers hold these very tensors
                 for held, made in zip(self._packed, (packed, bias, scale)):
                     if made is not None:
@@ -230,8 +248,9 @@ class LinearStack:
             return held[1]
         with self._lock:  # rare (an input the siblings do not share): built once, packed
             if index not in self._alone:
-                self._alone[index] = LinearStack([self.linears[index]], self.streamed,
-                                                  self.stored)
+                self._alone[index] = LinearStack(
+                    [self.linears[index]], self.streamed, self.stored,
+                    None if self.blocks is None else [self.blocks[index]])
             alone = self._alone[index]
         return alone.product(x)
 
@@ -242,8 +261,11 @@ class LinearStack:
         tensors)."""
         weight, bias, scale = packed or self._packed
         rows = x.reshape(-1, x.shape[-1])
-        y = (streamed_linear(rows, weight, self.out_features, bias, scale) if self.streamed
-             else packed_linear(rows, weight, bias))
+        if self.blocks is not None:
+            y = quantized_linear(rows, weight, self.out_features, bias)
+        else:
+            y = (streamed_linear(rows, weight, self.out_features, bias, scale) if self.streamed
+                 else packed_linear(rows, weight, bias))
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -271,25 +293,35 @@ class OneDNNLinear(_StandIn):
 
 
 def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True,
-                  stored: torch.dtype | None = None
+                  stored: torch.dtype | None = None,
+                  blocks: Mapping[str, GroupQuantized] | None = None
                   ) -> list[tuple[torch.nn.Module, str, LinearStack, int]]:
     """Every plain linear layer under ``root`` among the modules whose ids are in ``own``, as
     (parent, attribute name, stack, index in stack): siblings known to share an input stacked
-    together, the others alone; ``stored``: the streamed copies' precision (``LinearStack``)."""
+    together, the others alone; ``stored``: the streamed copies' precision; ``blocks``: layers'
+    quantised weights by module path under ``root`` (siblings stack only if all or none have
+    them) (``LinearStack``)."""
+    blocks = blocks or {}
     found: list[tuple[torch.nn.Module, str, LinearStack, int]] = []
     taken: set[int] = set()
-    for parent in root.modules():
+    for path, parent in root.named_modules():
         for names in SHARED_INPUT:
             group = [parent._modules.get(n) for n in names]
+            weights = [blocks.get(f"{path}.{n}" if path else n) for n in names]
             if all(id(g) in own and is_plain_linear(g) for g in group) and len(
-                    {g.in_features for g in group}) == 1:
-                stack = LinearStack(group, streamed, stored)
+                    {g.in_features for g in group}) == 1 and len(
+                    {w is None for w in weights}) == 1:
+                stack = LinearStack(group, streamed, stored,
+                                    None if weights[0] is None else weights)
                 found += [(parent, n, stack, i) for i, n in enumerate(names)]
                 taken.update(id(g) for g in group)
-    for parent in root.modules():
+    for path, parent in root.named_modules():
         for name, child in parent._modules.items():
             if id(child) in own and id(child) not in taken and is_plain_linear(child):
-                found.append((parent, name, LinearStack([child], streamed, stored), 0))
+                weight = blocks.get(f"{path}.{name}" if path else name)
+                found.append((parent, name, LinearStack([child], streamed, stored,
+                                                        None if weight is None else [weight]),
+                              0))
                 taken.add(id(child))
     return found
 
@@ -365,23 +397,34 @@ class TracedLinear(_StandIn):
             self.start = sum(stack.sizes[:index])
             self.first_sibling, self.last_sibling = index == 0, index == len(stack.sizes) - 1
             self.shared = shared
-            if stack.streamed:  # buffers: the compiler checks a module's tensors cheaply
+            # buffers: the compiler checks a module's tensors cheaply
+            if stack.blocks is not None:  # a file's quantised weights
+                for name, tensor in zip(("packed_values", "packed_scales", "packed_mins"),
+                                        stack._packed[0], strict=True):
+                    self.register_buffer(name, tensor, persistent=False)
+                self.register_buffer("packed_bias", stack._packed[1], persistent=False)
+            elif stack.streamed:
                 self.register_buffer("packed", stack._packed[0], persistent=False)
                 self.register_buffer("packed_bias", stack._packed[1], persistent=False)
                 self.register_buffer("packed_scale", stack._packed[2], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and (self.stack is None or not self.stack.one_row_streamed):
+        if x.numel() == x.shape[-1] and (self.stack is None or not (
+                self.stack.one_row_streamed or self.stack.blocks is not None)):
             y = (x.unsqueeze(-2) * self.weight).sum(-1)
             return y if self.bias is None else y + self.bias
         if self.stack is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
-            product = (self.stack.product(x, (self.packed, self.packed_bias,  # an operator
-                                              self.packed_scale))
-                       if self.stack.streamed
-                       else stack_product(x, self.key, self.stack.out_features))
+            if self.stack.blocks is not None:  # operators, both
+                product = self.stack.product(x, ((self.packed_values, self.packed_scales,
+                                                  self.packed_mins), self.packed_bias, None))
+            elif self.stack.streamed:
+                product = self.stack.product(x, (self.packed, self.packed_bias,
+                                                 self.packed_scale))
+            else:
+                product = stack_product(x, self.key, self.stack.out_features)
             held = (x, product)
         self.shared.last = None if self.last_sibling else held
         return held[1].narrow(-1, self.start, self.out_features)

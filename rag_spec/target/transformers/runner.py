@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 
 from rag_spec.errors import RagSpecError
+from rag_spec.target import gguf
 from rag_spec.target.transformers import step_package
 from rag_spec.target.transformers.compiled_step import CompiledStep
 from rag_spec.target.transformers.passes import ModuleRunner
@@ -83,6 +84,9 @@ class RunnerSettings:
     # CPU, where this machine holds the model's package of steps compiled ahead of time
     # (``step_package``), never compiling; True: the package, else torch.compile at first use
     compile: bool | Literal["auto"] = "auto"
+    # CPU, float32, a model loaded from a GGUF file: linear layers multiply by the file's
+    # quantised weights (``rag_spec.target.gguf``); steps then run eagerly
+    quantized: bool = False
 
 
 class Runner(ModuleRunner):
@@ -105,11 +109,13 @@ class Runner(ModuleRunner):
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
+        blocks = _file_weights(model, settings, self.exact)
         if self.exact:
             _chunk_rows(self.module, own)
-        elif _wants_onednn(model, settings):
+        elif blocks or _wants_onednn(model, settings):
             for parent, name, stack, index in linear_stacks(self.module, own,
-                                                            settings.streamed_linear):
+                                                            settings.streamed_linear,
+                                                            blocks=blocks):
                 parent._modules[name] = stack.modules()[index]
                 if index == 0:
                     self.stacks.append(stack)
@@ -277,6 +283,24 @@ def _chunk_rows(root: torch.nn.Module, own: set[int]) -> None:
                 if shape not in probed:
                     probed[shape] = invariant_rows(child)
                 parent._modules[name] = RowChunkedLinear(child, probed[shape])
+
+
+def _file_weights(model: Any, settings: RunnerSettings, exact: bool) -> dict[str, Any]:
+    """The quantised weights of ``model``'s layers from its GGUF file, where ``quantized`` asks
+    for them and they apply (a float32 model on the CPU, loaded from a GGUF file)."""
+    if not settings.quantized:
+        return {}
+    if exact or model.device.type != "cpu" or model.dtype != torch.float32:
+        msg = ("LookaheadConfig(quantized=True) multiplies by a GGUF file's weights on the "
+               "CPU, in float32 arithmetic, without exact numerics: load the model with "
+               "device='cpu' and dtype float32, and leave exact at 'auto' or False.")
+        raise RagSpecError(msg)
+    weights = gguf.file_weights(model)
+    if not weights:
+        log.info("rag-spec: %s was not loaded from a GGUF file (or none of its layers has a "
+                 "quantised kernel): LookaheadConfig(quantized=True) decodes it in float32",
+                 type(model).__name__)
+    return weights
 
 
 def _wants_onednn(model: Any, settings: RunnerSettings) -> bool:

@@ -92,7 +92,8 @@ def fingerprint(step: CompiledStep) -> str:
 
     module = step.module
     layers = [(path, m.start, m.out_features, m.key, m.stack.streamed,
-               m.first_sibling, m.last_sibling) if m.stack is not None else (path,)
+               m.first_sibling, m.last_sibling, _quantized(m.stack))
+              if m.stack is not None else (path,)
               for path, m in module.named_modules() if isinstance(m, TracedLinear)]
     # probed here, before any tracing: under torch.export the probe's own tensors (a
     # generator among them) would be traced into the graph, and an AVX-512 CPU's kernel lost
@@ -119,9 +120,19 @@ def _model(step: CompiledStep) -> str:
 def _kernels(step: CompiledStep) -> list[list[bool]]:
     """Which kernel families the step's linear layers take (ours or not, streamed or not): a
     package for other kernels (an ablation's) is not this step's, stale or not."""
-    kinds = {(m.stack is not None, m.stack is not None and m.stack.streamed)
+    kinds = {(m.stack is not None, m.stack is not None and m.stack.streamed,
+              m.stack is not None and bool(_quantized(m.stack)))
              for m in step.module.modules() if isinstance(m, TracedLinear)}
     return [list(kind) for kind in sorted(kinds)]  # as JSON gives it back
+
+
+def _quantized(stack: Any) -> list[Any]:
+    """What a stack's quantised weights are, as its graph reads them (widths, whether with
+    minimums); empty for float weights."""
+    if stack.blocks is None:
+        return []
+    values, _, mins = stack._packed[0]
+    return [str(values.dtype), mins.numel() > 0]
 
 
 @functools.cache
@@ -130,6 +141,7 @@ def _sources_digest() -> str:
     built with ``compile="auto"`` asks): their syntax trees without docstrings, so an edit to
     the prose (comments, docstrings) does not make a new package."""
     modules = [rag_spec_kernels.onednn_linear, rag_spec_kernels.streamed,
+               rag_spec_kernels.quantized,
                rag_spec_kernels.tree_attention, rag_spec_kernels.cpu_attention,
                inspect.getmodule(step_forward), inspect.getmodule(_Pass)]
     code = "".join(ast.dump(_without_docstrings(ast.parse(inspect.getsource(m))))

@@ -1,0 +1,140 @@
+"""Few-row products over weights kept in quantised blocks (a GGUF file's Q4_0, Q4_1, Q4_K, Q8_0),
+for one-token and tree steps alike (AVX-512 or AVX2 CPUs).
+
+A quantised weight is read at a quarter to a sixth of float32's bytes, which is what bounds a
+CPU's one-token step. The kernel (``quantized_linear.cpp``) decodes each block of weights once
+into the core's cache and multiplies every row of a step by it, so a verified tree costs its
+rows' arithmetic, not another read of the weight: what speculation needs of a quantised model,
+and what llama.cpp's per-row dot products for Q4_1 and the K-quants do not give. Each row's
+output is computed in one fixed order, the same whatever rows are beside it.
+
+``GroupQuantized`` is the one form every file format is converted to (``rag_spec.target.gguf``
+converts GGUF's blocks): per output, integer values with a scale, and a minimum, per 32 inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rag_spec_kernels.cpu_extension import cpu_extension, vector_isa
+
+GROUP = 32  # inputs per scale (every GGUF block format of 4 and 8 bits has them in 32s)
+_BLOCK = 16  # outputs per packed block, as the streamed kernel's
+log = logging.getLogger(__name__)
+
+torch.library.define("rag_spec_cpu::quantized_linear",  # its CPU kernel: quantized_linear.cpp
+                     "(Tensor x, Tensor values, Tensor scales, Tensor mins) -> Tensor")
+
+
+@torch.library.register_fake("rag_spec_cpu::quantized_linear")
+def _product_shape(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                   mins: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], values.shape[0] * _BLOCK)
+
+
+@dataclass(frozen=True)
+class GroupQuantized:
+    """A (out, in) weight as integers with a scale, and a minimum, per 32 inputs of an output:
+    ``weight[o, k] = values[o, k] * scales[o, k // 32] + mins[o, k // 32]``, rounded once."""
+
+    values: torch.Tensor  # (out, in): uint8 in 0..15 (bits 4) or int8 (bits 8)
+    scales: torch.Tensor  # (out, in // 32) float16
+    mins: torch.Tensor | None  # (out, in // 32) float16; None: no minimum
+    bits: int  # 4 or 8
+
+    def __post_init__(self) -> None:
+        out, inner = self.values.shape
+        if inner % GROUP or self.scales.shape != (out, inner // GROUP) or self.bits not in (4, 8):
+            msg = (f"GroupQuantized: (out, in) values with in a multiple of {GROUP}, (out, "
+                   f"in // {GROUP}) scales and 4 or 8 bits; got {tuple(self.values.shape)}, "
+                   f"{tuple(self.scales.shape)}, {self.bits}")
+            raise ValueError(msg)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)  # type: ignore[return-value]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight, each value rounded once as the kernel rounds it (the product and
+        the sum are exact in float64)."""
+        groups = torch.repeat_interleave  # each group's scale over its 32 inputs
+        weight = self.values.double() * groups(self.scales.double(), GROUP, dim=1)
+        if self.mins is not None:
+            weight += groups(self.mins.double(), GROUP, dim=1)
+        return weight.float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed weight takes (values, scales, minimums)."""
+        out, inner = self.shape
+        return (out * inner * self.bits // 8 + self.scales.numel() * 2
+                + (0 if self.mins is None else self.mins.numel() * 2))
+
+
+def stacked(parts: list[GroupQuantized]) -> GroupQuantized:
+    """Weights of sibling layers as one, outputs one after another; where their widths differ
+    the 4-bit ones are widened to 8 bits (the values fit), so one kernel call serves them."""
+    bits = max(part.bits for part in parts)
+    dtype = torch.uint8 if bits == 4 else torch.int8
+    values = torch.cat([part.values.to(dtype) for part in parts])
+    scales = torch.cat([part.scales for part in parts])
+    mins = None if all(part.mins is None for part in parts) else torch.cat([
+        torch.zeros_like(part.scales) if part.mins is None else part.mins for part in parts])
+    return GroupQuantized(values, scales, mins, bits)
+
+
+def pack_quantized(weight: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` in the kernel's layout: values, scales and minimums (empty: none) per block
+    of 16 outputs, zero-padded to whole blocks (``quantized_linear.cpp`` describes it)."""
+    out, inner = weight.shape
+    pad = -out % _BLOCK
+
+    def blocks(table: torch.Tensor) -> torch.Tensor:  # (out, n) -> (blocks, n, 16)
+        padded = torch.nn.functional.pad(table, (0, 0, 0, pad))
+        return padded.view(-1, _BLOCK, table.shape[1]).transpose(1, 2).contiguous()
+
+    values = blocks(weight.values)
+    if weight.bits == 4:  # outputs j and j + 8 of a position share byte j
+        values = values[..., :8] | (values[..., 8:] << 4)
+    mins = torch.empty(0, dtype=torch.float16) if weight.mins is None else blocks(weight.mins)
+    return values.contiguous(), blocks(weight.scales), mins
+
+
+@functools.cache
+def quantized_available() -> bool:
+    """Whether quantised products can take this kernel here: a CPU with AVX-512 or AVX2, a
+    build that succeeds and agrees with the de-quantised weight's product on a probe."""
+    if vector_isa() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
+    try:
+        cpu_extension()
+        x = torch.randn(9, 64, generator=generator)
+        probes = [GroupQuantized(torch.randint(0, 16, (24, 64), generator=generator,
+                                               dtype=torch.uint8),
+                                 torch.rand(24, 2, generator=generator).half(),
+                                 torch.randn(24, 2, generator=generator).half(), 4),
+                  GroupQuantized(torch.randint(-128, 128, (24, 64), generator=generator,
+                                               dtype=torch.int8),
+                                 torch.rand(24, 2, generator=generator).half(), None, 8)]
+        ok = all(torch.allclose(quantized_linear(x, pack_quantized(w), 24),
+                                x @ w.dequantized().T, rtol=1e-4, atol=1e-3) for w in probes)
+    except Exception as error:  # noqa: BLE001 - any build failure means: float32 weights
+        log.warning("rag-spec: the quantised-product kernel did not build (%s); weights are "
+                    "de-quantised to float32 instead", error)
+        return False
+    return ok
+
+
+def quantized_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_quantized`` result,
+    where ``quantized_available`` (which builds the kernel) said yes; traceable."""
+    y = torch.ops.rag_spec_cpu.quantized_linear.default(x.contiguous(), *packed)
+    if y.shape[-1] != out_features:
+        y = y[:, :out_features].contiguous()
+    return y if bias is None else y.add_(bias)

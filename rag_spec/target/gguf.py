@@ -1,0 +1,171 @@
+"""A GGUF file's quantised weights, as the quantised kernel takes them (``GroupQuantized``).
+
+transformers' GGUF loader de-quantises a file into float32 layers; this module reads the same
+file's blocks as they are (gguf's reader: memory-mapped, nothing de-quantised) for the layers
+of a model loaded from it, so that the decoder can multiply by the file's own 4- and 8-bit
+weights (``quantized_linear``). Q4_0, Q4_1 and Q8_0 blocks convert exactly to the kernel's
+form (values, a scale, a minimum per 32 inputs); other formats (the K-quants) keep the
+de-quantised float32 layer, and one log line names them.
+
+Every converted weight is checked against the model's layer before it is used: its value,
+rounded once, must equal what transformers de-quantised (to a rounding of the last bit); a
+layer that does not (a weight changed since loading, a tensor this reader maps otherwise) keeps
+its float32 weights. The Llama family's files store the query and key rows permuted for
+llama.cpp's rotary embedding; their rows are put back in transformers' order, as its loader does.
+
+Which models came from which file is remembered here, weakly, by the code that loaded them
+(``remember_file``): a model's own attributes are never written.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rag_spec_kernels import GroupQuantized
+
+log = logging.getLogger(__name__)
+
+# a GGUF layer's tensor name -> the module path of the Llama family's transformers layer
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_SOURCES: weakref.WeakKeyDictionary[Any, Path] = weakref.WeakKeyDictionary()
+_READ: weakref.WeakKeyDictionary[Any, dict[str, GroupQuantized]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def remember_file(model: Any, path: str | Path) -> None:
+    """Note that ``model`` was loaded from the GGUF file at ``path``."""
+    with _lock:
+        _SOURCES[model] = Path(path)
+
+
+def source_file(model: Any) -> Path | None:
+    """The GGUF file ``model`` was loaded from, if it was (and ``remember_file`` was told)."""
+    return _SOURCES.get(model)
+
+
+def file_weights(model: Any) -> dict[str, GroupQuantized]:
+    """The quantised weights of ``model``'s linear layers, by module path (``lm_head``,
+    ``model.layers.0.self_attn.q_proj`` ...), from the GGUF file it was loaded from; empty
+    where it was not. Read once per model, checked against its layers (module docstring)."""
+    path = source_file(model)
+    if path is None:
+        return {}
+    with _lock:
+        if model not in _READ:
+            _READ[model] = _checked(read_weights(path, model.config), model)
+        return _READ[model]
+
+
+def read_weights(path: str | Path, config: Any) -> dict[str, GroupQuantized]:
+    """The Q4_0 / Q4_1 / Q8_0 weights of the Llama-family layers in the GGUF file at ``path``,
+    by transformers module path, rows in transformers' order (``config``: the model's, for its
+    head counts)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    names = {tensor.name for tensor in reader.tensors}
+    weights: dict[str, GroupQuantized] = {}
+    other: set[str] = set()
+    for tensor in reader.tensors:
+        module = _module_path(tensor.name, "output.weight" in names)
+        if module is None:
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in _CONVERT:
+            other.add(kind)
+            continue
+        weight = _CONVERT[kind](np.asarray(tensor.data))
+        rows = _rows(tensor.name, weight.shape[0], config)
+        if rows is not None:
+            weight = GroupQuantized(weight.values[rows], weight.scales[rows],
+                                    None if weight.mins is None else weight.mins[rows],
+                                    weight.bits)
+        weights[module] = weight
+    if other:
+        log.info("rag-spec: %s layers of %s have no quantised kernel yet; they run "
+                 "de-quantised to float32", ", ".join(sorted(other)), Path(path).name)
+    return weights
+
+
+def _module_path(name: str, own_output: bool) -> str | None:
+    if name == "output.weight" or name == "token_embd.weight" and not own_output:
+        return "lm_head"  # a tied head reads the embedding table
+    found = _NAME.fullmatch(name)
+    if found is None or found[2] not in _LAYER:
+        return None
+    return f"model.layers.{found[1]}.{_LAYER[found[2]]}"
+
+
+def _rows(name: str, out: int, config: Any) -> torch.Tensor | None:
+    """The row order that undoes llama.cpp's permutation of a Llama query or key weight (the
+    halves of each head's rotary pairs interleaved), or None for other tensors and families."""
+    if getattr(config, "model_type", None) not in ("llama", "mistral") or not (
+            ".attn_q." in name or ".attn_k." in name):
+        return None
+    heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+    return torch.arange(out).view(heads, out // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _halves(raw: np.ndarray, start: int) -> torch.Tensor:
+    """Half-precision numbers at byte ``start`` of each block: (out, blocks)."""
+    return torch.from_numpy(raw[..., start:start + 2].copy().view(np.float16)[..., 0])
+
+
+def _nibbles(raw: np.ndarray, start: int) -> torch.Tensor:
+    """A block's 16 bytes of 4-bit values as its 32 values (low halves first, as ggml
+    stores them), (out, in)."""
+    packed = raw[..., start:start + 16]
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    return torch.from_numpy(values.reshape(raw.shape[0], -1).copy())
+
+
+def _q4_0(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, 16 bytes (values - 8)
+    raw = data.reshape(data.shape[0], -1, 18)
+    scale = _halves(raw, 0)
+    return GroupQuantized(_nibbles(raw, 2), scale, scale * -8, 4)
+
+
+def _q4_1(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, minimum, 16 bytes
+    raw = data.reshape(data.shape[0], -1, 20)
+    return GroupQuantized(_nibbles(raw, 4), _halves(raw, 0), _halves(raw, 2), 4)
+
+
+def _q8_0(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, 32 signed bytes
+    raw = data.reshape(data.shape[0], -1, 34)
+    values = raw[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return GroupQuantized(torch.from_numpy(values), _halves(raw, 0), None, 8)
+
+
+_CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
+
+
+def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQuantized]:
+    """The weights that equal ``model``'s layers, de-quantised (to a last-bit rounding); the
+    others are named in the log and left out (their layers keep float32)."""
+    layers = dict(model.named_modules())
+    kept: dict[str, GroupQuantized] = {}
+    for path, weight in weights.items():
+        layer = layers.get(path)
+        float_weight = getattr(layer, "weight", None)
+        if float_weight is None or tuple(float_weight.shape) != weight.shape:
+            log.info("rag-spec: %s has no layer of the file's shape; it runs in float32", path)
+            continue
+        expected = float_weight.detach().float()
+        tolerance = 1e-6 * float(expected.abs().max()) + 1e-12
+        if float((weight.dequantized() - expected).abs().max()) > tolerance:
+            log.info("rag-spec: %s differs from the GGUF file it was loaded from (changed "
+                     "since?); it runs on its float32 weights", path)
+            continue
+        kept[path] = weight
+    return kept

@@ -1,0 +1,163 @@
+"""Quantised weights kept as a GGUF file holds them: the kernel that multiplies by them (every
+row as it would be alone), the reader that converts a file's blocks, and the decoder on them."""
+
+import numpy as np
+import pytest
+import torch
+
+from rag_spec_kernels import (
+    GroupQuantized,
+    LinearStack,
+    TracedLinear,
+    pack_quantized,
+    quantized_available,
+    quantized_linear,
+    stacked,
+)
+
+
+def kernel_or_skip():
+    if not quantized_available():
+        pytest.skip("the quantised kernel needs AVX-512 or AVX2 and a build")
+
+
+def random_weight(out, inputs, bits, minimum=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    values = (torch.randint(0, 16, (out, inputs), generator=generator, dtype=torch.uint8)
+              if bits == 4 else
+              torch.randint(-128, 128, (out, inputs), generator=generator, dtype=torch.int8))
+    scales = (torch.rand(out, inputs // 32, generator=generator) * 0.02).half()
+    mins = (-torch.rand(out, inputs // 32, generator=generator) * 0.1).half() if minimum else None
+    return GroupQuantized(values, scales, mins, bits)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 6, 7, 13, 16, 17, 40, 130])  # 0: an empty feed
+@pytest.mark.parametrize("out_features", [16, 40, 1000])
+@pytest.mark.parametrize(("bits", "minimum"), [(4, True), (8, False), (8, True)])
+def test_quantized_products_match_the_dequantized_weights_product(rows, out_features, bits,
+                                                                  minimum):
+    kernel_or_skip()
+    torch.manual_seed(rows)
+    weight = random_weight(out_features, 320, bits, minimum)  # 320: two segments and a half
+    x, bias = torch.randn(rows, 320), torch.randn(out_features)
+    packed = pack_quantized(weight)
+    assert packed[0].shape == (-(-out_features // 16), 320, 8 if bits == 4 else 16)
+    torch.testing.assert_close(quantized_linear(x, packed, out_features, bias),
+                               torch.nn.functional.linear(x, weight.dequantized(), bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [13, 40, 200])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_row_does_not_depend_on_the_rows_beside_it(rows, bits):
+    # bit for bit: a verified tree's logits are one-token steps' on these weights too
+    kernel_or_skip()
+    torch.manual_seed(rows)
+    weight = random_weight(48, 576, bits)
+    x, packed = torch.randn(rows, 576), pack_quantized(weight)
+    together = quantized_linear(x, packed, 48)
+    alone = torch.cat([quantized_linear(row[None], packed, 48) for row in x])
+    assert torch.equal(together, alone)
+    # and whichever block an output is paired with (AVX-512 decodes blocks in pairs)
+    shifted = GroupQuantized(weight.values[16:], weight.scales[16:], weight.mins[16:], bits)
+    assert torch.equal(together[:, 16:], quantized_linear(x, pack_quantized(shifted), 32))
+
+
+def test_dequantizing_rounds_each_weight_once():
+    # value * scale + minimum, exactly, then one rounding to float32
+    weight = GroupQuantized(torch.tensor([[3] * 32], dtype=torch.uint8),
+                            torch.tensor([[0.1]]).half(), torch.tensor([[-0.7]]).half(), 4)
+    exact = 3 * float(torch.tensor(0.1).half()) + float(torch.tensor(-0.7).half())
+    assert weight.dequantized()[0, 0].item() == np.float32(exact)
+
+
+def test_siblings_of_both_widths_stack_as_8_bits_with_zero_minimums():
+    four, eight = random_weight(16, 64, 4), random_weight(32, 64, 8, minimum=False)
+    both = stacked([four, eight])
+    assert both.bits == 8 and both.values.dtype == torch.int8 and both.shape == (48, 64)
+    assert torch.equal(both.dequantized(), torch.cat([four.dequantized(), eight.dequantized()]))
+
+
+def test_a_badly_shaped_weight_is_refused_with_its_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        GroupQuantized(torch.zeros(4, 40, dtype=torch.uint8), torch.zeros(4, 1).half(), None, 4)
+
+
+def test_a_quantized_stack_multiplies_every_row_count_by_the_files_weights():
+    kernel_or_skip()
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(64, 32), torch.nn.Linear(64, 16, bias=False)
+    blocks = [random_weight(32, 64, 4, seed=1), random_weight(16, 64, 8, minimum=False, seed=2)]
+    stack = LinearStack([q, k], blocks=blocks)
+    assert stack.blocks is not None and stack.nbytes == sum(b.nbytes for b in blocks)
+    with torch.inference_mode():
+        for rows in (1, 5, 300):  # single rows too: BLAS would read the float32 weight
+            x = torch.randn(rows, 64)
+            expected = torch.nn.functional.linear(
+                x, torch.cat([b.dequantized() for b in blocks]),
+                torch.cat([q.bias, torch.zeros(16)]))
+            torch.testing.assert_close(stack.product(x), expected, rtol=1e-5, atol=1e-4)
+            # a traced layer (compiled steps) calls the same kernel on the same tensors
+            traced = stack.traced_modules()
+            assert torch.equal(traced[0](x), stack.forward(0, x))
+            assert isinstance(traced[1], TracedLinear)
+
+
+# -- a GGUF file's blocks ------------------------------------------------------------------
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    """A GGUF file with a two-layer Llama's query (Q4_0) and key (Q4_1), their rows permuted as
+    llama.cpp's converter writes them, a down projection (Q8_0) and a tensor in a format the
+    reader does not convert (F16), written by gguf-py."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    weights = {"blk.0.attn_q.weight": (rng.standard_normal((64, 64)), "Q4_0"),
+               "blk.0.attn_k.weight": (rng.standard_normal((32, 64)), "Q4_1"),
+               "blk.1.ffn_down.weight": (rng.standard_normal((64, 96)), "Q8_0"),
+               "blk.1.ffn_up.weight": (rng.standard_normal((96, 64)), "F16")}
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    for name, (weight, kind) in weights.items():
+        kind = gguf.GGMLQuantizationType[kind]
+        data = weight.astype(np.float32)
+        if ".attn_" in name:  # llama.cpp's permutation of rows: 4 query, 2 key heads
+            heads = data.shape[0] // 16
+            data = data.reshape(heads, 2, 8, 64).swapaxes(1, 2).reshape(-1, 64)
+        writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / "tiny.gguf", weights
+
+
+def test_a_files_q4_0_q4_1_and_q8_0_blocks_convert_exactly_in_transformers_row_order(
+        gguf_file, caplog):
+    from gguf.quants import dequantize, quantize
+
+    import gguf as gguf_py
+    from rag_spec.target.gguf import read_weights
+
+    path, weights = gguf_file
+    config = type("Config", (), {"model_type": "llama", "num_attention_heads": 4,
+                                 "num_key_value_heads": 2})()
+    with caplog.at_level("INFO"):
+        read = read_weights(path, config)
+    assert set(read) == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                         "model.layers.1.mlp.down_proj"}
+    assert "F16 layers of tiny.gguf have no quantised kernel yet" in caplog.text
+    for name, module in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+                         ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj"),
+                         ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj")):
+        weight, kind = weights[name]
+        kind = gguf_py.GGMLQuantizationType[kind]
+        # rows are quantised apart: the file's permuted rows, put back, are these
+        data = dequantize(quantize(weight.astype(np.float32), kind), kind)
+        # gguf-py de-quantises with two roundings, the kernel's weights with one
+        torch.testing.assert_close(read[module].dequantized(), torch.from_numpy(data),
+                                   rtol=1e-6, atol=1e-6)
+    assert read["model.layers.0.self_attn.k_proj"].bits == 4
+    assert read["model.layers.1.mlp.down_proj"].bits == 8
