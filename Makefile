@@ -26,7 +26,7 @@ install: $(STAMP)
 pull: install  ## fetch and convert the embedded model, build the CPU kernel (once; cached)
 	$(BIN)/rag-spec models pull --no-compile
 
-compile: pull  ## compile the embedded model's decoding steps ahead of time (~4 min, once per machine)
+compile: pull  ## compile the embedded model's decoding steps ahead of time, float32 and GGUF weights (~6 min, once per machine)
 	$(BIN)/rag-spec models compile
 
 demo: pull  ## answer a question about the standard library, citing the passages used

@@ -197,17 +197,25 @@ def _models_compile(args: argparse.Namespace) -> int:
     from rag_spec.engine.decoder import LookaheadDecoder
     from rag_spec.models import load_model
 
+    from rag_spec.engine.decoder import LookaheadConfig
+    from rag_spec.target.gguf import source_file
+
     lm = load_model(args.name)
-    started = time.perf_counter()
-    try:
-        folder = LookaheadDecoder(lm.model, lm.tokenizer).package_steps()
-    except Exception as error:  # an optimisation: answers still decode, eagerly
-        print(f"rag-spec: could not compile {args.name}'s decoding steps ahead of time "
-              f"({type(error).__name__}: {error}); answers decode with eager steps.",
-              file=sys.stderr)
-        return 0
-    print(f"{args.name}: compiled decoding steps in {folder} "
-          f"({time.perf_counter() - started:.0f} s; every later process loads them)")
+    # a model loaded from a GGUF file has a second set of steps: on the file's own weights
+    settings = [LookaheadConfig(), *([LookaheadConfig(quantized=True)]
+                                     if source_file(lm.model) is not None else [])]
+    for config in settings:
+        weights = "the GGUF file's weights" if config.quantized else "float32 weights"
+        started = time.perf_counter()
+        try:
+            folder = LookaheadDecoder(lm.model, lm.tokenizer, config).package_steps()
+        except Exception as error:  # an optimisation: answers still decode, eagerly
+            print(f"rag-spec: could not compile {args.name}'s decoding steps on {weights} "
+                  f"ahead of time ({type(error).__name__}: {error}); answers decode with eager "
+                  "steps.", file=sys.stderr)
+            continue
+        print(f"{args.name}: compiled decoding steps on {weights} in {folder} "
+              f"({time.perf_counter() - started:.0f} s; every later process loads them)")
     return 0
 
 

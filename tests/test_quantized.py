@@ -161,3 +161,107 @@ def test_a_files_q4_0_q4_1_and_q8_0_blocks_convert_exactly_in_transformers_row_o
                                    rtol=1e-6, atol=1e-6)
     assert read["model.layers.0.self_attn.k_proj"].bits == 4
     assert read["model.layers.1.mlp.down_proj"].bits == 8
+
+
+# -- the decoder on a file's weights -------------------------------------------------------
+
+
+def quantized_copy(lm, folder):
+    """A copy of ``lm`` whose layers hold what a GGUF file of them de-quantises to (Q4_1
+    layers, a Q8_0 head, rows permuted as llama.cpp's converter writes them), loaded "from"
+    that file, as ``load_model("x.gguf")`` leaves a model."""
+    import copy
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from rag_spec.models import LoadedModel
+    from rag_spec.target.gguf import remember_file
+
+    model = copy.deepcopy(lm.model)
+    config = model.config
+    writer = gguf.GGUFWriter(str(folder / "tiny.gguf"), "llama")
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if path == "lm_head":
+                name, kind = "output.weight", gguf.GGMLQuantizationType.Q8_0
+            else:
+                layer, sub = path.removeprefix("model.layers.").split(".", 1)
+                name, kind = f"blk.{layer}.{names[sub]}.weight", gguf.GGMLQuantizationType.Q4_1
+            weight = module.weight.numpy()
+            stored = weight
+            if names.get(path.split(".", 3)[-1]) in ("attn_q", "attn_k"):
+                heads = (config.num_attention_heads if path.endswith("q_proj")
+                         else config.num_key_value_heads)
+                stored = weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(
+                    weight.shape)
+            writer.add_tensor(name, quantize(stored, kind), raw_dtype=kind)
+            module.weight.copy_(torch.from_numpy(dequantize(quantize(weight, kind), kind)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    remember_file(model, folder / "tiny.gguf")
+    return LoadedModel(model, lm.tokenizer, "tiny.gguf", lm.device, lm.dtype)
+
+
+@pytest.fixture(scope="module")
+def quantized_lm(tmp_path_factory):
+    from test_entry_matrix import char_lm
+
+    return quantized_copy(char_lm(window=1024), tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.mark.parametrize("drafter", ["trie", "head+trie", "draft model", "early exit",
+                                     "self-spec"])
+def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
+        drafter, quantized_lm):
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from rag_spec.training.train_head import train_head
+    from test_entry_matrix import DRAFTERS, N, TEXTS, prompts
+
+    kernel_or_skip()
+    lm = quantized_lm
+    head = None
+    if "head" in drafter:
+        sequences = [lm.tokenizer(text * 4)["input_ids"] for text in TEXTS * 6]
+        head = train_head(lm.model, sequences, vocabulary=24, epochs=1, lr=5e-3, progress=False)
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0, quantized=True,
+                                                                     compile=False))
+    drafted = LookaheadDecoder(lm.model, lm.tokenizer,
+                               LookaheadConfig(budget=8, quantized=True, compile=False),
+                               drafter=DRAFTERS[drafter](lm, head))
+    assert all(stack.blocks is not None for stack in drafted.runner.stacks)
+    one, two = prompts(lm)
+    expected = [plain.generate(p, N).token_ids for p in (one, two)]
+    assert [r.token_ids for r in drafted.generate([one, two], N)] == expected
+    assert drafted.generate(one[:1], N).token_ids == plain.generate(one[:1], N).token_ids
+    # another function than the float32 layers': rounded inputs
+    float32 = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0, compile=False))
+    assert not any(stack.blocks is not None for stack in float32.runner.stacks)
+
+
+def test_quantized_needs_a_float32_model_without_exact_numerics(quantized_lm):
+    from rag_spec import LookaheadConfig, LookaheadDecoder, RagSpecError
+
+    with pytest.raises(RagSpecError, match="in float32 arithmetic, without exact numerics"):
+        LookaheadDecoder(quantized_lm.model, quantized_lm.tokenizer,
+                         LookaheadConfig(quantized=True, exact=True, compile=False))
+
+
+def test_a_model_loaded_from_no_file_decodes_in_float32_saying_so(caplog):
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+    from test_entry_matrix import char_lm
+
+    lm = char_lm()
+    with caplog.at_level("INFO"):
+        decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=True,
+                                                                           compile=False))
+        decoder.generate([1, 2, 3], 2)
+    assert "was not loaded from a GGUF file" in caplog.text
+    assert not any(stack.blocks is not None for stack in decoder.runner.stacks)

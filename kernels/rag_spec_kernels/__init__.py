@@ -49,8 +49,9 @@ from rag_spec_kernels.tree_attention import (
     tree_attention,
 )
 
-__all__ = ["EXACT_TREE_ATTENTION", "GroupQuantized", "LinearStack", "OneDNNLinear", "RowChunkedLinear", "SparseView",
-           "TREE_ATTENTION", "TREE_ATTENTION_SDPA", "TracedLinear", "TreeMask",
+__all__ = ["EXACT_TREE_ATTENTION", "GroupQuantized", "LinearStack", "OneDNNLinear",
+           "RowChunkedLinear", "SparseView", "TREE_ATTENTION", "TREE_ATTENTION_SDPA",
+           "TracedLinear", "TreeMask",
            "cpu_attention_available", "cpu_attention_fits", "cpu_info", "cpu_tree_attention",
            "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
            "move_slots", "onednn_available", "onednn_ops_available", "onednn_packs",

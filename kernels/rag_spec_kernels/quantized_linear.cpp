@@ -16,8 +16,9 @@
 // rounded once (a fused multiply-add), the same in every product.
 //
 // Each output is summed in one fixed order (each segment over its inputs, then the segments in
-// order), whatever the number of rows at once: a row's result does not depend on the rows
-// beside it.
+// order), whatever the number of rows or blocks at once: a row's result does not depend on the
+// rows beside it. One or two rows go past four or two blocks at once (``few_rows``), so that
+// their chains of additions do not wait on one another.
 #include "streamed_block.h"
 
 #include <ATen/Parallel.h>
@@ -31,7 +32,8 @@ namespace {
 
 using namespace rag_spec_streamed;
 
-constexpr int64_t SEGMENT = 128;  // inputs decoded at once: 8 KiB of float32 per block
+constexpr int64_t SEGMENT = 64;  // inputs decoded at once: 4 KiB of float32 per block
+constexpr int64_t FEW_BLOCKS = 4;  // blocks one row goes past at once (two rows: 2)
 constexpr int64_t GROUP = 32;     // inputs per scale
 constexpr int64_t DECODE_PREFETCH = 1024;  // bytes ahead of the decoding
 
@@ -121,6 +123,39 @@ void decode(const uint8_t* values, const uint16_t* scales, const uint16_t* mins,
 }
 #endif
 
+// One or two rows past NB decoded blocks at once (``stride`` apart), as the streamed
+// micro-kernel goes past one or two: each output's arithmetic is that kernel's, lane for lane,
+// but eight chains of additions run side by side where one block's two would each wait for the
+// last addition to finish.
+template <int ROWS, int NB>
+void few_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+              int64_t len, int64_t ldy, int64_t stride) {
+  __m256 acc[NB][ROWS][2];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < ROWS; ++r) acc[b][r][0] = acc[b][r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < len; ++k)
+    for (int b = 0; b < NB; ++b) {
+      const __m256 low = _mm256_loadu_ps(w + b * stride + k * 16);
+      const __m256 high = _mm256_loadu_ps(w + b * stride + k * 16 + 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 input = _mm256_broadcast_ss(x + r * len + k);
+        acc[b][r][0] = _mm256_fmadd_ps(input, low, acc[b][r][0]);
+        acc[b][r][1] = _mm256_fmadd_ps(input, high, acc[b][r][1]);
+      }
+    }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_storeu_ps(y + r * ldy + b * 16, acc[b][r][0]);
+      _mm256_storeu_ps(y + r * ldy + b * 16 + 8, acc[b][r][1]);
+    }
+}
+
+using Few = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t);
+// [rows - 1][blocks - 1]: one row past 1-4 blocks, two rows past 1-2
+constexpr Few FEW[2][FEW_BLOCKS] = {
+    {&few_rows<1, 1>, &few_rows<1, 2>, &few_rows<1, 3>, &few_rows<1, 4>},
+    {&few_rows<2, 1>, &few_rows<2, 2>, nullptr, nullptr}};
+
 template <bool FOUR, bool MIN>
 void product(const float* px, const uint8_t* values, const uint16_t* scales,
              const uint16_t* mins, float* py, int64_t rows, int64_t in, int64_t nblocks) {
@@ -128,7 +163,9 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
   static constexpr auto PAIRED =
       blocks<float, PAIR>(std::make_integer_sequence<int, CHUNK_ROWS>());
   const int64_t out = nblocks * 16, chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  const int64_t size = (rows + chunks - 1) / chunks, units = (nblocks + PAIR - 1) / PAIR;
+  // blocks decoded together: one or two rows take the wide micro-kernel above
+  const int64_t unit = rows == 1 ? FEW_BLOCKS : rows == 2 ? 2 : PAIR;
+  const int64_t size = (rows + chunks - 1) / chunks, units = (nblocks + unit - 1) / unit;
   const int64_t segments = (in + SEGMENT - 1) / SEGMENT;
   const int64_t block_bytes = in * (FOUR ? 8 : 16), block_groups = in / GROUP * 16;
   // the inputs segment by segment, (segments, rows, segment): the micro-kernel reads a row's
@@ -140,12 +177,13 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
       std::memcpy(xs.data() + rows * k0 + r * len, px + r * in + k0, len * sizeof(float));
   }
   at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
-    alignas(64) float decoded[PAIR * SEGMENT * 16];
-    alignas(64) float part[CHUNK_ROWS * PAIR * 16];
+    constexpr int64_t MOST = std::max<int64_t>(PAIR, FEW_BLOCKS);
+    alignas(64) float decoded[MOST * SEGMENT * 16];
+    alignas(64) float part[CHUNK_ROWS * MOST * 16];
     const char* end =
-        reinterpret_cast<const char*>(values + std::min(last * PAIR, nblocks) * block_bytes);
+        reinterpret_cast<const char*>(values + std::min(last * unit, nblocks) * block_bytes);
     for (int64_t u = first; u < last; ++u) {
-      const int64_t b = u * PAIR, pair = std::min<int64_t>(PAIR, nblocks - b);
+      const int64_t b = u * unit, pair = std::min<int64_t>(unit, nblocks - b);
       const auto& run = pair == PAIR ? PAIRED : SINGLE;
       for (int64_t s = 0; s < segments; ++s) {
         const int64_t k0 = s * SEGMENT, len = std::min(SEGMENT, in - k0);
@@ -156,11 +194,15 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t n = std::min(size, rows - c * size);
           // no prefetches: the decoded weights are in the core's cache
-          run[n - 1](xs.data() + rows * k0 + c * size * len, decoded, part, len, PAIR * 16,
-                     SEGMENT * 16, reinterpret_cast<const char*>(decoded));
+          if (rows <= 2)
+            FEW[rows - 1][pair - 1](xs.data() + rows * k0, decoded, part, len, MOST * 16,
+                                    SEGMENT * 16);
+          else
+            run[n - 1](xs.data() + rows * k0 + c * size * len, decoded, part, len,
+                       MOST * 16, SEGMENT * 16, reinterpret_cast<const char*>(decoded));
           for (int64_t r = 0; r < n; ++r) {
             float* y = py + (c * size + r) * out + b * 16;
-            const float* p = part + r * PAIR * 16;
+            const float* p = part + r * MOST * 16;
             if (s == 0)
               std::memcpy(y, p, pair * 16 * sizeof(float));
             else

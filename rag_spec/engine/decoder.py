@@ -50,9 +50,9 @@ class LookaheadConfig:
     """The decoder's knobs; the defaults suit RAG answers on a CPU.
 
     Engine: ``budget``. Default trie drafter: ``branch_length``, ``memory_mb`` (``.trie``).
-    Kernels: ``onednn_linear``, ``exact``, ``compile``, ``quantized`` (``.runner``). What the benches switch
-    off to measure what each part buys (sizing, rag-spec's CPU attention, the streamed
-    products) is no setting of a user's: ``ablated`` builds such a decoder.
+    Kernels: ``onednn_linear``, ``exact``, ``compile``, ``quantized`` (``.runner``). What the
+    benches switch off to measure what each part buys (sizing, rag-spec's CPU attention, the
+    streamed products) is no setting of a user's: ``ablated`` builds such a decoder.
     """
 
     budget: int = 12  # most draft nodes verified per step
