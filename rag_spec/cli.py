@@ -74,7 +74,8 @@ def _ask(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # a cut answer is this command's error, below
         warnings.simplefilter("ignore", IncompleteOutputWarning)
         answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                     on_text=None if args.json else show, draft=drafter, json_schema=schema)
+                     on_text=None if args.json else show, draft=drafter, json_schema=schema,
+                     quantized=args.quantized)
     if schema is not None and answer.finish_reason == "length":
         print(file=report)
         msg = (f"The answer was cut at --max-new-tokens {args.max_new_tokens} before its JSON "
@@ -295,7 +296,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="index (default: flat; with --backend milvus, the collection's)")
     ask.add_argument("--source", action="append",
                      help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
-    ask.add_argument("--model", default=DEFAULT_MODEL, help="embedded name or model folder")
+    ask.add_argument("--model", default=DEFAULT_MODEL,
+                     help="embedded name, model folder or .gguf file")
+    ask.add_argument("--quantized", action="store_true",
+                     help="decode from the model's GGUF weights as they are (the embedded "
+                          "model, or --model x.gguf): another model than its float32 one, "
+                          "whose answers equal its own decoding without drafts")
     ask.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--draft", default=None,

@@ -33,11 +33,12 @@ class Answer:
 
 def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
         max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
-        draft: Any = None, json_schema: Any = None) -> Answer:
+        draft: Any = None, json_schema: Any = None, quantized: bool = False) -> Answer:
     """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
     (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None: the decoder's default), as
-    JSON under ``json_schema`` if one is given."""
-    from rag_spec.engine.decoder import LookaheadDecoder
+    JSON under ``json_schema`` if one is given; ``quantized``: from the model's GGUF weights
+    (``LookaheadConfig.quantized``)."""
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     if not question.strip():
         msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
@@ -45,7 +46,8 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
     started = time.perf_counter()
     hits = retriever.search([question], k=k)[0]
     retrieved = time.perf_counter()
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter_for(draft, lm))
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=quantized),
+                               drafter=drafter_for(draft, lm))
     decoder.add_context([hit.text for hit in hits])
     prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
     result = decoder.generate(prompt, max_new_tokens=max_new_tokens, streamer=on_text,

@@ -26,6 +26,11 @@ steps do on a CPU, as inductor's products over trees lose to the eager kernels t
 single rows become reductions inductor compiles, which read the weights faster than BLAS's or
 oneDNN's one-row products.
 
+With ``quantized``, a model loaded from a GGUF file multiplies by the file's own 4- and 8-bit
+weights (``rag_spec.target.gguf`` reads them; ``quantized_linear``), every row count and in
+compiled steps too (a package of their own): another model than the float32 layers, whose
+greedy output equals its own decoding without drafts.
+
 Modules whose ``forward`` someone replaced (accelerate's offload hooks, a user's wrapper) are
 not copied: the runner calls them as they are, so the user's wrapper keeps working, on the
 stock kernels. Runners are built once per (model, settings) and held weakly by the model.
