@@ -195,10 +195,8 @@ def _models_pull(args: argparse.Namespace) -> int:
 
 
 def _models_compile(args: argparse.Namespace) -> int:
-    from rag_spec.engine.decoder import LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
     from rag_spec.models import load_model
-
-    from rag_spec.engine.decoder import LookaheadConfig
     from rag_spec.target.gguf import source_file
 
     lm = load_model(args.name)

@@ -136,9 +136,9 @@ def gguf_file(tmp_path):
 
 def test_a_files_q4_0_q4_1_and_q8_0_blocks_convert_exactly_in_transformers_row_order(
         gguf_file, caplog):
+    import gguf as gguf_py
     from gguf.quants import dequantize, quantize
 
-    import gguf as gguf_py
     from rag_spec.target.gguf import read_weights
 
     path, weights = gguf_file
@@ -221,9 +221,10 @@ def quantized_lm(tmp_path_factory):
                                      "self-spec"])
 def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
         drafter, quantized_lm):
+    from test_entry_matrix import DRAFTERS, TEXTS, N, prompts
+
     from rag_spec import LookaheadConfig, LookaheadDecoder
     from rag_spec.training.train_head import train_head
-    from test_entry_matrix import DRAFTERS, N, TEXTS, prompts
 
     kernel_or_skip()
     lm = quantized_lm
@@ -255,8 +256,9 @@ def test_quantized_needs_a_float32_model_without_exact_numerics(quantized_lm):
 
 
 def test_a_model_loaded_from_no_file_decodes_in_float32_saying_so(caplog):
-    from rag_spec import LookaheadConfig, LookaheadDecoder
     from test_entry_matrix import char_lm
+
+    from rag_spec import LookaheadConfig, LookaheadDecoder
 
     lm = char_lm()
     with caplog.at_level("INFO"):
