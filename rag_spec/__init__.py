@@ -49,6 +49,7 @@ _EXPORTS = {
     "GenerateOptions": "rag_spec.serving.local_lm",
     "serve": "rag_spec.serving.server",
     "Server": "rag_spec.serving.server",
+    "ServedModel": "rag_spec.serving.served_model",
     "create_app": "rag_spec.serving.server",
     "KNNLM": "rag_spec.knnlm",
     "KNNDatastore": "rag_spec.knnlm",

@@ -39,7 +39,8 @@ from rag_spec.threads import run_in_compute_thread
 from rag_spec.tokenizing import serial
 
 Messages = Sequence[Mapping[str, Any]]  # [{"role": ..., "content": ...}, ...] (see encode)
-Prompt = str | Messages  # text is completed as is; messages get the chat template
+Prompt = str | Messages | list[int]  # text and token ids are completed as they are; messages
+# get the chat template
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,13 @@ class LocalLM:
         ``name``: see ``serving.tools.chat_messages``."""
         if isinstance(prompt, str):
             return list(self._tokens(prompt)["input_ids"])
+        if prompt and all(isinstance(token, int) for token in prompt):
+            vocabulary = self.lm.model.config.vocab_size
+            if not all(0 <= token < vocabulary for token in prompt):  # type: ignore[operator]
+                msg = (f"A prompt's token ids are 0 to {vocabulary - 1} for this model; "
+                       "tokenize it with the served model's tokenizer.")
+                raise RagSpecError(msg)
+            return list(prompt)  # type: ignore[arg-type]
         if not prompt:
             msg = "No messages to answer; pass at least one user message."
             raise RagSpecError(msg)

@@ -14,9 +14,9 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from rag_spec.errors import RagSpecError
 from rag_spec.serving.local_lm import Completion, GenerateOptions, Prompt
@@ -102,9 +102,10 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: a prompt string, completed as it is."""
+    """``POST /v1/completions``: a prompt string or its token ids, completed as it is (the
+    answer's token ids come back in the ``rag_spec`` field: what ``ServedModel`` continues)."""
 
-    prompt: str
+    prompt: str | Annotated[list[NonNegativeInt], Field(min_length=1)]
     echo: bool = False
 
     @property
@@ -210,7 +211,8 @@ def text_response(completion: Completion, model: str, request_id: str,
             "model": model,
             "choices": [{"index": 0, "text": prefix + completion.text, "logprobs": None,
                          "finish_reason": completion.api_finish_reason}],
-            "usage": completion.usage(), "rag_spec": completion.speculation()}
+            "usage": completion.usage(),
+            "rag_spec": {**completion.speculation(), "token_ids": completion.token_ids}}
 
 
 def text_chunk(request_id: str, model: str, text: str,

@@ -28,6 +28,7 @@ from rag_spec.retrieval.os3 import StrideScheduler
 from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_passages
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
+from rag_spec.serving.served_model import ServedModel, ServedState
 from rag_spec.speculation import Speculation, SpeculationTally, speculate
 from rag_spec.threads import use_one_openmp_thread
 from rag_spec.tokenizing import serial
@@ -70,7 +71,10 @@ class RalmStats(SpeculationTally):
     queries_verified: int = 0
     rollback_points: list[int] = field(default_factory=list)  # output length at each rollback
     retrieval_seconds: float = 0.0  # inside knowledge-base calls
-    generation_seconds: float = 0.0  # prefills and decoding
+    generation_seconds: float = 0.0  # prefills and decoding (served: waiting for the strides)
+    # a served model's: prompt tokens its strides sent, all of which a server without a prefix
+    # cache processes again
+    served_prompt_tokens: int = 0
 
 
 @dataclass
@@ -98,7 +102,8 @@ class IterativeRaLM:
     """Retrieve every ``stride`` tokens; speculate when ``retriever`` is a SpecRetriever.
 
     Args:
-        lm: a loaded model (``rag_spec.load_model``).
+        lm: a loaded model (``rag_spec.load_model``), or a model behind a server
+            (``ServedModel``: each stride a request, the same tokens).
         retriever: any Retriever (naive loop) or a SpecRetriever (speculative loop).
         stride: tokens generated between retrievals.
         query_tokens: how many of the latest question + output tokens form a query.
@@ -118,11 +123,15 @@ class IterativeRaLM:
     # (simulations and tests put a clock of their own here)
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
-    def __init__(self, lm: LoadedModel, retriever: Retriever, *, stride: int = 4,
+    def __init__(self, lm: LoadedModel | ServedModel, retriever: Retriever, *, stride: int = 4,
                  query_tokens: int = 32, k: int = 1,
                  speculation: RaLMSpeculation = RaLMSpeculation(),  # noqa: B008 (frozen)
                  lookahead: LookaheadDecoder | None = None, **legacy: Any) -> None:
         speculation = _with_legacy(speculation, legacy)
+        if lookahead is not None and isinstance(lm, ServedModel):
+            msg = ("A served model decodes on the server (rag-spec serve drafts there): "
+                   "IterativeRaLM(ServedModel(...), retriever) takes no lookahead decoder.")
+            raise RagSpecError(msg)
         if lookahead is not None and lookahead.model is not lm.model:
             msg = ("IterativeRaLM(lookahead=...) needs a LookaheadDecoder on the loop's own model: "
                    "LookaheadDecoder(lm.model, lm.tokenizer).")
@@ -154,12 +163,9 @@ class IterativeRaLM:
             raise RagSpecError(msg)
         tokenizer = self._tokens
         question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
-        eos = self.lm.model.generation_config.eos_token_id
         session, extend = self._drafting(question) if self.lookahead else (None, None)
-        state = RalmState(self.lm.model,
-                          lambda hits: chat_input_ids(tokenizer, rag_messages(question, hits)),
-                          eos if isinstance(eos, list) else [eos] if eos is not None else [],
-                          extend, self.lookahead.fill if self.lookahead else None)
+        state = self._state(lambda hits: chat_input_ids(tokenizer, rag_messages(question, hits)),
+                            extend)
         stats = RalmStats()
         with torch.inference_mode():
             if isinstance(self.retriever, SpecRetriever):
@@ -170,8 +176,19 @@ class IterativeRaLM:
         if session is not None:
             session.finish(state.output)
         stats.generation_seconds = state.compute_seconds
+        if isinstance(state, ServedState):
+            stats.served_prompt_tokens = state.prompt_tokens
         text = tokenizer.decode(state.output, skip_special_tokens=True)
         return RalmResult(text, list(state.output), state.passages, stats)
+
+    def _state(self, build_prompt: Any, extend: Extend | None) -> RalmState | ServedState:
+        """A request's generation state: caches here, or on the server."""
+        if isinstance(self.lm, ServedModel):
+            return ServedState(self.lm, build_prompt, self.lm.eos_token_ids)
+        eos = self.lm.model.generation_config.eos_token_id
+        return RalmState(self.lm.model, build_prompt,
+                         eos if isinstance(eos, list) else [eos] if eos is not None else [],
+                         extend, self.lookahead.fill if self.lookahead else None)
 
     def _drafting(self, question: str) -> tuple[DraftSession, Extend]:
         """A draft session for this request and the RalmState hook that decodes with it."""

@@ -39,28 +39,25 @@ class Segment:
     passages: list[Hit]
     point: int  # retrieval point that opened it (-1: the first retrieval)
     prompt: list[int]  # the passage + question prompt
-    cache: Any  # DynamicCache over prompt + output (all of it), all but the newest token
+    cache: Any  # DynamicCache over prompt + output, all but the newest token (None: served)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
 
 
-class RalmState:
-    """Output so far and the segments that produced it, for one request."""
+class SegmentHistory:
+    """Output so far and the segments that produced it, for one request: what a rollback and
+    a verification keep track of, wherever the segments' caches live (here: ``RalmState``;
+    on a server: ``ServedState``)."""
 
-    def __init__(self, model: Any, build_prompt: Callable[[Sequence[Hit]], list[int]],
-                 eos_ids: Sequence[int], extend: Extend | None = None,
-                 fill: Fill | None = None) -> None:
-        self.model = model
-        self.extend = extend
-        self.fill = fill or functools.partial(fill_cache, model)
+    def __init__(self, build_prompt: Callable[[Sequence[Hit]], list[int]],
+                 eos_ids: Sequence[int]) -> None:
         self.build_prompt = build_prompt
         self.eos_ids = frozenset(eos_ids)
-        self.window = context_window(model.config)
         self.output: list[int] = []
         self.segments: list[Segment] = []
-        self.compute_seconds = 0.0  # prefills and decoding steps
+        self.compute_seconds = 0.0  # prefills and decoding steps (or waiting for them)
 
     @property
     def passages(self) -> list[Hit]:
@@ -70,9 +67,41 @@ class RalmState:
     def finished(self) -> bool:
         return bool(self.output) and self.output[-1] in self.eos_ids
 
+    def unchanged(self, passages: list[Hit]) -> bool:
+        """Whether ``passages`` are the current segment's (its cache goes on)."""
+        return bool(self.segments) and (
+            [h.doc_id for h in passages] == [h.doc_id for h in self.passages])
+
+    def drop_after(self, point: int, length: int) -> Segment:
+        """Back to retrieval ``point``, where the output had ``length`` tokens: the segments
+        opened after it dropped; returns the one current there."""
+        del self.output[length:]
+        while len(self.segments) > 1 and self.segments[-1].point >= point:
+            self.segments.pop()
+        return self.segments[-1]
+
+    def forget_before(self, point: int) -> None:
+        """Verified up to ``point``: segments no rollback can return to can go."""
+        while len(self.segments) > 1 and self.segments[1].point <= point:
+            self.segments.pop(0)
+
+
+class RalmState(SegmentHistory):
+    """Output so far and the segments that produced it, for one request, each segment's KV
+    cache in this process."""
+
+    def __init__(self, model: Any, build_prompt: Callable[[Sequence[Hit]], list[int]],
+                 eos_ids: Sequence[int], extend: Extend | None = None,
+                 fill: Fill | None = None) -> None:
+        super().__init__(build_prompt, eos_ids)
+        self.model = model
+        self.extend = extend
+        self.fill = fill or functools.partial(fill_cache, model)
+        self.window = context_window(model.config)
+
     def use(self, passages: list[Hit], point: int) -> None:
         """Continue under ``passages``: the same ones keep the cache, others open a segment."""
-        if self.segments and [h.doc_id for h in passages] == [h.doc_id for h in self.passages]:
+        if self.unchanged(passages):
             return
         started = time.perf_counter()
         prompt = self.build_prompt(passages)
@@ -111,13 +140,5 @@ class RalmState:
 
     def rollback(self, point: int, length: int) -> None:
         """Return to retrieval ``point``, where the output had ``length`` tokens."""
-        del self.output[length:]
-        while len(self.segments) > 1 and self.segments[-1].point >= point:
-            self.segments.pop()
-        segment = self.segments[-1]
+        segment = self.drop_after(point, length)
         crop(segment.cache, segment.prompt_len + length - 1)
-
-    def forget_before(self, point: int) -> None:
-        """Verified up to ``point``: segments no rollback can return to can go."""
-        while len(self.segments) > 1 and self.segments[1].point <= point:
-            self.segments.pop(0)

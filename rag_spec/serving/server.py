@@ -192,7 +192,7 @@ def create_app(model: str | None = None, *, api_key: str | None = None,
         if chat:
             return api.chat_response(completion, state.model, request_id)
         return api.text_response(completion, state.model, request_id,
-                                 request.prompt if request.echo else "")
+                                 _echoed(lm, request.prompt) if request.echo else "")
 
     return app
 
@@ -319,3 +319,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
                     "RAG_SPEC_API_KEY).", host)
     app = create_app(model, api_key=api_key, max_waiting=max_waiting, load_kwargs=load_kwargs)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+
+
+def _echoed(lm: LocalLM, prompt: str | list[int]) -> str:
+    """A completion prompt as text (token ids decoded), for ``echo``."""
+    return prompt if isinstance(prompt, str) else lm.lm.tokenizer.decode(prompt)

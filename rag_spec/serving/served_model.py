@@ -1,0 +1,156 @@
+"""A model behind an OpenAI-compatible server, as iterative RaLM's generator.
+
+RaLMSpec's loop needs three things of a generator: continue a prefix for a stride, stop, and
+continue another prefix after a rollback. ``ServedModel`` does them over HTTP: the prompt is
+rendered and tokenized here, with the served model's own tokenizer (its chat template), and
+each stride is ``POST /v1/completions`` with the prompt as token ids, greedy, ``max_tokens``
+the stride, so that a rollback re-sends exactly the kept prefix. The answer's token ids come
+back in the response's ``rag_spec`` field (``rag-spec serve`` sends them); a server that sends
+only text cannot be driven exactly (text does not tokenize back to the same ids) and is named
+as such. The server decodes each request from its prompt: a server that caches prompt
+prefixes (vLLM's automatic prefix caching, llama.cpp's ``cache_prompt``) re-processes only
+the tokens after a change.
+
+``ServedState`` is ``RalmState`` for a served model: the same output, segments, rollback and
+bookkeeping, with no cache on this side (the server holds it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rag_spec.errors import RagSpecError
+from rag_spec.retrieval.types import Hit
+from rag_spec.serving.ralm_state import Segment, SegmentHistory
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A served stride: its token ids, why it ended, and the prompt the server read."""
+
+    token_ids: list[int]
+    finish_reason: str  # the API's: "stop" (the end of the answer) or "length"
+    prompt_tokens: int
+
+
+class ServedModel:
+    """A model served behind an OpenAI-compatible server, driven by token ids; what
+    ``IterativeRaLM`` takes in place of a loaded model.
+
+    Args:
+        base_url: the server's address, e.g. ``http://127.0.0.1:8000`` (``/v1`` optional).
+        model: the model name the server knows (None: the server's only one).
+        api_key: sent as ``Authorization: Bearer``; None: none.
+        tokenizer: the served model's tokenizer (an object, or a local folder); None: the
+            embedded default model's (what ``rag-spec serve`` serves by default).
+        timeout: seconds a request may take.
+
+    Examples:
+        >>> served = ServedModel("http://127.0.0.1:8000")                   # doctest: +SKIP
+        >>> rag_spec.IterativeRaLM(served, rag_spec.SpecRetriever(kb))       # doctest: +SKIP
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 tokenizer: Any = None, timeout: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.tokenizer = _tokenizer(tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos]
+
+    def complete(self, token_ids: Sequence[int], max_tokens: int) -> Continuation:
+        """Greedy tokens after ``token_ids``: at most ``max_tokens``, fewer at the answer's
+        end (its end-of-answer token included, as a loaded model's decoding has it)."""
+        body: dict[str, Any] = {"prompt": list(token_ids), "max_tokens": max_tokens,
+                                "temperature": 0}
+        if self.model is not None:
+            body["model"] = self.model
+        answer = self._post("/v1/completions", body)
+        try:
+            choice = answer["choices"][0]
+            ids = answer["rag_spec"]["token_ids"]
+        except (KeyError, IndexError, TypeError) as err:
+            msg = (f"The server at {self.base_url} answered a completion without its token ids "
+                   "(the response's rag_spec.token_ids, which rag-spec serve sends): iterative "
+                   "RaLM continues prefixes token for token, which text alone cannot give. "
+                   "Serve the model with `rag-spec serve`.")
+            raise RagSpecError(msg) from err
+        return Continuation([int(t) for t in ids], choice.get("finish_reason") or "length",
+                            int(answer.get("usage", {}).get("prompt_tokens", len(token_ids))))
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(),
+                                         headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:300]
+            msg = f"The server at {self.base_url} refused a completion ({err.code}): {detail}"
+            raise RagSpecError(msg) from err
+        except (urllib.error.URLError, OSError) as err:
+            msg = (f"Could not reach the server at {self.base_url} ({err}); start it (`rag-spec "
+                   "serve`) or check the address.")
+            raise RagSpecError(msg) from err
+
+
+def _tokenizer(tokenizer: Any) -> Any:
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if tokenizer is None:
+        from rag_spec.models.embedded import pull
+        from rag_spec.models.registry import DEFAULT_MODEL
+
+        tokenizer = str(pull(DEFAULT_MODEL))
+    return AutoTokenizer.from_pretrained(tokenizer)
+
+
+class ServedState(SegmentHistory):
+    """Output so far and the segments that produced it, for one request to a served model
+    (``RalmState``'s interface; the server holds the caches)."""
+
+    def __init__(self, served: ServedModel, build_prompt: Callable[[Sequence[Hit]], list[int]],
+                 eos_ids: Sequence[int]) -> None:
+        super().__init__(build_prompt, eos_ids)
+        self.served = served
+        self.prompt_tokens = 0  # prompt tokens the server was sent, all strides
+        self._ended = False  # the server ended the answer without an end token in the ids
+
+    @property
+    def finished(self) -> bool:
+        return self._ended or super().finished
+
+    def use(self, passages: list[Hit], point: int) -> None:
+        """Continue under ``passages`` (a new prompt from the next stride on)."""
+        if not self.unchanged(passages):
+            self.segments.append(Segment(passages, point, self.build_prompt(passages), None))
+
+    def step(self, n: int) -> int:
+        """Up to ``n`` greedy tokens from the server; returns how many were added."""
+        if n < 1 or self.finished:
+            return 0
+        started = time.perf_counter()
+        done = self.served.complete(self.segments[-1].prompt + self.output, n)
+        self.compute_seconds += time.perf_counter() - started
+        self.prompt_tokens += done.prompt_tokens
+        self.output.extend(done.token_ids)
+        self._ended = done.finish_reason == "stop" and len(done.token_ids) < n
+        return len(done.token_ids)
+
+    def rollback(self, point: int, length: int) -> None:
+        """Return to retrieval ``point``, where the output had ``length`` tokens."""
+        self.drop_after(point, length)
+        self._ended = False

@@ -1,0 +1,83 @@
+"""Iterative RaLM on a served model: ``ServedModel`` against ``rag-spec serve`` on loopback
+(started and stopped here). The speculative loop's tokens equal the naive loop's against the
+same server, rollbacks included, and the in-process loop's on the same model."""
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from conftest import HashRetriever, char_lm  # noqa: E402
+from rag_spec import (  # noqa: E402
+    IterativeRaLM,
+    RagSpecError,
+    RaLMSpeculation,
+    ServedModel,
+    Server,
+    SpecRetriever,
+    create_app,
+    load_model,
+)
+from rag_spec.bench.simulated import DelayedRetriever  # noqa: E402
+
+QUESTION = "which word comes after alpha beta?"
+SETTINGS = {"stride": 2, "query_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny character Llama whose window takes prompts with passages, saved as a folder."""
+    folder = tmp_path_factory.mktemp("served-llama")
+    lm = char_lm(window=1024)
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    with Server(app=create_app(model_dir, background=False)) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def served(url, model_dir):
+    return ServedModel(url, tokenizer=model_dir)
+
+
+def test_the_served_naive_loop_equals_the_in_process_one(served, model_dir):
+    kb = HashRetriever()
+    local = IterativeRaLM(load_model(model_dir), kb, **SETTINGS).generate(QUESTION, 30)
+    remote = IterativeRaLM(served, kb, **SETTINGS).generate(QUESTION, 30)
+    assert remote.token_ids == local.token_ids
+    assert remote.text == local.text
+    assert remote.stats.kb_calls == local.stats.kb_calls
+    assert remote.stats.generation_seconds > 0  # waiting on the server's strides
+    # every stride re-sends its whole prompt: the server says how much it read
+    assert remote.stats.served_prompt_tokens > len(remote.token_ids) * 10
+
+
+@pytest.mark.parametrize("lying", [False, True])  # True: wrong guesses, rolled back
+def test_speculative_retrieval_in_front_of_a_served_model_gives_the_naive_loops_tokens(
+        served, lying):
+    naive = IterativeRaLM(served, HashRetriever(), **SETTINGS).generate(QUESTION, 30)
+    spec = IterativeRaLM(served, SpecRetriever(DelayedRetriever(HashRetriever(lying=lying), 3)),
+                         speculation=RaLMSpeculation(os3=False, stride=3), **SETTINGS)
+    result = spec.generate(QUESTION, 30)
+    assert result.token_ids == naive.token_ids
+    assert [h.doc_id for h in result.passages] == [h.doc_id for h in naive.passages]
+    assert result.stats.speculation_hits + result.stats.rollbacks > 0  # it did speculate
+    if lying:
+        assert result.stats.rollbacks > 0
+
+
+def test_a_served_model_takes_no_lookahead_decoder_and_a_dead_server_is_named(served):
+    from rag_spec import LookaheadDecoder
+
+    lm = char_lm(window=1024)
+    with pytest.raises(RagSpecError, match="decodes on the server"):
+        IterativeRaLM(served, HashRetriever(), lookahead=LookaheadDecoder(lm.model,
+                                                                          lm.tokenizer))
+    gone = ServedModel("http://127.0.0.1:9", tokenizer=served.tokenizer, timeout=5)
+    with pytest.raises(RagSpecError, match="Could not reach the server"):
+        IterativeRaLM(gone, HashRetriever(), **SETTINGS).generate(QUESTION, 4)
