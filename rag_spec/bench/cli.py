@@ -70,6 +70,9 @@ def add_bench_commands(commands: Any) -> None:
     ralm.add_argument("--json", dest="json_out", help="write the report here")
     ralm.add_argument("--limit", type=int, default=6, help="use the first N questions")
     ralm.add_argument("--max-new-tokens", type=int, default=64)
+    ralm.add_argument("--served", default=None, metavar="URL",
+                      help="drive the embedded model behind this OpenAI-compatible server "
+                           "(rag-spec serve) instead of loading it here")
     ralm.set_defaults(run=_ralm)
     knnlm = kinds.add_parser("knnlm", help="speculative kNN-LM vs the naive kNN-LM loop")
     knnlm.add_argument("--retriever", default="exact", choices=["exact", "approx"],
@@ -195,7 +198,7 @@ def _ralm(args: argparse.Namespace) -> int:
         raise RagSpecError(msg)
     run(retriever=args.retriever, kb_size=args.kb_size, latency_ms=args.latency_ms,
         packed=args.packed, questions_file=args.questions, json_out=args.json_out,
-        limit=args.limit, max_new_tokens=args.max_new_tokens, uri=args.uri)
+        limit=args.limit, max_new_tokens=args.max_new_tokens, uri=args.uri, served=args.served)
     return 0
 
 

@@ -62,6 +62,11 @@ BENCHES = (
     Bench("ralm_milvus_300ms", "Speculative retrieval, Milvus",
           "Iterative RaLM (a retrieval every 4 tokens) on a Milvus Lite collection behind "
           "300 ms: the naive loop against speculative retrieval and its ablations."),
+    Bench("ralm_exact_300ms_served", "Speculative retrieval in front of a served model",
+          "Iterative RaLM on the exact index behind 300 ms, both loops driving the embedded "
+          "model behind `rag-spec serve` on loopback (`ServedModel`: each stride a request by "
+          "token ids; the server caches no prompt prefix, so every stride re-reads its "
+          "prompt): the naive loop against speculative retrieval and its ablations."),
     Bench("ralm_bm25_300ms", "Speculative retrieval, BM25",
           "Iterative RaLM on a BM25 index behind 300 ms."),
     Bench("ralm_exact_5000000", "Speculative retrieval, exact dense at 5M passages",

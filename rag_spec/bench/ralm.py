@@ -1,5 +1,6 @@
 """``rag-spec bench ralm``: the naive iterative RaLM loop against speculative retrieval and
-each of its parts, interleaved per question, with identical outputs checked."""
+each of its parts, interleaved per question, with identical outputs checked; with ``served``,
+both loops drive a model behind an OpenAI-compatible server (``ServedModel``)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ RETRIEVERS = {"exact": "flat", "hnsw": "hnsw", "ivf": "ivf", "bm25": "bm25", "mi
 def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float = 0.0,
         packed: bool = False, questions_file: str | None = None, json_out: str | None = None,
         limit: int | None = 6, max_new_tokens: int = 64, stride: int = 4,
-        uri: str | None = None) -> dict[str, Any]:
+        uri: str | None = None, served: str | None = None) -> dict[str, Any]:
     """Run the benchmark; print a table; write JSON and a PNG; return the report.
 
     ``retriever="milvus"`` searches the default corpus in Milvus at ``uri`` (default: the
-    local milvus-lite folder, a real loopback round trip); ``latency_ms`` adds to any kind."""
+    local milvus-lite folder, a real loopback round trip); ``latency_ms`` adds to any kind.
+    ``served``: the address of a server of the embedded model (``rag-spec serve``) that both
+    loops drive instead of a model in this process (lookahead decoding is then the server's)."""
 
     from rag_spec.bench.simulated import DelayedRetriever, SearchOnly
     from rag_spec.engine.decoder import LookaheadDecoder
@@ -54,10 +57,11 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     from rag_spec.retrieval.milvus import MilvusKnowledgeBase
     from rag_spec.retrieval.spec_retriever import SpecRetriever
     from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
+    from rag_spec.serving.served_model import ServedModel
 
     questions = load_questions(questions_file) if questions_file else RAG_QUESTIONS
     questions = questions[:limit]
-    lm = load_model()
+    lm = ServedModel(served) if served else load_model()
     kb = (MilvusKnowledgeBase.open(uri=uri) if retriever == "milvus"
           else KnowledgeBase.load_default(RETRIEVERS[retriever]))
     real = len(kb)
@@ -70,7 +74,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
     distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
 
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder = None if served else LookaheadDecoder(lm.model, lm.tokenizer)
+    systems = {name: s for name, s in SYSTEMS.items() if not (served and s and s[3])}
 
     def system(settings: tuple[int, bool, bool, bool, bool] | None) -> Any:
         # One loop per system, as an application keeps one: OS3 starts cold only once.
@@ -87,13 +92,13 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
             return Run(0.0, result.token_ids, {"stats": result.stats})
         return one
 
-    runs = interleaved({name: system(s) for name, s in SYSTEMS.items()}, questions)
+    runs = interleaved({name: system(s) for name, s in systems.items()}, questions)
     naive = runs["naive"]
     share = median([r.extra["stats"].retrieval_seconds / r.seconds for r in naive])
     report: dict[str, Any] = {
         "benchmark": "ralm", "questions": len(questions), "retriever": retriever,
         "kb_size": len(kb), "real_passages": real, "distractor_top1_wins": distractor_wins,
-        "latency_ms": latency_ms, "packed": packed, "stride": stride,
+        "latency_ms": latency_ms, "packed": packed, "stride": stride, "served": bool(served),
         "max_new_tokens": max_new_tokens,
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
         "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
@@ -106,7 +111,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
             "per_question_speedup": [round(n.seconds / r.seconds, 3)
                                      for n, r in zip(naive, system_runs)]}
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
-        "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "")
+        "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "") + (
+        "_served" if served else "")
     publish(report, json_out, name, _plot, _print_table)
     return report
 
