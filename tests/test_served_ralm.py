@@ -81,3 +81,15 @@ def test_a_served_model_takes_no_lookahead_decoder_and_a_dead_server_is_named(se
     gone = ServedModel("http://127.0.0.1:9", tokenizer=served.tokenizer, timeout=5)
     with pytest.raises(RagSpecError, match="Could not reach the server"):
         IterativeRaLM(gone, HashRetriever(), **SETTINGS).generate(QUESTION, 4)
+
+
+def test_langchains_iterative_ralm_drives_a_served_model(served):
+    from langchain_rag_spec import IterativeRaLM as ChainRaLM
+    from langchain_rag_spec import SpecRetriever as ChainSpecRetriever
+
+    expected = IterativeRaLM(served, HashRetriever(), **SETTINGS).generate(QUESTION, 30).text
+    chain = ChainRaLM(served=served, retriever=ChainSpecRetriever(source=HashRetriever()),
+                      max_tokens=30, **SETTINGS)
+    assert chain.invoke(QUESTION) == expected
+    with pytest.raises(ValueError, match="takes one model"):
+        ChainRaLM(retriever=ChainSpecRetriever(source=HashRetriever()))
