@@ -267,3 +267,31 @@ def test_a_model_loaded_from_no_file_decodes_in_float32_saying_so(caplog):
         decoder.generate([1, 2, 3], 2)
     assert "was not loaded from a GGUF file" in caplog.text
     assert not any(stack.blocks is not None for stack in decoder.runner.stacks)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_embedded_gguf_file_loads_with_its_chat_template_and_decodes_from_its_blocks(
+        user_cache):
+    import rag_spec
+    from rag_spec.target.gguf import source_file
+
+    kernel_or_skip()
+    embedded = rag_spec.load_model()
+    path = source_file(embedded.model)  # the pull keeps the file beside the float32 weights
+    assert path is not None and path.is_file()
+    lm = rag_spec.load_model(str(path))
+    messages = [{"role": "user", "content": "What is a Python list?"}]
+    ids = rag_spec.chat_input_ids(lm.tokenizer, messages)
+    # the file's chat template (transformers' GGUF tokenizer leaves it out): the same prompt
+    assert ids == rag_spec.chat_input_ids(embedded.tokenizer, messages)
+    for model in (lm, embedded):
+        config = rag_spec.LookaheadConfig
+        drafted = rag_spec.LookaheadDecoder(model.model, model.tokenizer,
+                                            config(quantized=True))
+        plain = rag_spec.LookaheadDecoder(model.model, model.tokenizer,
+                                          config(quantized=True, budget=0))
+        assert all(stack.blocks is not None for stack in drafted.runner.stacks)
+        result = drafted.generate(ids, max_new_tokens=24)
+        assert result.token_ids == plain.generate(ids, max_new_tokens=24).token_ids
+        assert result.text.strip()  # an answer, not an end token at once

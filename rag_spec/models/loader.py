@@ -110,7 +110,7 @@ def _load_folder(folder: Path, name: str, device: Any, dtype: Any) -> LoadedMode
     weights stay readable for ``LookaheadConfig(quantized=True)``, as the embedded model's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rag_spec.target.gguf import remember_file
+    from rag_spec.target.gguf import chat_template, remember_file
 
     embedded = name in EMBEDDED_MODELS
     gguf_file = folder if folder.suffix == ".gguf" else None
@@ -129,6 +129,8 @@ def _load_folder(folder: Path, name: str, device: Any, dtype: Any) -> LoadedMode
                "(*.safetensors)")
         msg = f"Could not load the model in {folder} ({_reason(err)}); {fix}."
         raise RagSpecError(msg) from err
+    if gguf_file is not None and tokenizer.chat_template is None:
+        tokenizer.chat_template = chat_template(gguf_file)  # the file's own, as llama.cpp uses
     if embedded:
         gguf_file = folder / gguf_name(EMBEDDED_MODELS[name])
     if gguf_file is not None:

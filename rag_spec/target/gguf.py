@@ -54,6 +54,15 @@ def source_file(model: Any) -> Path | None:
     return _SOURCES.get(model)
 
 
+def chat_template(path: str | Path) -> str | None:
+    """The chat template a GGUF file carries (``tokenizer.chat_template``), if it has one:
+    transformers' GGUF tokenizer leaves it out."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    return None if field is None else str(field.contents())
+
+
 def file_weights(model: Any) -> dict[str, GroupQuantized]:
     """The quantised weights of ``model``'s linear layers, by module path (``lm_head``,
     ``model.layers.0.self_attn.q_proj`` ...), from the GGUF file it was loaded from; empty
