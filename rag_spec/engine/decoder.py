@@ -79,7 +79,8 @@ class LookaheadConfig:
     # its linear layers multiply by the file's own 4- and 8-bit weights (Q4_0, Q4_1, Q8_0;
     # other formats stay float32), a quarter to a sixth of the bytes a step reads. Another
     # model than the float32 one: greedy output equals this setting's own no-draft decoding,
-    # not ``generate``'s. Steps run eagerly (no package of compiled steps for them yet)
+    # not ``generate``'s. Compiled steps come from a package of their own (``rag-spec models
+    # compile`` builds it for the embedded model)
     quantized: bool = False
 
     @property

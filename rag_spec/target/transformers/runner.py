@@ -90,7 +90,7 @@ class RunnerSettings:
     # (``step_package``), never compiling; True: the package, else torch.compile at first use
     compile: bool | Literal["auto"] = "auto"
     # CPU, float32, a model loaded from a GGUF file: linear layers multiply by the file's
-    # quantised weights (``rag_spec.target.gguf``); steps then run eagerly
+    # quantised weights (``rag_spec.target.gguf``), compiled steps from a package of their own
     quantized: bool = False
 
 
