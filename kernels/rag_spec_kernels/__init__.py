@@ -10,6 +10,8 @@ from rag_spec_kernels.cpu_attention import (
     cpu_attention_available,
     cpu_attention_fits,
     cpu_tree_attention,
+    row_attention,
+    row_attention_available,
 )
 from rag_spec_kernels.cpu_extension import cpu_info, vector_flags
 from rag_spec_kernels.exact import (
@@ -38,25 +40,29 @@ from rag_spec_kernels.quantized import (
     pack_quantized,
     quantized_available,
     quantized_linear,
+    quantized_reference,
     stacked,
 )
 from rag_spec_kernels.slots import move_slots, slots_kernel_available
 from rag_spec_kernels.streamed import pack_streamed, streamed_available, streamed_linear
 from rag_spec_kernels.tree_attention import (
     TREE_ATTENTION,
+    TREE_ATTENTION_ROWS,
     TREE_ATTENTION_SDPA,
     register_tree_attention,
     tree_attention,
 )
 
 __all__ = ["EXACT_TREE_ATTENTION", "GroupQuantized", "LinearStack", "OneDNNLinear",
-           "RowChunkedLinear", "SparseView", "TREE_ATTENTION", "TREE_ATTENTION_SDPA",
+           "RowChunkedLinear", "SparseView", "TREE_ATTENTION", "TREE_ATTENTION_ROWS",
+           "TREE_ATTENTION_SDPA",
            "TracedLinear", "TreeMask",
            "cpu_attention_available", "cpu_attention_fits", "cpu_info", "cpu_tree_attention",
            "exact_tree_attention", "invariant_rows", "is_plain_linear", "linear_stacks",
            "move_slots", "onednn_available", "onednn_ops_available", "onednn_packs",
            "pack_quantized", "pack_streamed", "pack_weight", "packed_linear", "quantized_available",
-           "quantized_linear", "reference_attention",
-           "register_tree_attention", "slots_kernel_available", "stack_table", "stacked",
+           "quantized_linear", "quantized_reference", "reference_attention",
+           "register_tree_attention", "row_attention", "row_attention_available",
+           "slots_kernel_available", "stack_table", "stacked",
            "streamed_available", "streamed_linear", "tree_attention", "tree_pass", "vector_flags",
            "whole_rows"]

@@ -1,5 +1,7 @@
 """``TreeMask`` attention as one C++ kernel (``tree_attention.cpp``): the CPU path of
-``tree_attention`` for float32 on AVX-512 CPUs, the Triton kernel's twin.
+``tree_attention`` for float32 on AVX-512 CPUs, the Triton kernel's twin. And attention that
+computes each query row from its own visible keys alone (``row_attention``, AVX2 or AVX-512):
+what steps on 8-bit inputs need, whose tree rows must equal one-token steps bit for bit.
 
 At long context a step's attention reads the whole KV cache for a few query rows, and SDPA's
 CPU flash kernel takes two to three times as long as that read (at batch 16 x 4k on the default
@@ -30,12 +32,22 @@ _NO_SELECT = torch.empty(0, dtype=torch.int64)  # the kernel's "read slots 0..K-
 torch.library.define("rag_spec_cpu::tree_attention",  # its CPU kernel: tree_attention.cpp
                      "(Tensor query, Tensor key, Tensor value, Tensor committed, Tensor recent, "
                      "Tensor select, float scale) -> Tensor")
+torch.library.define("rag_spec_cpu::row_attention",  # its CPU kernel: row_attention.cpp
+                     "(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale) "
+                     "-> Tensor")
 
 
 @torch.library.register_fake("rag_spec_cpu::tree_attention")
 def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      committed: torch.Tensor, recent: torch.Tensor, select: torch.Tensor,
                      scale: float) -> torch.Tensor:
+    batch, heads, queries, dim = query.shape
+    return query.new_empty(batch, queries, heads, dim)
+
+
+@torch.library.register_fake("rag_spec_cpu::row_attention")
+def _row_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         allowed: torch.Tensor, scale: float) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)
 
@@ -111,3 +123,55 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scaling if scaling is not None else query.shape[-1] ** -0.5)
     return out.transpose(1, 2)
 
+
+
+def row_attention_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether ``row_attention`` takes these tensors: float32 on the CPU, a head dimension that
+    is a multiple of 8 up to 128, and it is available here."""
+    dim = query.shape[-1]
+    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32
+            and dim % 8 == 0 and dim <= 128 and _rows_available())
+
+
+@torch.compiler.assume_constant_result
+def _rows_available() -> bool:
+    """``row_attention_available`` as a constant while a step is traced (see ``_available``)."""
+    return row_attention_available()
+
+
+@functools.cache
+def row_attention_available() -> bool:
+    """An AVX2 or AVX-512 CPU, a build that succeeds, and agreement with the reference on a
+    probe."""
+    if vector_isa() is None:
+        return False
+    from rag_spec_kernels.mask import reference_attention
+
+    generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
+    query, key, value = (torch.randn(2, 4, 3, 32, generator=generator),
+                         torch.randn(2, 2, 40, 32, generator=generator),
+                         torch.randn(2, 2, 40, 32, generator=generator))
+    mask = TreeMask(torch.rand(2, 37, generator=generator) > 0.3,
+                    torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3))
+    try:
+        cpu_extension()
+        ok = torch.allclose(row_attention(query, key, value, mask.over_cache(37)),
+                            reference_attention(query, key, value, mask), atol=1e-5)
+    except Exception as error:  # noqa: BLE001 - any build failure means: the other kernels
+        log.warning("rag-spec: the row attention kernel did not build (%s); 8-bit input "
+                    "products are not used", error)
+        return False
+    return ok
+
+
+def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  allowed: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """[B, heads, q, D] queries over [B, kv_heads, kv, D] keys and values where ``allowed``
+    ([B, q, kv] bool) says which keys each query sees, each query row computed from its own
+    keys alone in their order (``row_attention.cpp``); returns [B, heads, q, D] as
+    ``cpu_tree_attention``. Traceable."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.ops.rag_spec_cpu.row_attention.default(
+        query, key, value, allowed.to(torch.uint8).contiguous(),
+        scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out.transpose(1, 2)

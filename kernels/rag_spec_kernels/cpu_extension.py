@@ -1,11 +1,11 @@
 """Our C++ CPU kernels (``streamed_linear.cpp``, ``quantized_linear.cpp``, ``tree_attention.cpp``,
-``move_slots.cpp``):
+``row_attention.cpp``, ``move_slots.cpp``):
 the CPU implementations of the ``rag_spec_cpu`` operators, built for this machine on first use
 by torch's extension loader (gcc and ninja, ~60 s once, then cached under torch's extension
 root, ``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are
 built for the vector instructions torch runs here: AVX-512 (every kernel) or AVX2 with FMA (all
-but the tree attention). Callers probe them (``streamed_available``,
-``cpu_attention_available``, ``slots_kernel_available``) and keep torch's kernels where they do
+but the tree attention). Callers probe them (``streamed_available``, ``cpu_attention_available``,
+``row_attention_available``, ``slots_kernel_available``) and keep torch's kernels where they do
 not build."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from types import MappingProxyType
 
 import torch
 
-_SOURCES = ("streamed_linear.cpp", "quantized_linear.cpp", "tree_attention.cpp", "move_slots.cpp",
-            "bindings.cpp")
+_SOURCES = ("streamed_linear.cpp", "quantized_linear.cpp", "tree_attention.cpp",
+            "row_attention.cpp", "move_slots.cpp", "bindings.cpp")
 _build_lock = threading.Lock()
 # compiler flags per instruction set torch reports (``get_cpu_capability``: its AVX512 means
 # the F, DQ, BW and VL extensions)

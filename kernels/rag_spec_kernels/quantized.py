@@ -1,12 +1,14 @@
-"""Few-row products over weights kept in quantised blocks (a GGUF file's Q4_0, Q4_1, Q4_K, Q8_0),
-for one-token and tree steps alike (AVX-512 or AVX2 CPUs).
+"""Few-row products over weights kept in quantised blocks (a GGUF file's Q4_0, Q4_1, Q8_0), for
+one-token and tree steps alike (AVX-512 or AVX2 CPUs).
 
 A quantised weight is read at a quarter to a sixth of float32's bytes, which is what bounds a
-CPU's one-token step. The kernel (``quantized_linear.cpp``) decodes each block of weights once
-into the core's cache and multiplies every row of a step by it, so a verified tree costs its
-rows' arithmetic, not another read of the weight: what speculation needs of a quantised model,
-and what llama.cpp's per-row dot products for Q4_1 and the K-quants do not give. Each row's
-output is computed in one fixed order, the same whatever rows are beside it.
+CPU's one-token step. The kernel (``quantized_linear.cpp``) quantises each row's inputs to 8 bits
+per group of 32, as llama.cpp does for these formats, and multiplies as integers; it loads each
+block of weights once for up to four rows, so a verified tree costs its rows' arithmetic, not
+another read of the weight: what speculation needs of a quantised model, and what llama.cpp's
+dot products, one row and one output at a time, do not give. Each row's output is computed in
+one fixed order, the same whatever rows are beside it (``quantized_reference`` is the product
+it computes, in float64).
 
 ``GroupQuantized`` is the one form every file format is converted to (``rag_spec.target.gguf``
 converts GGUF's blocks): per output, integer values with a scale, and a minimum, per 32 inputs.
@@ -23,7 +25,7 @@ import torch
 from rag_spec_kernels.cpu_extension import cpu_extension, vector_isa
 
 GROUP = 32  # inputs per scale (every GGUF block format of 4 and 8 bits has them in 32s)
-_BLOCK = 16  # outputs per packed block, as the streamed kernel's
+_BLOCK = 8  # outputs per packed block: one 32-bit lane each
 log = logging.getLogger(__name__)
 
 torch.library.define("rag_spec_cpu::quantized_linear",  # its CPU kernel: quantized_linear.cpp
@@ -89,25 +91,50 @@ def stacked(parts: list[GroupQuantized]) -> GroupQuantized:
 
 def pack_quantized(weight: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` in the kernel's layout: values, scales and minimums (empty: none) per block
-    of 16 outputs, zero-padded to whole blocks (``quantized_linear.cpp`` describes it)."""
+    of 8 outputs, zero-padded to whole blocks (``quantized_linear.cpp`` describes it)."""
     out, inner = weight.shape
     pad = -out % _BLOCK
+    values = torch.nn.functional.pad(weight.values, (0, 0, 0, pad))
+    nblocks = values.shape[0] // _BLOCK
+    # (blocks, output, chunk, input): each output's inputs 4 by 4, and a chunk's 8 outputs side
+    # by side; 4 bits: a chunk of 8 inputs, its second four in the bytes' high halves
+    values = values.view(nblocks, _BLOCK, inner // 4, 4)
+    if weight.bits == 4:
+        values = values.view(nblocks, _BLOCK, inner // 8, 2, 4)
+        values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
+    values = values.transpose(1, 2).reshape(nblocks, -1, _BLOCK * 4)
 
-    def blocks(table: torch.Tensor) -> torch.Tensor:  # (out, n) -> (blocks, n, 16)
+    def blocks(table: torch.Tensor) -> torch.Tensor:  # (out, groups) -> (blocks, groups, 8)
         padded = torch.nn.functional.pad(table, (0, 0, 0, pad))
-        return padded.view(-1, _BLOCK, table.shape[1]).transpose(1, 2).contiguous()
+        return padded.view(nblocks, _BLOCK, table.shape[1]).transpose(1, 2).contiguous()
 
-    values = blocks(weight.values)
-    if weight.bits == 4:  # outputs j and j + 8 of a position share byte j
-        values = values[..., :8] | (values[..., 8:] << 4)
     mins = torch.empty(0, dtype=torch.float16) if weight.mins is None else blocks(weight.mins)
     return values.contiguous(), blocks(weight.scales), mins
+
+
+def quantized_reference(x: torch.Tensor, weight: GroupQuantized) -> torch.Tensor:
+    """The product the kernel computes, in float64: each row's inputs quantised to 8 bits per
+    group of 32 (scale: the group's largest magnitude / 127; rounded to nearest even; a scale
+    too small to invert or not finite leaves the values zero), each
+    group's integer dot product scaled by both scales, plus the minimums times the inputs'."""
+    groups = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    invertible = (scale >= torch.finfo(torch.float32).tiny) & (scale < 1e37)  # else: zeros
+    inverse = torch.where(invertible, 1 / scale, torch.zeros_like(scale))
+    values = torch.round(groups * inverse).double()  # (rows, groups, 32)
+    scale = scale.double().squeeze(-1)  # (rows, groups)
+    out = weight.shape[0]
+    dots = torch.einsum("rgk,ogk->rog", values, weight.values.double().view(out, -1, GROUP))
+    y = (dots * weight.scales.double() * scale[:, None]).sum(-1)
+    if weight.mins is not None:
+        y += (weight.mins.double() * (scale * values.sum(-1))[:, None]).sum(-1)
+    return y
 
 
 @functools.cache
 def quantized_available() -> bool:
     """Whether quantised products can take this kernel here: a CPU with AVX-512 or AVX2, a
-    build that succeeds and agrees with the de-quantised weight's product on a probe."""
+    build that succeeds and agrees with ``quantized_reference`` on a probe."""
     if vector_isa() is None:
         return False
     generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
@@ -121,8 +148,9 @@ def quantized_available() -> bool:
                   GroupQuantized(torch.randint(-128, 128, (24, 64), generator=generator,
                                                dtype=torch.int8),
                                  torch.rand(24, 2, generator=generator).half(), None, 8)]
-        ok = all(torch.allclose(quantized_linear(x, pack_quantized(w), 24),
-                                x @ w.dequantized().T, rtol=1e-4, atol=1e-3) for w in probes)
+        ok = all(torch.allclose(quantized_linear(x, pack_quantized(w), 24).double(),
+                                quantized_reference(x, w), rtol=1e-4, atol=1e-3)
+                 for w in probes)
     except Exception as error:  # noqa: BLE001 - any build failure means: float32 weights
         log.warning("rag-spec: the quantised-product kernel did not build (%s); weights are "
                     "de-quantised to float32 instead", error)

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from rag_spec_kernels.mask import pass_mask, reference_attention, seen_keys
+from rag_spec_kernels.mask import TreeMask, pass_mask, reference_attention, seen_keys
 
 TREE_ATTENTION = "rag_spec_tree"
 TREE_ATTENTION_SDPA = "rag_spec_tree_sdpa"  # the same without our CPU kernel (an ablation)
+TREE_ATTENTION_ROWS = "rag_spec_tree_rows"  # steps on ``row_attention``: rows as if alone
 # Dense-masked passes of up to this many queries (steps, not prompts) take our CPU kernel
 DENSE_KERNEL_QUERIES = 64
 
@@ -35,7 +36,8 @@ DENSE_KERNEL_QUERIES = 64
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None,
                    dropout: float = 0.0, scaling: float | None = None,
-                   cpu_kernel: bool = True, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                   cpu_kernel: bool = True, rows: bool = False, **kwargs: Any
+                   ) -> tuple[torch.Tensor, None]:
     """transformers attention interface.
 
     Args:
@@ -46,11 +48,22 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         cpu_kernel: on the CPU, run tree-masked steps, and dense-masked passes of up to
             ``DENSE_KERNEL_QUERIES`` queries (compiled steps), on our kernel where it fits
             (else SDPA).
+        rows: on the CPU, run every step (a tree, a chain, one token; not a prompt's prefill)
+            on ``row_attention`` where it fits, each query row computed from its own keys in
+            their order: a tree's rows bit for bit their one-token steps' (steps on 8-bit
+            inputs need it, whose products amplify the smallest difference).
 
     Returns:
         ([B, q, heads, D], None), as every transformers attention function returns.
     """
     tree_mask = pass_mask()
+    if rows and not query.is_cuda and dropout == 0.0:
+        allowed = _row_mask(query, key, attention_mask, tree_mask)
+        if allowed is not None:
+            from rag_spec_kernels.cpu_attention import row_attention
+
+            out = row_attention(query, key, value, allowed, scaling)
+            return out.transpose(1, 2).contiguous(), None
     if tree_mask is not None:
         out = _kernel(query, key, cpu_kernel)(query, key, value, tree_mask, scaling,
                                                    layer=module)
@@ -82,6 +95,27 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
+def _row_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+              tree_mask: TreeMask | None) -> torch.Tensor | None:
+    """[B, q, kv] which keys each query of a step sees, for ``row_attention``; None where it
+    does not apply (a prompt's prefill, a sparse view's draft pass, tensors it does not take)."""
+    from rag_spec_kernels.cpu_attention import row_attention_fits
+
+    batch, _, q_len, _ = query.shape
+    if not row_attention_fits(query, key):
+        return None
+    if tree_mask is not None:
+        if tree_mask.sparse is not None:
+            return None
+        return tree_mask.over_cache(key.shape[2] - tree_mask.round_length)
+    if attention_mask is None:  # one token after all keys (a prompt's prefill: None)
+        return (torch.ones(batch, 1, key.shape[2], dtype=torch.bool, device=query.device)
+                if q_len == 1 else None)
+    if q_len > DENSE_KERNEL_QUERIES:
+        return None
+    return seen_keys(attention_mask)[:, :, :key.shape[2]].expand(batch, -1, -1)
+
+
 def _kernel(query: torch.Tensor, key: torch.Tensor, cpu_kernel: bool) -> Any:
     """The Triton kernel on a GPU where Triton is installed; on the CPU, ours where it fits
     (float32, AVX-512) unless ``cpu_kernel`` is off; the torch reference otherwise."""
@@ -98,9 +132,11 @@ def _kernel(query: torch.Tensor, key: torch.Tensor, cpu_kernel: bool) -> Any:
     return reference_attention
 
 
-def register_tree_attention(exact: bool = False, cpu_kernel: bool = True) -> str:
-    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``; without ``cpu_kernel``:
-    ``tree_attention`` on SDPA alone) in transformers' public attention registry, with SDPA's
+def register_tree_attention(exact: bool = False, cpu_kernel: bool = True, rows: bool = False
+                            ) -> str:
+    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``; ``rows``: its steps on
+    ``row_attention``; without ``cpu_kernel``: ``tree_attention`` on SDPA alone) in
+    transformers' public attention registry, with SDPA's
     mask builder for the masks a model makes itself (causal and sliding-window prefills);
     idempotent. Returns the name a config's ``_attn_implementation`` selects it by."""
     from transformers import AttentionInterface
@@ -110,6 +146,8 @@ def register_tree_attention(exact: bool = False, cpu_kernel: bool = True) -> str
 
     if exact:
         name, function = EXACT_TREE_ATTENTION, exact_tree_attention
+    elif rows:
+        name, function = TREE_ATTENTION_ROWS, functools.partial(tree_attention, rows=True)
     elif cpu_kernel:
         name, function = TREE_ATTENTION, tree_attention
     else:

@@ -62,7 +62,9 @@ from rag_spec_kernels import (
     is_plain_linear,
     linear_stacks,
     onednn_available,
+    quantized_available,
     register_tree_attention,
+    row_attention_available,
 )
 
 log = logging.getLogger(__name__)
@@ -110,11 +112,18 @@ class Runner(ModuleRunner):
         self.settings = settings
         self.source = _structure(model)
         self.exact = _wants_exact(model, settings)
-        module, own = _private_tree(model, self.exact, settings.cpu_attention)
+        blocks = _file_weights(model, settings, self.exact)
+        # 8-bit inputs turn the smallest difference into a different integer: a tree's rows
+        # must attend exactly as their one-token steps do
+        rows = bool(blocks) and quantized_available() and row_attention_available()
+        module, own = _private_tree(model, self.exact, settings.cpu_attention, rows)
         super().__init__(module)
         self.extra_bytes = 0  # memory of weight copies the fast path made
         self.stacks: list[LinearStack] = []
-        blocks = _file_weights(model, settings, self.exact)
+        if blocks and not rows:
+            log.warning("rag-spec: the quantised products or the row attention kernel do not "
+                        "run here; the GGUF file's weights are multiplied de-quantised")
+            blocks = {}
         if self.exact:
             _chunk_rows(self.module, own)
         elif blocks or _wants_onednn(model, settings):
@@ -128,7 +137,7 @@ class Runner(ModuleRunner):
         self._step: CompiledStep | None = None  # also where a package may be built
         if settings.compile is True or settings.compile == "auto" and not self.exact and (
                 self.device.type == "cpu"):
-            compiled, compiled_own = _private_tree(model, False, settings.cpu_attention)
+            compiled, compiled_own = _private_tree(model, False, settings.cpu_attention, rows)
             stacks = (_traced_linears(compiled, compiled_own, self.module)
                       if self.device.type == "cpu" else [])
             self._step = CompiledStep(compiled, wide=bool(self.stacks), stacks=stacks)
@@ -179,10 +188,11 @@ def _structure(model: Any) -> tuple[int, ...]:
             *(part for p in model.parameters() for part in (id(p), p.data_ptr())))
 
 
-def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, set[int]]:
+def _private_tree(model: Any, exact: bool, cpu_attention: bool, rows: bool = False
+                  ) -> tuple[Any, set[int]]:
     """A copy of ``model``'s module tree sharing its parameters, with private attention configs
-    (tree attention: exact, on our CPU kernel or on SDPA); also the ids of the copied modules
-    (the ones the runner may change).
+    (tree attention: exact, steps on ``row_attention``, on our CPU kernel or on SDPA); also the
+    ids of the copied modules (the ones the runner may change).
 
     Tree attention computes what SDPA computes; a transformers model that declares SDPA cannot
     compute its attention (ALiBi biases, attention sinks, soft-capped logits: Bloom, GPT-OSS,
@@ -192,7 +202,7 @@ def _private_tree(model: Any, exact: bool, cpu_attention: bool) -> tuple[Any, se
                "attention sinks or soft-capped logits: Bloom, GPT-OSS, Gemma 2), and rag-spec's "
                "tree attention computes SDPA's; use model.generate for this model.")
         raise RagSpecError(msg)
-    implementation = register_tree_attention(exact, cpu_attention)
+    implementation = register_tree_attention(exact, cpu_attention, rows)
     memo: dict[int, Any] = {}
     configs: dict[int, Any] = {}
     for module in model.modules():
