@@ -22,7 +22,10 @@ from rag_spec_kernels import (
     cpu_attention_available,
     cpu_tree_attention,
     reference_attention,
+    row_attention,
+    row_attention_available,
     tree_attention,
+    tree_pass,
 )
 from rag_spec_kernels.tree_attention import DENSE_KERNEL_QUERIES
 
@@ -310,3 +313,88 @@ def slab_appends_in_place():
 
 if __name__ == "__main__":  # the interpreter's child process
     Path(sys.argv[1]).write_text(json.dumps(triton_errors(torch.device("cpu"))))
+
+
+# -- row attention: each query row from its own keys alone --------------------------------------
+
+needs_row_kernel = pytest.mark.skipif(not row_attention_available(),
+                                      reason="the row attention kernel needs AVX2 or AVX-512")
+
+
+@needs_row_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 3), kv_heads=st.integers(1, 3),
+       groups=st.sampled_from([1, 3, 4]), q_len=st.integers(1, 18),
+       committed=st.sampled_from([1, 7, 33, 600]), earlier=st.integers(0, 20),
+       dim=st.sampled_from([8, 16, 64, 128]))
+def test_row_attention_matches_attention_written_out(seed, batch, kv_heads, groups, q_len,
+                                                     committed, earlier, dim):
+    query, key, value, mask = random_case(seed, batch, kv_heads, groups, q_len, committed,
+                                          earlier, None, dim)
+    got = row_attention(query, key, value, mask.over_cache(committed))
+    torch.testing.assert_close(got.double(), written_out(query, key, value, mask), atol=1e-5,
+                               rtol=1e-5)
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_a_tree_row_equals_its_one_token_step_bit_for_bit(seed):
+    # a tree token sees the committed keys, then its ancestors; once they are committed, its
+    # one-token step sees the same keys in the same order at other slots, and no others
+    g = torch.Generator().manual_seed(seed)
+    committed, q_len, dim = 300 + seed * 97, 7, 64
+    parents = [-1, 0, 0, 1, 2, 2, 4]  # a tree over the step's tokens
+    query = torch.randn(1, 6, q_len, dim, generator=g)
+    key, value = (torch.randn(1, 2, committed + q_len, dim, generator=g) for _ in range(2))
+    holes = torch.rand(1, committed, generator=g) > 0.1  # padding a ragged batch leaves
+    recent = torch.zeros(1, q_len, q_len, dtype=torch.bool)
+    for i in range(q_len):
+        j = i
+        while j >= 0:
+            recent[0, i, j], j = True, parents[j]
+    tree = row_attention(query, key, value, TreeMask(holes, recent).over_cache(committed))
+    for i in range(q_len):
+        path = recent[0, i].nonzero().flatten() + committed  # ancestors, then itself
+        keys, values = (torch.cat([t[:, :, :committed], t[:, :, path]], dim=2)
+                        for t in (key, value))
+        allowed = torch.cat([holes, torch.ones(1, len(path), dtype=torch.bool)], dim=1)
+        alone = row_attention(query[:, :, i:i + 1], keys, values, allowed[:, None])
+        assert torch.equal(alone[:, :, 0], tree[:, :, i])
+
+
+@needs_row_kernel
+def test_row_attention_never_reads_a_key_it_does_not_see():
+    query, key, value, mask = random_case(3, 2, 3, 3, 4, 70, 2, None, 64)
+    allowed = mask.over_cache(70)
+    poisoned = [t.masked_fill(~allowed.any(1)[:, None, :, None], float("nan"))
+                for t in (key, value)]
+    torch.testing.assert_close(row_attention(query, *poisoned, allowed).double(),
+                               written_out(query, key, value, mask), atol=1e-5, rtol=1e-5)
+
+
+@needs_row_kernel
+def test_rows_mode_takes_every_step_to_the_row_kernel_and_prefills_to_sdpa(monkeypatch):
+    calls: list[int] = []
+    kernel = cpu_attention.row_attention
+    monkeypatch.setattr(cpu_attention, "row_attention",
+                        lambda query, *a: calls.append(query.shape[2]) or kernel(query, *a))
+    query, key, value, mask = random_case(4, 1, 2, 3, 5, 40, 3, None, 64)
+    with tree_pass(mask):  # an eager tree step
+        got, _ = tree_attention(None, query, key, value, None, rows=True)
+    torch.testing.assert_close(got.transpose(1, 2).double(),
+                               written_out(query, key, value, mask), atol=1e-5, rtol=1e-5)
+    tree_attention(None, query, key, value, dense_mask(mask, 40, True), rows=True)  # compiled
+    tree_attention(None, query[:, :, :1], key, value, None, rows=True)  # one token, eager
+    prompt = random_case(8, 1, 2, 3, DENSE_KERNEL_QUERIES + 1, 10, 0, None, 64)
+    tree_attention(None, *prompt[:3], dense_mask(prompt[3], 10, False), rows=True)  # SDPA
+    assert calls == [5, 5, 1]
+
+
+def test_probing_the_row_kernel_leaves_torchs_global_rng_alone():
+    row_attention_available.cache_clear()
+    state = torch.get_rng_state()
+    try:
+        row_attention_available()
+    finally:
+        row_attention_available.cache_clear()
+    assert torch.equal(torch.get_rng_state(), state)
