@@ -93,6 +93,7 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
     for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_setzero_si256();
     if constexpr (FOUR) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 1  // unrolled, gcc computes every product first and spills them
       for (int c = 0; c < GROUP / 8; ++c) {
         const __m256i packed =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (g * 4 + c) * 32));
@@ -100,13 +101,13 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
         for (int r = 0; r < ROWS; ++r) {  // 16-bit lanes: at most 16 * 15 * 127 < 2^15
           const int8_t* xr = x + r * q.in + c * 8;
-          sum[r] = _mm256_add_epi16(
-              sum[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, four_inputs(xr)),
-                                       _mm256_maddubs_epi16(high, four_inputs(xr + 4))));
+          sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(low, four_inputs(xr)));
+          sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(high, four_inputs(xr + 4)));
         }
       }
       for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_madd_epi16(sum[r], ones);
     } else {
+#pragma GCC unroll 1
       for (int c = 0; c < GROUP / 4; ++c) {
         const __m256i w =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (g * 8 + c) * 32));
