@@ -389,3 +389,25 @@ def test_what_a_drafter_spends_is_what_the_rows_budget_weighs():
     row.proposed(TokenTree.from_paths([[7]]), 0, plan.spent)
     row.learn([9, 3], finished=False)  # missed at the root: settled at once
     assert row.budget.cost == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_merged_models_guesses_are_weighed_at_what_proposals_took_for_greedy_rows(greedy):
+    # a head's passes on a GGUF file's target: three times dearer than their weights say
+    from rag_spec.policy.plan import Policy, RowPlan
+    from rag_spec.target.tree import TokenTree
+
+    costs = StepCosts(target={1: 1.0})
+    costs.record_proposal(0.3, 5.0)  # a warm-up: not counted
+    costs.record_proposal(0.3, 0.9)
+    row = Policy(4).row(greedy=greedy, steady=True)
+    plan = RowPlan(4, 4, row)
+    model = plan.model([1, 2], TokenTree.empty(), greedy=greedy, eager=True,
+                       reads_features=True, steady=True, costs=costs)
+    model.spend(0.3)
+    plan.guessed([1, 2], TokenTree.from_paths([[7]]), model)
+    assert plan.model_spent == pytest.approx(0.3)  # what the decoder times proposals by
+    plan.model([1, 2, 9], TokenTree.empty(), greedy=greedy, eager=True, reads_features=True,
+               steady=True, costs=costs)  # learns the guess missed, at its cost
+    # a sampled row's drafts stay reproducible: its cost is the count, never a timing
+    assert row.source.cost == pytest.approx(0.9 if greedy else 0.3)

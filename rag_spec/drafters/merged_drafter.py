@@ -127,7 +127,8 @@ class MergedDrafter(Drafter):
         features = self.capabilities.reads_features
         # the draft head reads the target's states: no passes of its own to spare
         plans = [r.plan.model(r.context, t, greedy=_greedy(r), eager=self.eager or features,
-                              reads_features=features, steady=self.capabilities.steady)
+                              reads_features=features, steady=self.capabilities.steady,
+                              costs=target.costs)
                  if r.plan is not None else RowPlan(0, 0) for r, t in zip(requests, copies)]
         guesses = propose(self.model, [replace(r, session=r.session.model, budget=plan.nodes,
                                                plan=plan)

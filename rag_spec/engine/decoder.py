@@ -566,7 +566,7 @@ class LookaheadDecoder:
         trees = [tree.first(plan.verify) for tree, plan in zip(proposals, plans)]
         # 2. Forward: one pass over every row's root and tree.
         t1 = time.perf_counter()
-        target.costs.record_proposal(max(plan.spent for plan in plans), t1 - t0)
+        target.costs.record_proposal(max(p.spent + p.model_spent for p in plans), t1 - t0)
         logits = runner.forward(cache, tree_step(cache, trees, runner.dtype),
                                 features=self.drafter.capabilities.reads_features)
         # the grammars' masks are filled on the CPU while an accelerator runs the pass

@@ -76,19 +76,27 @@ class RowPolicy:
                 self.model.record(int(proposal.depths.max()), len(path))
 
     def model_share(self, context: Sequence[int], budget: int, copies: TokenTree, *,
-                    greedy: bool, eager: bool, reads_features: bool, steady: bool) -> int:
+                    greedy: bool, eager: bool, reads_features: bool, steady: bool,
+                    costs: StepCosts | None = None) -> int:
         """Nodes a merged drafter's model may draft this step beside the trie's ``copies``,
         after learning what its last guess earned. A model with passes of its own over the
         context drafts nothing while the trie's copies run two tokens deep (the answer is
         copying), and unless ``eager`` waits for its budget's first probe (the fourth step).
         A head on the target's states (``reads_features``) of a ``greedy`` row is offered the
-        whole budget (``budget.merged_share``)."""
+        whole budget (``budget.merged_share``). The model's passes are counted by the
+        weights they read; for a greedy row ``costs`` scales that count by what proposals were
+        timed to take (``StepCosts.drafting``): per-pass overheads, and a target whose step
+        reads fewer bytes a weight (a GGUF file's), make a pass dearer than its weights say. A
+        sampled row's tokens depend on its drafts, so its count stays untimed: the same seed
+        samples the same tokens in a batch and alone."""
         if self.source is None:
             self.source = AdaptiveBudget(1, initial=1.0 if eager else 0.0, steady=steady)
         if self._guess is not None:
             guess, start, cost = self._guess
             accepted = len(guess.follow(context[start:]))
-            self.source.update(max(len(guess), 1), accepted, cost)
+            timed = costs is not None and greedy  # a sampled row's drafts stay reproducible
+            self.source.update(max(len(guess), 1), accepted,
+                               costs.drafting(cost) if timed else cost)
             if len(guess):
                 self.model.record(int(guess.depths.max()), accepted)
             self._guess = None
@@ -112,6 +120,8 @@ class RowPlan:
     verify: int  # most of the proposed tree's first nodes the step verifies
     row: RowPolicy | None = None  # the request's estimates (None: a caller without a policy)
     spent: float = field(default=0.0, compare=False)  # drafting's cost, in target steps
+    # a merged drafter's model's cost this step (its own budget weighs it), in target steps
+    model_spent: float = field(default=0.0, compare=False)
 
     def spend(self, steps: float) -> None:
         """The drafter's passes for this plan cost ``steps`` one-token target steps (counted by
@@ -126,21 +136,23 @@ class RowPlan:
         return expansion.grows(depth, nodes, self.nodes, likeliest, mean, cost)
 
     def model(self, context: Sequence[int], copies: TokenTree, *, greedy: bool, eager: bool,
-              reads_features: bool, steady: bool) -> RowPlan:
+              reads_features: bool, steady: bool, costs: StepCosts | None = None) -> RowPlan:
         """The plan of a merged drafter's model beside the trie's ``copies``
-        (``RowPolicy.model_share``); what the model spends is its own budget's to weigh."""
+        (``RowPolicy.model_share``); what the model spends is its own budget's to weigh, in
+        plain steps as ``costs`` measured them where given."""
         if self.row is None:
             return RowPlan(0, 0)
         self.row.merged = True
         if not self.nodes:
             return RowPlan(0, 0, self.row)
         share = self.row.model_share(context, self.nodes, copies, greedy=greedy, eager=eager,
-                                     reads_features=reads_features, steady=steady)
+                                     reads_features=reads_features, steady=steady, costs=costs)
         return RowPlan(share, share, self.row)
 
     def guessed(self, context: Sequence[int], guess: TokenTree, model: RowPlan) -> None:
         """The model drafted ``guess`` under ``model`` (its plan from ``model``)."""
         if self.row is not None and model.nodes:
+            self.model_spent = model.spent
             self.row.guessed(context, guess, model.spent)
 
 
