@@ -34,11 +34,13 @@ def held_out_prompts(lm: object, rag: int, open_ended: int) -> dict[str, list[li
                            for p in HELD_OUT_OPEN_PROMPTS[:open_ended]]}
 
 
-def interleaved(runs: dict, sets: dict, baseline: str, references: dict[str, str]) -> dict:
+def interleaved(runs: dict, sets: dict, baseline: str, references: dict[str, str],
+                peers: tuple[str, ...] = ()) -> dict:
     """Each set's prompts through every system in ``runs`` (a callable per name: prompt ids ->
     token ids or a ``GenerationResult``), interleaved per prompt with the order rotating; per
-    set: tok/s, the median per-prompt speedup over ``baseline``, tokens per step where known,
-    and for each system in ``references`` how many outputs equal its reference system's."""
+    set: tok/s, the median per-prompt tok/s ratio over ``baseline`` (and over each of ``peers``
+    in ``runs``), tokens per step where known, and for each system in ``references`` how many
+    outputs equal its reference system's."""
     import statistics
     import time
 
@@ -54,12 +56,14 @@ def interleaved(runs: dict, sets: dict, baseline: str, references: dict[str, str
                 seconds[name].append(time.perf_counter() - started)
         tokens = {n: [o if isinstance(o, list) else o.token_ids for o in outs]
                   for n, outs in outputs.items()}
+        rates = {n: [len(t) / s for t, s in zip(tokens[n], seconds[n])] for n in runs}
         row: dict = {}
         for name in runs:
             row[name] = {
-                "tok_per_s": round(sum(map(len, tokens[name])) / sum(seconds[name]), 1),
-                f"speedup_vs_{baseline}": round(statistics.median(
-                    b / s for b, s in zip(seconds[baseline], seconds[name])), 3)}
+                "tok_per_s": round(sum(map(len, tokens[name])) / sum(seconds[name]), 1)}
+            for other in (baseline, *(p for p in peers if p in runs)):
+                row[name][f"speedup_vs_{other}"] = round(statistics.median(
+                    r / o for r, o in zip(rates[name], rates[other])), 3)
             if not isinstance(outputs[name][0], list):
                 row[name]["tokens_per_step"] = round(statistics.mean(
                     o.stats.tokens_per_step for o in outputs[name]), 2)

@@ -74,7 +74,8 @@ def main(rag: int = 8, open_ended: int = 4) -> dict[str, Any]:
                               "file": source_file(lm.model).name}
     references = {"float32": "float32_no_drafts", "gguf": "gguf_no_drafts"}
     references.update({name: "gguf_no_drafts" for name in runs if name.startswith("llama")})
-    report.update(interleaved(runs, sets, "float32_no_drafts", references))
+    report.update(interleaved(runs, sets, "float32_no_drafts", references,
+                              peers=("llama_cpp_1_thread", "llama_cpp_2_threads")))
     write_result(report, "gguf_target")
     return report
 
