@@ -185,14 +185,16 @@ def test_a_prompts_dense_masked_pass_stays_on_sdpa(monkeypatch):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_probing_the_cpu_kernel_leaves_torchs_global_rng_alone():
-    cpu_attention_available.cache_clear()  # probed again, as in a new process
+@pytest.mark.parametrize("probe", [cpu_attention_available, row_attention_available])
+def test_probing_a_cpu_kernel_leaves_torchs_global_rng_alone(probe):
+    probe.cache_clear()  # probed again, as in a new process
     state = torch.get_rng_state()
     try:
-        cpu_attention_available()
+        probe()
     finally:
-        cpu_attention_available.cache_clear()
+        probe.cache_clear()
     assert torch.equal(torch.get_rng_state(), state)
+    probe()  # cached again: later tests that patch the kernels must not re-probe them
 
 
 def test_a_selection_reads_only_its_slots():
@@ -389,12 +391,3 @@ def test_rows_mode_takes_every_step_to_the_row_kernel_and_prefills_to_sdpa(monke
     tree_attention(None, *prompt[:3], dense_mask(prompt[3], 10, False), rows=True)  # SDPA
     assert calls == [5, 5, 1]
 
-
-def test_probing_the_row_kernel_leaves_torchs_global_rng_alone():
-    row_attention_available.cache_clear()
-    state = torch.get_rng_state()
-    try:
-        row_attention_available()
-    finally:
-        row_attention_available.cache_clear()
-    assert torch.equal(torch.get_rng_state(), state)

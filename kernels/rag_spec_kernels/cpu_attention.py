@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,8 +71,14 @@ def _available() -> bool:
 @functools.cache
 def cpu_attention_available() -> bool:
     """An AVX-512 CPU, a build that succeeds, and agreement with the reference on a probe."""
-    if vector_isa() != "AVX512":
-        return False
+    return vector_isa() == "AVX512" and _agrees(cpu_tree_attention, "CPU attention kernel",
+                                                "SDPA runs instead")
+
+
+def _agrees(attend: Callable[..., torch.Tensor], kernel: str, otherwise: str) -> bool:
+    """Whether the kernels build and ``attend`` (``cpu_tree_attention``'s arguments) agrees
+    with ``reference_attention`` on a probe; a failure is logged as ``kernel`` did not build,
+    ``otherwise``."""
     from rag_spec_kernels.mask import reference_attention
 
     generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
@@ -81,14 +88,12 @@ def cpu_attention_available() -> bool:
     mask = TreeMask(torch.rand(2, 37, generator=generator) > 0.3,
                     torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3))
     try:
-        cpu_extension()  # builds the kernel: the operator's implementation
-        ok = torch.allclose(cpu_tree_attention(query, key, value, mask),
-                            reference_attention(query, key, value, mask), atol=1e-5)
-    except Exception as error:  # noqa: BLE001 - any build failure means: use SDPA
-        log.warning("rag-spec: the CPU attention kernel did not build (%s); SDPA runs "
-                    "instead", error)
+        cpu_extension()  # builds the kernels: the operators' implementations
+        return torch.allclose(attend(query, key, value, mask),
+                              reference_attention(query, key, value, mask), atol=1e-5)
+    except Exception as error:  # noqa: BLE001 - any build failure means: the other path
+        log.warning("rag-spec: the %s did not build (%s); %s", kernel, error, otherwise)
         return False
-    return ok
 
 
 def cpu_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -143,25 +148,10 @@ def _rows_available() -> bool:
 def row_attention_available() -> bool:
     """An AVX2 or AVX-512 CPU, a build that succeeds, and agreement with the reference on a
     probe."""
-    if vector_isa() is None:
-        return False
-    from rag_spec_kernels.mask import reference_attention
-
-    generator = torch.Generator().manual_seed(0)  # torch's global one is the caller's
-    query, key, value = (torch.randn(2, 4, 3, 32, generator=generator),
-                         torch.randn(2, 2, 40, 32, generator=generator),
-                         torch.randn(2, 2, 40, 32, generator=generator))
-    mask = TreeMask(torch.rand(2, 37, generator=generator) > 0.3,
-                    torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3))
-    try:
-        cpu_extension()
-        ok = torch.allclose(row_attention(query, key, value, mask.over_cache(37)),
-                            reference_attention(query, key, value, mask), atol=1e-5)
-    except Exception as error:  # noqa: BLE001 - any build failure means: the other kernels
-        log.warning("rag-spec: the row attention kernel did not build (%s); 8-bit input "
-                    "products are not used", error)
-        return False
-    return ok
+    return vector_isa() is not None and _agrees(
+        lambda query, key, value, mask: row_attention(
+            query, key, value, mask.over_cache(key.shape[2] - mask.round_length)),
+        "row attention kernel", "8-bit input products are not used")
 
 
 def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
