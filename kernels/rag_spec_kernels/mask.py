@@ -105,6 +105,7 @@ class TreeMask:
         default_factory=dict, repr=False, compare=False)
     _bits: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
         default_factory=dict, repr=False, compare=False)
+    _over: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def select(self) -> torch.Tensor | None:
@@ -156,14 +157,19 @@ class TreeMask:
 
     def over_cache(self, committed_slots: int) -> torch.Tensor:
         """[B, q, S + R] bool over every slot of the cache (selected committed bits scattered
-        back to their slots): the same mask for attention that reads the whole cache."""
+        back to their slots): the same mask for attention that reads the whole cache; built
+        once per pass, shared by its layers (read only)."""
+        if committed_slots in self._over:
+            return self._over[committed_slots]
         committed = self.committed
         if self.select is not None:
             committed = torch.zeros(committed.shape[0], committed_slots, dtype=torch.bool,
                                     device=committed.device).scatter_(
                 1, self.select.to(committed.device), self.committed)
         batch, q_len, _ = self.recent.shape
-        return torch.cat([committed[:, None, :].expand(batch, q_len, -1), self.recent], dim=-1)
+        self._over[committed_slots] = torch.cat(
+            [committed[:, None, :].expand(batch, q_len, -1), self.recent], dim=-1)
+        return self._over[committed_slots]
 
 
 @dataclass(frozen=True)
