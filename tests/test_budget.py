@@ -206,6 +206,24 @@ def test_drafting_is_weighed_at_what_proposals_took_not_only_at_their_count():
     assert best(budgets, costs) == 0  # 1.5 tokens for 2.0 steps does not
 
 
+def test_a_merged_models_passes_are_weighed_by_the_sizer_while_its_budget_drafts():
+    """A plain step spares a merged drafter's model its passes: the sizer weighs them beside
+    the trees' own drafting (a draft head on a GGUF file's target, whose extra rows are dear,
+    made trees that paid on float32 lose to plain steps)."""
+    from rag_spec.policy.plan import RowPolicy
+
+    costs = StepCosts(target={1: 1.0, 13: 1.6})
+    cut = rows(0.5, reach=5)
+    assert best(cut, costs) == 5  # 1.5 tokens for ~1.2 steps
+    assert TreeSizer(12).best(cut, [64], costs, models=0.4) == 0  # 1.5 for ~1.6: plain wins
+    row = RowPolicy(cut[0], AdaptiveBudget(1, steady=True))
+    row.source.cost = 0.4
+    assert row.model_cost == 0.4  # its budget drafts: its recent guesses' cost
+    row.source.mean_accepted, row.source.prober.idle = 0.0, 0  # missing, no probe due
+    assert row.model_cost == 0.0
+    assert RowPolicy(cut[0]).model_cost == 0.0  # no merged model
+
+
 def test_a_batch_steps_plain_before_any_cost_is_measured():
     # one row drafts its full trees from the start (a wide step costs it little more than a
     # plain one); a batch times a plain step first: at 16 x 4k a 13-token step costs several

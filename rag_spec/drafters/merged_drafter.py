@@ -138,6 +138,8 @@ class MergedDrafter(Drafter):
                 r.plan.guessed(r.context, guess, plan)
         # The model's passes are weighed by its own budget (what its plan spent), so the row's
         # plan spends none: a row must not stop verifying the trie's free copies for them.
+        # (The sizer still weighs them, through that budget, against a plain step that spares
+        # them: ``RowPolicy.model_cost``.)
         return [_merged(guess, copy, _extensions(guess, r.session.trie, r.context), r.budget)
                 for r, guess, copy in zip(requests, guesses, copies)]
 

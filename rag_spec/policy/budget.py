@@ -230,7 +230,8 @@ class TreeSizer:
     its remaining tokens the slowest row commits per step) over the step's seconds:
     ``costs.verify(1 + n)`` plus, for ``n > 0``, what drafting costs (the rows' recent trees'
     ``cost`` in plain steps: nothing for a trie, several passes for a draft model; scaled by
-    what proposals were timed to take, ``StepCosts.drafting``). ``n = 0``
+    what proposals were timed to take, ``StepCosts.drafting``; and a merged drafter's model's
+    passes while its own budget lets it draft: a plain step spares them). ``n = 0``
     is a plain step. At batch 1 on a short prompt a wide step costs little more than a plain
     one and drafts nearly always pay; at batch 16 and a long context it costs several plain
     steps, and pays only while every row is copying. Sizes not measured yet look cheap
@@ -250,22 +251,24 @@ class TreeSizer:
         self.prober = Prober(probe_every, probe_every if steady else max_probe_every)
 
     def size(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
-             costs: StepCosts) -> tuple[int, bool]:
+             costs: StepCosts, models: float = 0.0) -> tuple[int, bool]:
         """Nodes each of the rows behind ``budgets`` (``remaining`` tokens still to go, at
         most) may verify this step, and whether they propose trees anyway: a probe, verified
-        no further than the best size, whose trees are learnt from the tokens that follow."""
-        best = self.best(budgets, remaining, costs)
+        no further than the best size, whose trees are learnt from the tokens that follow.
+        ``models``: what a merged drafter's model is expected to spend on the proposal, in
+        plain steps (its own budget's estimate), beside what the trees' drafter spends."""
+        best = self.best(budgets, remaining, costs, models)
         if best >= self.full:
             self.prober.drafted(hit=True)
             return self.full, True
-        if not self.prober.due(costs.drafting(_drafting(budgets))):
+        if not self.prober.due(costs.drafting(_drafting(budgets)) + models):
             self.prober.wait()
             return best, best > 0
         self.prober.drafted(hit=False)  # a probe: the trees are learnt, not verified
         return best, True
 
     def best(self, budgets: Sequence[AdaptiveBudget], remaining: Sequence[int],
-             costs: StepCosts) -> int:
+             costs: StepCosts, models: float = 0.0) -> int:
         """The size with the highest expected rate (the larger of equals); the full budget
         when the budget is fixed, and for a batch of one row (``costs.rows``) before any cost
         is known. A larger batch takes a plain step first, timed as what every draft must beat
@@ -280,7 +283,7 @@ class TreeSizer:
             return 0
         rates = {}
         # seconds (the batch's passes are shared), the count scaled by what proposals took
-        drafting = costs.drafting(_drafting(budgets)) * (costs.verify(1) or 0.0)
+        drafting = (costs.drafting(_drafting(budgets)) + models) * (costs.verify(1) or 0.0)
         for n in range(self.full + 1):
             seconds = costs.verify(1 + n)
             assert seconds is not None  # some width is measured

@@ -111,6 +111,14 @@ class RowPolicy:
         """The merged drafter's model proposed ``guess`` after ``context`` at ``cost``."""
         self._guess = (guess, len(context), cost)
 
+    @property
+    def model_cost(self) -> float:
+        """What a merged drafter's model is expected to spend on this row's next proposal:
+        its recent guesses' cost while its budget lets it guess (a greedy row's, in plain
+        steps as timed; the sizer weighs greedy rows only), else nothing."""
+        source = self.source
+        return source.cost if source is not None and source.current else 0.0
+
 
 @dataclass
 class RowPlan:
@@ -188,7 +196,8 @@ class StepPlanner:
         to go at most for each unfinished one; ``room``: the most nodes the cache takes."""
         live = [r for r in rows if r is not None]
         cap, propose = (self.full, True) if self.sizer is None else self.sizer.size(
-            [r.budget for r in live], remaining, costs)
+            [r.budget for r in live], remaining, costs,
+            max((r.model_cost for r in live), default=0.0))
         if room is not None:
             cap = min(cap, room)
         nodes = [r.budget.current if r is not None and propose else 0 for r in rows]

@@ -53,6 +53,8 @@ class StepCosts:
     counted_step: float | None = None
     # the costs timed at least once: a first timing is a warm-up and is not counted
     _timed: set[int | str] = field(default_factory=set, repr=False)
+    # unmeasured widths' estimates since the last timing (a sizer asks for every width a step)
+    _estimates: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._timed.update(self.target)  # costs given are measured ones
@@ -60,6 +62,7 @@ class StepCosts:
     def record_target(self, width: int, seconds: float) -> None:
         if self._warm(width):
             self.target[width] = _smooth(self.target.get(width), seconds)
+            self._estimates.clear()
 
     def record_draft(self, seconds: float, passes: int) -> None:
         if passes and self._warm("draft"):
@@ -99,6 +102,12 @@ class StepCosts:
             return self.target[width]
         if not self.target:
             return None
+        if width not in self._estimates:
+            self._estimates[width] = self._estimate(width)
+        return self._estimates[width]
+
+    def _estimate(self, width: int) -> float:
+        """An unmeasured width's seconds (``verify``)."""
         below = [w for w in self.target if w < width]
         above = [w for w in self.target if w > width]
         if below and above:
