@@ -90,7 +90,8 @@ def _ask(args: argparse.Namespace) -> int:
     stats = answer.stats
     print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
-          f"forward pass, drafts: {stats['drafts'] or 'none'}, {stats['passes']} steps); "
+          f"forward pass, drafts: {stats['drafts'] or 'none'}, {stats['passes']} steps on "
+          f"{stats['weights']} weights); "
           f"retrieval {answer.retrieval_seconds * 1000:.0f} ms", file=report)
     return 0
 
@@ -182,15 +183,25 @@ def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
 def _models_pull(args: argparse.Namespace) -> int:
     import torch
 
+    from rag_spec.models import load_model
     from rag_spec.models.embedded import pull
-    from rag_spec_kernels import cpu_attention_available, streamed_available
+    from rag_spec.target.gguf import file_weights
+    from rag_spec_kernels import (
+        cpu_attention_available,
+        quantized_available,
+        row_attention_available,
+        streamed_available,
+    )
 
     started = time.perf_counter()
     path = pull(args.name, force=args.force)
     print(f"{args.name}: {path} ({time.perf_counter() - started:.1f} s)")
-    # the CPU kernels built now where this CPU takes them, not in a first answer
+    # the CPU kernels built now where this CPU takes them, not in a first answer; the GGUF
+    # file's blocks converted once (kept in the cache) where its weights will decode
     streamed_available(torch.float32)
     cpu_attention_available()
+    if quantized_available() and row_attention_available():
+        file_weights(load_model(args.name).model)
     return 0 if args.no_compile else _models_compile(args)
 
 
@@ -201,8 +212,9 @@ def _models_compile(args: argparse.Namespace) -> int:
 
     lm = load_model(args.name)
     # a model loaded from a GGUF file has a second set of steps: on the file's own weights
-    settings = [LookaheadConfig(), *([LookaheadConfig(quantized=True)]
-                                     if source_file(lm.model) is not None else [])]
+    settings = [LookaheadConfig(quantized=False), *([LookaheadConfig(quantized=True)]
+                                                    if source_file(lm.model) is not None
+                                                    else [])]
     for config in settings:
         weights = "the GGUF file's weights" if config.quantized else "float32 weights"
         started = time.perf_counter()
@@ -296,10 +308,16 @@ def _parser() -> argparse.ArgumentParser:
                      help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
     ask.add_argument("--model", default=DEFAULT_MODEL,
                      help="embedded name, model folder or .gguf file")
-    ask.add_argument("--quantized", action="store_true",
-                     help="decode from the model's GGUF weights as they are (the embedded "
-                          "model, or --model x.gguf): another model than its float32 one, "
-                          "whose answers equal its own decoding without drafts")
+    weights = ask.add_mutually_exclusive_group()
+    weights.add_argument("--quantized", dest="quantized", action="store_const", const=True,
+                         default="auto",
+                         help="require decoding from the model's GGUF weights as they are "
+                              "(the embedded model, or --model x.gguf; the default wherever "
+                              "it applies): another model than its float32 one, whose answers "
+                              "equal its own decoding without drafts")
+    weights.add_argument("--float32", dest="quantized", action="store_const", const=False,
+                         help="decode the de-quantised float32 weights instead: answers equal "
+                              "transformers' generate on the same model")
     ask.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--draft", default=None,

@@ -56,7 +56,8 @@ def follows_the_protocol(messages, tools):
 
 
 def test_create_agent_runs_its_tool_loop_and_writes_generates_transcript(tools):
-    chat = ChatLookahead(max_tokens=MAX)
+    # on the peer's weights (float32, not the GGUF file's): its transcript is ours to equal
+    chat = ChatLookahead(max_tokens=MAX, lookahead={"quantized": False})
     agent = create_agent(chat, tools, middleware=[tools_first()])
     peer = create_agent(GenerateChat(lm=chat.local_lm(), max_tokens=MAX), tools,
                         middleware=[tools_first()])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rag_spec.cli import main
-from rag_spec.engine.decoder import LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("user_cache")]
 
@@ -35,7 +35,7 @@ def test_default_knowledge_base_finds_the_documentation(user_cache, kb):
 def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
     from rag_spec.prompts import chat_input_ids, rag_messages
 
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=False))
     for question, hits in zip(QUESTIONS, kb.search(QUESTIONS, k=2)):
         prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
         expected = lm.model.generate(torch.tensor([prompt]), max_new_tokens=48,
@@ -45,17 +45,41 @@ def test_rag_answers_equal_transformers_greedy(user_cache, lm, kb):
         assert result.stats.tokens_per_step > 1.0  # the passages were copied from
         # the embedded model ships its trained head: the default drafts with it and the trie
         assert result.stats.drafts == "draft head + trie"
+        assert result.stats.weights == "float32"
+
+
+def test_by_default_the_embedded_model_decodes_its_gguf_weights_as_its_own_no_draft_decoding(
+        user_cache, lm, kb):
+    """On a CPU whose kernels run, the default multiplies by the GGUF file's blocks, in steps
+    compiled ahead of time (``make test`` builds them): greedy tokens equal that model's own
+    decoding without drafts (another model than float32's: not ``generate``'s)."""
+    from rag_spec.prompts import chat_input_ids, rag_messages
+    from rag_spec_kernels import quantized_available, row_attention_available
+
+    if not (quantized_available() and row_attention_available()):
+        pytest.skip("the quantised kernels do not run on this CPU: the default is float32")
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
+    for question, hits in zip(QUESTIONS, kb.search(QUESTIONS, k=2)):
+        prompt = chat_input_ids(lm.tokenizer, rag_messages(question, hits))
+        result = decoder.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=48).token_ids
+        assert (result.stats.weights, result.stats.passes) == ("GGUF", "compiled ahead of time")
 
 
 @pytest.mark.parametrize("text", ["hi", "Hello there"])
 def test_a_prompt_of_one_or_two_tokens_is_generates(user_cache, lm, text):
     """A one-token prompt's first pass comes before any prefill: the compiled steps (built
-    by `make test`) take it as the eager steps do."""
+    by `make test`, on float32 and on the GGUF file's weights) take it as the eager steps do."""
     prompt = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    result = LookaheadDecoder(lm.model, lm.tokenizer).generate(prompt, max_new_tokens=8)
+    result = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=False)
+                              ).generate(prompt, max_new_tokens=8)
     expected = lm.model.generate(torch.tensor([prompt]), max_new_tokens=8,
                                  do_sample=False)[0, len(prompt):].tolist()
     assert result.token_ids == expected
+    result = LookaheadDecoder(lm.model, lm.tokenizer).generate(prompt, max_new_tokens=8)
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
+    assert result.token_ids == plain.generate(prompt, max_new_tokens=8).token_ids
 
 
 def test_the_shipped_head_is_the_embedded_models_and_drafts_by_default(lm):
@@ -105,7 +129,7 @@ def test_json_extraction_from_retrieved_passages_equals_generate_with_xgrammar(u
     from rag_spec.engine.verify.grammar import GrammarRequest, Grammars
     from rag_spec.prompts import chat_input_ids
 
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=False))
     vocab = lm.model.get_input_embeddings().num_embeddings
     compiled = Grammars.of(lm.tokenizer, vocab, [lm.model.generation_config.eos_token_id]
                            ).compile(GrammarRequest(json_schema=ApiRecord))

@@ -43,10 +43,13 @@ prompt = chat_input_ids(lm.tokenizer, [{"role": "user", "content": (
 # drafts it forbids, and drafts what it forces (a key, a closing quote) as a chain. The JSON
 # allows at most one whitespace character at each place by default (any more, and a small
 # model spends its tokens on newlines; none, and it writes strings it never closes);
-# `rag_spec.JsonSchema(Api, indent=2)` lays it out over lines.
+# `rag_spec.JsonSchema(Api, indent=2)` lays it out over lines. The decoder runs the float32
+# weights (`quantized=False`), as the peer below does, so the tokens can be compared; by default
+# it would decode the embedded model's GGUF weights, another model's tokens.
 
 # %%
-decoder = rag_spec.LookaheadDecoder(lm.model, lm.tokenizer)
+decoder = rag_spec.LookaheadDecoder(lm.model, lm.tokenizer,
+                                    rag_spec.LookaheadConfig(quantized=False))
 started = time.perf_counter()
 result = decoder.generate(prompt, max_new_tokens=160, json_schema=Api)
 ours = time.perf_counter() - started

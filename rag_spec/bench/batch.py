@@ -20,6 +20,7 @@ from unittest import mock
 
 from rag_spec.bench.report import (
     Run,
+    dequantized,
     figure,
     interleaved,
     machine,
@@ -49,7 +50,7 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
     table, write JSON and a PNG plot; return the report."""
     from rag_spec.bench.lookahead import prompt_sets
     from rag_spec.bench.prompts import RAG_QUESTIONS
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
@@ -70,10 +71,11 @@ def run(batch: int = 4, limit: int | None = None, max_new_tokens: int = 64,
         return generate
 
     # a decoder each: the trie's memory of one system's answers must not draft for another
-    systems = {"hf": hf, "rag_spec": ours(LookaheadDecoder(lm.model, lm.tokenizer)),
+    systems = {"hf": hf, "rag_spec": ours(LookaheadDecoder(lm.model, lm.tokenizer, dequantized())),
                "rag_spec_no_drafts": ours(LookaheadDecoder(lm.model, lm.tokenizer,
-                                                           LookaheadConfig(budget=0))),
-               "rag_spec_padded_prefill": ours(LookaheadDecoder(lm.model, lm.tokenizer),
+                                                           dequantized(budget=0))),
+               "rag_spec_padded_prefill": ours(LookaheadDecoder(lm.model, lm.tokenizer,
+                                                                dequantized()),
                                                padded_prefill=True)}
     for system in systems.values():  # warm up: runners built, kernels primed
         system([p[:48] for p in batches[0]])

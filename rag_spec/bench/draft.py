@@ -24,6 +24,7 @@ from rag_spec.bench.lookahead import prompt_sets
 from rag_spec.bench.report import (
     DRAFT_MODES,
     Run,
+    dequantized,
     figure,
     interleaved,
     machine,
@@ -118,7 +119,7 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
     from rag_spec.drafters.feature_drafter import FeatureDrafter
     from rag_spec.drafters.merged_drafter import MergedDrafter
     from rag_spec.drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
     from rag_spec.policy.expansion import Expansion
 
     model, layers = lm.model, adapter.layers
@@ -145,7 +146,7 @@ def _systems(lm: Any, draft: Any, adapter: Any, head: Any, max_new_tokens: int,
         return generate
 
     def decoder(drafter: Any = None, **config: Any) -> Callable[[list[list[int]]], Run]:
-        return ours(LookaheadDecoder(model, lm.tokenizer, LookaheadConfig(**config),
+        return ours(LookaheadDecoder(model, lm.tokenizer, dequantized(**config),
                                      drafter=drafter))
 
     return {

@@ -23,6 +23,7 @@ from typing import Any
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
+    dequantized,
     figure,
     machine,
     median,
@@ -44,20 +45,21 @@ def run(batches: Sequence[int] = (1, 4, 8, 16), contexts: Sequence[int] = (1024,
         model_name: str = "smollm2-135m-instruct") -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report."""
     from rag_spec.drafters.self_drafter import SelfSpecDrafter
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
+    from rag_spec.engine.decoder import LookaheadDecoder, ablated
     from rag_spec.models import load_model
 
     lm = load_model(model_name)
     drafter, drafter_sdpa = SelfSpecDrafter(budget=budget), SelfSpecDrafter(budget=budget)
     decoders = {"rag_spec_no_drafts": LookaheadDecoder(lm.model, lm.tokenizer,
-                                                       LookaheadConfig(budget=0)),
-                "rag_spec_self_spec": LookaheadDecoder(lm.model, lm.tokenizer, drafter=drafter),
+                                                       dequantized(budget=0)),
+                "rag_spec_self_spec": LookaheadDecoder(lm.model, lm.tokenizer, dequantized(),
+                                                       drafter=drafter),
                 "rag_spec_trie": LookaheadDecoder(lm.model, lm.tokenizer,
-                                                  LookaheadConfig(memory_mb=0)),
+                                                  dequantized(memory_mb=0)),
                 "rag_spec_no_drafts_sdpa": ablated(lm.model, lm.tokenizer,
-                                                   LookaheadConfig(budget=0), cpu_attention=False),
-                "rag_spec_self_spec_sdpa": ablated(lm.model, lm.tokenizer, drafter=drafter_sdpa,
-                                                   cpu_attention=False)}
+                                                   dequantized(budget=0), cpu_attention=False),
+                "rag_spec_self_spec_sdpa": ablated(lm.model, lm.tokenizer, dequantized(),
+                                                   drafter=drafter_sdpa, cpu_attention=False)}
     report: dict[str, Any] = {"benchmark": "longctx", "model": model_name,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "self_spec_budget": budget, "machine": machine(), "runs": []}
@@ -95,14 +97,13 @@ def step_ms(model: Any, prompts: list[list[int]], widths: Sequence[int] = (1, 2,
     what a wider verification costs against a one-token step (the first round is not timed)."""
     import torch
 
-    from rag_spec.engine.decoder import LookaheadConfig
     from rag_spec.target.transformers.prefill import prefill
     from rag_spec.target.transformers.runner import Runner
     from rag_spec.target.transformers.step_inputs import tree_step
     from rag_spec.target.tree import TokenTree
 
-    runners = {"ours": Runner.of(model, LookaheadConfig().runner),
-               "sdpa": Runner.of(model, replace(LookaheadConfig().runner, cpu_attention=False))}
+    runners = {"ours": Runner.of(model, dequantized().runner),
+               "sdpa": Runner.of(model, replace(dequantized().runner, cpu_attention=False))}
     timings: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         cache = prefill(runners["ours"], prompts)

@@ -28,6 +28,7 @@ from rag_spec.bench.ceiling import copy_ceiling
 from rag_spec.bench.prompts import OPEN_PROMPTS, RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
+    dequantized,
     figure,
     gpu_projection,
     interleaved,
@@ -62,36 +63,37 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     questions = (load_questions(prompts_file) if prompts_file else RAG_QUESTIONS)[:limit]
     lm = load_model(model_name, dtype=dtype)
     rag, open_ended = prompt_sets(lm.tokenizer, questions, limit)
-    decoder = LookaheadDecoder(lm.model, lm.tokenizer)
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer, dequantized())
     # The ablations: the same kernels drafting nothing (what speculation buys), and the same
     # decoder on the stock linear kernels (what our kernels buy) or, where ours is exact, on
     # the fast ones (what exactness costs).
-    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
-    ablation, config = ("rag_spec_fast_kernels", LookaheadConfig(exact=False)) \
-        if decoder.runner.exact else ("rag_spec_stock_linear", LookaheadConfig(onednn_linear=False))
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, dequantized(budget=0))
+    ablation, config = ("rag_spec_fast_kernels", dequantized(exact=False)) \
+        if decoder.runner.exact else ("rag_spec_stock_linear", dequantized(onednn_linear=False))
     # and the trie without its memory of earlier answers: what copying from each prompt and
     # its answer alone gives, beside that ceiling (``copy_ceiling_tokens_per_step``)
     decoders = {"rag_spec": decoder, "rag_spec_no_drafts": plain,
                 "rag_spec_no_memory": LookaheadDecoder(lm.model, lm.tokenizer,
-                                                       LookaheadConfig(memory_mb=0)),
+                                                       dequantized(memory_mb=0)),
                 ablation: LookaheadDecoder(lm.model, lm.tokenizer, config)}
     if decoder.drafter.label != TrieDrafter.label:  # the default drafts with a shipped head
-        decoders["rag_spec_trie"] = LookaheadDecoder(lm.model, lm.tokenizer,
+        decoders["rag_spec_trie"] = LookaheadDecoder(lm.model, lm.tokenizer, dequantized(),
                                                      drafter=TrieDrafter())
     if decoder.runner.compiled is not None:  # steps compiled ahead of time: and eager ones
         decoders["rag_spec_eager"] = LookaheadDecoder(lm.model, lm.tokenizer,
-                                                      LookaheadConfig(compile=False))
+                                                      dequantized(compile=False))
     if any(stack.streamed for stack in decoder.runner.stacks):  # and on oneDNN's kernels
-        decoders["rag_spec_onednn"] = ablated(lm.model, lm.tokenizer, streamed_linear=False)
+        decoders["rag_spec_onednn"] = ablated(lm.model, lm.tokenizer, dequantized(),
+                                              streamed_linear=False)
     if compiled:
         decoders.update({f"rag_spec_compiled{suffix}": LookaheadDecoder(
-            lm.model, lm.tokenizer, LookaheadConfig(budget=budget, exact=False, compile=True))
+            lm.model, lm.tokenizer, dequantized(budget=budget, exact=False, compile=True))
             for suffix, budget in (("", LookaheadConfig.budget), ("_no_drafts", 0))})
     if draft_head:  # alone, and merged with the trie
         head = cached_head(lm, train=False)  # trained by `rag-spec draft train --head`
-        configs = {"rag_spec": LookaheadConfig()}
+        configs = {"rag_spec": dequantized()}
         if compiled:
-            configs["rag_spec_compiled"] = LookaheadConfig(exact=False, compile=True)
+            configs["rag_spec_compiled"] = dequantized(exact=False, compile=True)
         for name, config in configs.items():
             decoders[f"{name}_draft_head"] = LookaheadDecoder(
                 lm.model, lm.tokenizer, config, drafter=FeatureDrafter(head))

@@ -416,12 +416,13 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         "| what you run | instead of | speedup, same output | of which |",
         "| --- | --- | ---: | --- |",
         *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
-        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy; with {needs}. "
+        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy, on its float32 "
+        "weights (`quantized=False`: the peers' weights, so every answer is checked against "
+        f"theirs); with {needs}. "
         "Parts are medians of per-prompt ratios, so they need not multiply to the whole. Every "
         "command, machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md). "
         "The peers here are the transformers-based classes; llama.cpp (`ChatLlamaCpp`, "
-        "`LlamaCPP`, Ollama), which decodes this model's GGUF faster than `generate` on a CPU, "
-        "is not measured against yet."])
+        "`LlamaCPP`, Ollama), the peer of the default GGUF weights, is measured below (Python)."])
 
 
 def with_how_fast(readme: str, table: str) -> str:

@@ -69,6 +69,19 @@ def gpu_projection(tokens_per_step: float, width: int, report: Path = GPU_STEPS
             "step_cost": round(cost, 3), "width": wide, "device": report.stem}
 
 
+# ``LookaheadConfig`` fields of a decoder on the model's own (de-quantised) weights, never a
+# GGUF file's blocks: the benches that compare with transformers' ``generate`` (or pipelines on
+# it), or ablate its kernels, decode the weights it decodes
+DEQUANTIZED: dict[str, Any] = {"quantized": False}
+
+
+def dequantized(**knobs: Any) -> Any:
+    """A ``LookaheadConfig`` with ``knobs`` on the model's own weights (``DEQUANTIZED``)."""
+    from rag_spec.engine.decoder import LookaheadConfig
+
+    return LookaheadConfig(**DEQUANTIZED, **knobs)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
     Run,
+    dequantized,
     interleaved,
     machine,
     median,
@@ -72,7 +73,7 @@ TOOLS_TEXT = ("Tools: search_docs(query: str, k: int) searches the Python docume
 
 def run(json_out: str | None = None, limit: int = 8, max_new_tokens: int = 256,
         model_name: str | None = None) -> dict[str, Any]:
-    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.engine.decoder import LookaheadDecoder
     from rag_spec.models import load_model
     from rag_spec.models.registry import DEFAULT_MODEL
     from rag_spec.prompts import chat_input_ids
@@ -91,8 +92,8 @@ def run(json_out: str | None = None, limit: int = 8, max_new_tokens: int = 256,
             {"role": "system", "content": TOOLS_TEXT}, {"role": "user", "content": q}])
             for q in questions]),
     }
-    ours = LookaheadDecoder(lm.model, lm.tokenizer)
-    ablation = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0))
+    ours = LookaheadDecoder(lm.model, lm.tokenizer, dequantized())  # the peer's weights
+    ablation = LookaheadDecoder(lm.model, lm.tokenizer, dequantized(budget=0))
     report: dict[str, Any] = {"benchmark": "structured", "model": model_name or DEFAULT_MODEL,
                               "dtype": str(lm.dtype), "max_new_tokens": max_new_tokens,
                               "machine": machine()}

@@ -81,8 +81,11 @@ class LookaheadConfig:
     # llama.cpp's, and every step attends row by row (a tree's rows bit for bit one-token
     # steps'). Another model than the float32 one: greedy output equals this setting's own
     # no-draft decoding, not ``generate``'s. Compiled steps come from a package of their own
-    # (``rag-spec models compile`` builds it for the embedded model)
-    quantized: bool = False
+    # (``rag-spec models compile`` builds it for the embedded model). "auto": wherever it
+    # applies (a float32 model on a CPU whose kernels run, loaded from a GGUF file, without
+    # exact numerics), as measured faster there; True: required (an error says why it does
+    # not apply); False: the de-quantised float32 weights, whose output equals ``generate``'s
+    quantized: bool | Literal["auto"] = "auto"
 
     @property
     def trie(self) -> TrieConfig:
@@ -102,6 +105,9 @@ class DecodeStats:
     # how the steps' passes ran: "compiled ahead of time" (a package this machine holds),
     # "compiled" (torch.compile in this process), "eager"
     passes: str = ""
+    # what the linear layers multiplied by: "GGUF" (a GGUF file's own quantised blocks,
+    # ``LookaheadConfig.quantized``) or the model's dtype ("float32": ``generate``'s numbers)
+    weights: str = ""
     steps: int = 0
     drafted: int = 0  # draft nodes verified, all steps
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
@@ -485,6 +491,7 @@ class LookaheadDecoder:
         for r in rows:
             r.stats.prefill_seconds = time.perf_counter() - started
             r.stats.passes = passes
+            r.stats.weights = runner.weights
         if runner.exact:
             if stream is not None:
                 stream.update(rows[0].output, rows[0].finish_reason is not None)

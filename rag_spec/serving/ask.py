@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rag_spec.errors import RagSpecError
 from rag_spec.models.loader import LoadedModel
@@ -33,11 +33,12 @@ class Answer:
 
 def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
         max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
-        draft: Any = None, json_schema: Any = None, quantized: bool = False) -> Answer:
+        draft: Any = None, json_schema: Any = None,
+        quantized: bool | Literal["auto"] = "auto") -> Answer:
     """Retrieve ``k`` passages, then answer greedily, streaming text pieces to ``on_text``
     (``draft``: see ``rag_spec.serving.drafts.drafter_for``; None: the decoder's default), as
     JSON under ``json_schema`` if one is given; ``quantized``: from the model's GGUF weights
-    (``LookaheadConfig.quantized``)."""
+    (``LookaheadConfig.quantized``: by default wherever that applies)."""
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
     if not question.strip():

@@ -15,10 +15,17 @@ llama.cpp's rotary embedding; their rows are put back in transformers' order, as
 
 Which models came from which file is remembered here, weakly, by the code that loaded them
 (``remember_file``): a model's own attributes are never written.
+
+gguf's reader parses every token of a file's vocabulary before its tensors (seconds for a
+small model's file), so a file's converted blocks are kept in rag-spec's cache, named by the
+file's path, size and modification time: later processes load them instead
+(``read_weights``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import threading
@@ -41,6 +48,7 @@ _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _SOURCES: weakref.WeakKeyDictionary[Any, Path] = weakref.WeakKeyDictionary()
 _READ: weakref.WeakKeyDictionary[Any, dict[str, GroupQuantized]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_FORMAT = 1  # the kept conversions' layout: a change here invalidates them
 
 
 def remember_file(model: Any, path: str | Path) -> None:
@@ -79,7 +87,81 @@ def file_weights(model: Any) -> dict[str, GroupQuantized]:
 def read_weights(path: str | Path, config: Any) -> dict[str, GroupQuantized]:
     """The Q4_0 / Q4_1 / Q8_0 weights of the Llama-family layers in the GGUF file at ``path``,
     by transformers module path, rows in transformers' order (``config``: the model's, for its
-    head counts)."""
+    head counts); from rag-spec's cache where an earlier process converted the same file."""
+    kept = _kept_path(Path(path), config)
+    if kept is not None and kept.is_file():
+        try:
+            return _load_kept(kept, Path(path))
+        except Exception as err:  # noqa: BLE001 - a damaged copy: the file is read again
+            log.warning("rag-spec: the converted blocks %s could not be read (%s: %s); "
+                        "reading the GGUF file again", kept, type(err).__name__, err)
+    weights, other = _converted(Path(path), config)
+    if kept is not None:
+        _keep(kept, weights, other)
+    _name_others(other, Path(path))
+    return weights
+
+
+def _kept_path(path: Path, config: Any) -> Path | None:
+    """Where ``path``'s converted blocks are kept (None: no cache on this machine)."""
+    try:
+        from rag_spec.paths import cache_dir
+
+        folder = cache_dir() / "gguf-blocks"
+    except ImportError:  # the decoder alone (make gpu-check): nothing is cached
+        return None
+    stat = path.stat()
+    heads = [getattr(config, key, None) for key in (
+        "model_type", "num_attention_heads", "num_key_value_heads")]
+    digest = hashlib.blake2b(json.dumps(
+        [_FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns, heads]).encode(),
+        digest_size=12).hexdigest()
+    return folder / f"{path.stem}.{digest}.safetensors"
+
+
+def _keep(kept: Path, weights: dict[str, GroupQuantized], other: set[str]) -> None:
+    from safetensors.torch import save_file
+
+    from rag_spec.paths import atomic_file
+
+    tensors, bits = {}, {}
+    for module, weight in weights.items():
+        tensors[f"{module}.values"] = weight.values.contiguous()
+        tensors[f"{module}.scales"] = weight.scales.contiguous()
+        if weight.mins is not None:
+            tensors[f"{module}.mins"] = weight.mins.contiguous()
+        bits[module] = weight.bits
+    try:
+        with atomic_file(kept) as scratch:
+            save_file(tensors, str(scratch), metadata={"bits": json.dumps(bits),
+                                                       "other": json.dumps(sorted(other))})
+    except OSError as err:  # a read-only cache: the next process converts again
+        log.info("rag-spec: could not keep the converted blocks at %s (%s)", kept, err)
+
+
+def _load_kept(kept: Path, path: Path) -> dict[str, GroupQuantized]:
+    from safetensors import safe_open
+
+    with safe_open(str(kept), framework="pt") as file:
+        meta = file.metadata()
+        bits = json.loads(meta["bits"])
+        names = set(file.keys())
+        weights = {module: GroupQuantized(
+            file.get_tensor(f"{module}.values"), file.get_tensor(f"{module}.scales"),
+            file.get_tensor(f"{module}.mins") if f"{module}.mins" in names else None, b)
+            for module, b in bits.items()}
+    _name_others(set(json.loads(meta["other"])), path)
+    return weights
+
+
+def _name_others(other: set[str], path: Path) -> None:
+    if other:
+        log.info("rag-spec: %s layers of %s have no quantised kernel yet; they run "
+                 "de-quantised to float32", ", ".join(sorted(other)), path.name)
+
+
+def _converted(path: Path, config: Any) -> tuple[dict[str, GroupQuantized], set[str]]:
+    """The file's convertible weights, and the formats of those that have no kernel."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -101,10 +183,7 @@ def read_weights(path: str | Path, config: Any) -> dict[str, GroupQuantized]:
                                     None if weight.mins is None else weight.mins[rows],
                                     weight.bits)
         weights[module] = weight
-    if other:
-        log.info("rag-spec: %s layers of %s have no quantised kernel yet; they run "
-                 "de-quantised to float32", ", ".join(sorted(other)), Path(path).name)
-    return weights
+    return weights, other
 
 
 def _module_path(name: str, own_output: bool) -> str | None:
@@ -159,6 +238,17 @@ def _q8_0(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, 32 signed by
 _CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
 
 
+def _dequantized(weight: GroupQuantized) -> torch.Tensor:
+    """``weight.dequantized()`` in float32 arithmetic, group by group (a few times faster; its
+    two roundings stay far inside the check's tolerance)."""
+    out, inner = weight.shape
+    values = weight.values.view(out, inner // 32, 32).float()
+    full = values * weight.scales.float()[..., None]
+    if weight.mins is not None:
+        full += weight.mins.float()[..., None]
+    return full.view(out, inner)
+
+
 def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQuantized]:
     """The weights that equal ``model``'s layers, de-quantised (to a last-bit rounding); the
     others are named in the log and left out (their layers keep float32)."""
@@ -172,7 +262,7 @@ def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQ
             continue
         expected = float_weight.detach().float()
         tolerance = 1e-6 * float(expected.abs().max()) + 1e-12
-        if float((weight.dequantized() - expected).abs().max()) > tolerance:
+        if float((_dequantized(weight) - expected).abs().max()) > tolerance:
             log.info("rag-spec: %s differs from the GGUF file it was loaded from (changed "
                      "since?); it runs on its float32 weights", path)
             continue

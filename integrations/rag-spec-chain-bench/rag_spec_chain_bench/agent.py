@@ -32,7 +32,15 @@ from langchain_rag_spec import ChatLookahead, SpecRetriever, tools_first
 from langchain_rag_spec.chat_models import chat_turns
 from rag_spec import GenerateOptions, LocalLM, Tool, tool_options
 from rag_spec.bench.prompts import HELD_OUT_RAG_QUESTIONS
-from rag_spec.bench.report import figure, machine, median, publish, save_figure, setting
+from rag_spec.bench.report import (
+    DEQUANTIZED,
+    figure,
+    machine,
+    median,
+    publish,
+    save_figure,
+    setting,
+)
 
 COUNTING = ["How many words are in 'the quick brown fox jumps'?",
             "Count the words in 'to be or not to be'.",
@@ -122,10 +130,11 @@ def run(json_out: str | None = None, limit: int = 6, max_new_tokens: int = 128) 
 
     tools = agent_tools(SpecRetriever(k=2))
     tasks = [*HELD_OUT_RAG_QUESTIONS[:limit - limit // 3], *COUNTING[:limit // 3]]
-    chat = ChatLookahead(max_tokens=max_new_tokens)
+    # the peer's weights (float32): its transcripts are what ours must equal
+    chat = ChatLookahead(max_tokens=max_new_tokens, lookahead=DEQUANTIZED)
     models = {"hf_xgrammar": GenerateChat(lm=chat.local_lm(), max_tokens=max_new_tokens),
               "rag_spec_no_drafts": ChatLookahead(max_tokens=max_new_tokens,
-                                                  lookahead={"budget": 0}),
+                                                  lookahead={**DEQUANTIZED, "budget": 0}),
               "rag_spec": chat}
     agents = {name: create_agent(model, tools, middleware=[tools_first()])
               for name, model in models.items()}

@@ -18,6 +18,7 @@ from typing import Any
 
 from rag_spec.bench.prompts import RAG_QUESTIONS
 from rag_spec.bench.report import (
+    DEQUANTIZED,
     Run,
     figure,
     interleaved,
@@ -107,8 +108,10 @@ def langchain_chains(lm: Any, kb: Any, max_new_tokens: int) -> dict[str, Any]:
                 | StrOutputParser())
 
     stock = chain(store.as_retriever(search_kwargs={"k": K}), stock_llm)
+    # the stock pipeline's weights (float32): its answers are what ours must equal
     ours = chain(SpecRetriever(source=kb, k=K), ChatLookahead(model=lm.name,
-                                                             max_tokens=max_new_tokens))
+                                                             max_tokens=max_new_tokens,
+                                                             lookahead=DEQUANTIZED))
     return {"langchain_stock": stock.invoke, "langchain_rag_spec": ours.invoke}
 
 
@@ -126,7 +129,7 @@ def llamaindex_engines(lm: Any, kb: Any, max_new_tokens: int) -> dict[str, Any]:
     nodes = [passage_node(hit, vector.tolist()) for hit, vector in
              zip((kb.hit(i, 0.0) for i in range(len(kb))), vectors)]
     index = VectorStoreIndex(nodes, embed_model=RagSpecEmbedding())
-    ours = LookaheadLLM(model=lm.name, max_new_tokens=max_new_tokens)
+    ours = LookaheadLLM(model=lm.name, max_new_tokens=max_new_tokens, lookahead=DEQUANTIZED)
     stock_llm = HuggingFaceLLM(model=lm.model, tokenizer=lm.tokenizer, model_name=lm.name,
                                max_new_tokens=max_new_tokens, is_chat_model=True,
                                context_window=ours.metadata.context_window,

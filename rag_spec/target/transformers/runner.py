@@ -92,8 +92,9 @@ class RunnerSettings:
     # (``step_package``), never compiling; True: the package, else torch.compile at first use
     compile: bool | Literal["auto"] = "auto"
     # CPU, float32, a model loaded from a GGUF file: linear layers multiply by the file's
-    # quantised weights (``rag_spec.target.gguf``), compiled steps from a package of their own
-    quantized: bool = False
+    # quantised weights (``rag_spec.target.gguf``), compiled steps from a package of their own;
+    # "auto": wherever that applies (``LookaheadConfig.quantized``)
+    quantized: bool | Literal["auto"] = False
 
 
 class Runner(ModuleRunner):
@@ -124,6 +125,8 @@ class Runner(ModuleRunner):
             log.warning("rag-spec: the quantised products or the row attention kernel do not "
                         "run here; the GGUF file's weights are multiplied de-quantised")
             blocks = {}
+        # what the linear layers multiply by: "GGUF" (the file's own blocks) or the dtype's name
+        self.weights = "GGUF" if blocks else str(model.dtype).removeprefix("torch.")
         if self.exact:
             _chunk_rows(self.module, own)
         elif blocks or _wants_onednn(model, settings):
@@ -302,10 +305,17 @@ def _chunk_rows(root: torch.nn.Module, own: set[int]) -> None:
 
 def _file_weights(model: Any, settings: RunnerSettings, exact: bool) -> dict[str, Any]:
     """The quantised weights of ``model``'s layers from its GGUF file, where ``quantized`` asks
-    for them and they apply (a float32 model on the CPU, loaded from a GGUF file)."""
-    if not settings.quantized:
+    for them and they apply (a float32 model on the CPU, loaded from a GGUF file); under
+    "auto", only where the kernels run here too, else none, silently."""
+    if settings.quantized is False:
         return {}
-    if exact or model.device.type != "cpu" or model.dtype != torch.float32:
+    applies = not exact and model.device.type == "cpu" and model.dtype == torch.float32
+    if settings.quantized == "auto":
+        if not (applies and gguf.source_file(model) is not None and quantized_available()
+                and row_attention_available()):
+            return {}
+        return gguf.file_weights(model)
+    if not applies:
         msg = ("LookaheadConfig(quantized=True) multiplies by a GGUF file's weights on the "
                "CPU, in float32 arithmetic, without exact numerics: load the model with "
                "device='cpu' and dtype float32, and leave exact at 'auto' or False.")
