@@ -260,8 +260,35 @@ def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
     assert [r.token_ids for r in drafted.generate([one, two], N)] == expected
     assert drafted.generate(one[:1], N).token_ids == plain.generate(one[:1], N).token_ids
     # another function than the float32 layers': rounded inputs
-    float32 = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0, compile=False))
+    float32 = LookaheadDecoder(lm.model, lm.tokenizer,
+                               LookaheadConfig(budget=0, compile=False, quantized=False))
     assert not any(stack.blocks is not None for stack in float32.runner.stacks)
+
+
+def test_by_default_a_model_from_a_gguf_file_decodes_its_blocks_and_any_other_float32(
+        quantized_lm, caplog):
+    """``quantized="auto"``: the file's blocks where they apply, silently float32 elsewhere
+    (another model, exact numerics), where ``True`` would refuse or say why."""
+    from test_entry_matrix import char_lm
+
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+
+    kernel_or_skip()
+    lm = quantized_lm
+    default = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(compile=False))
+    result = default.generate([1, 2, 3], 4)
+    assert result.stats.weights == "GGUF"
+    assert default.runner.stacks and all(s.blocks is not None for s in default.runner.stacks)
+    plain = LookaheadDecoder(lm.model, lm.tokenizer,
+                             LookaheadConfig(budget=0, quantized=True, compile=False))
+    assert result.token_ids == plain.generate([1, 2, 3], 4).token_ids
+    exact = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(exact=True, compile=False))
+    assert exact.generate([1, 2, 3], 4).stats.weights == "float32"  # no error: not applicable
+    other = char_lm()
+    with caplog.at_level("INFO"):
+        fresh = LookaheadDecoder(other.model, other.tokenizer, LookaheadConfig(compile=False))
+        assert fresh.generate([1, 2, 3], 2).stats.weights == "float32"
+    assert "was not loaded from a GGUF file" not in caplog.text  # nothing asked, nothing said
 
 
 def test_quantized_needs_a_float32_model_without_exact_numerics(quantized_lm):
