@@ -95,7 +95,45 @@ def test_the_lookahead_bench_runs_the_model_it_is_given(capsys, monkeypatch):
     code, _, _ = run(capsys, "bench", "lookahead", "--model", "my/model", "--limit", "2")
     assert code == 0 and given["model_name"] == "my/model" and given["limit"] == 2
     run(capsys, "bench", "lookahead")
-    assert given["model_name"] == "smollm2-135m-instruct"
+    assert given["model_name"] == "smollm2-135m-instruct" and given["peer"] is None
+    run(capsys, "bench", "lookahead", "--peer", "llama.cpp")
+    assert given["peer"] == "llama.cpp"
+
+
+def test_the_llama_cpp_peer_is_left_out_in_one_line_where_it_cannot_run(capsys, monkeypatch,
+                                                                      tmp_path):
+    import sys
+
+    from test_entry_matrix import char_lm
+    from test_quantized import quantized_copy
+
+    from rag_spec.bench.lookahead import _gguf_systems
+
+    assert _gguf_systems(char_lm(), 8) == {}  # a model from no GGUF file
+    assert capsys.readouterr().out.count("\n") == 1
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+    assert _gguf_systems(quantized_copy(char_lm(), tmp_path), 8) == {}
+    assert "pip install llama-cpp-python" in capsys.readouterr().out
+
+
+def test_the_gguf_systems_are_weighed_against_llama_cpps_faster_thread_count():
+    from rag_spec.bench.lookahead import _summarise_gguf
+    from rag_spec.bench.report import Run
+
+    def runs(seconds, tokens):
+        return [Run(s, t, {"peak_rss_mb": 100.0}) for s, t in zip(seconds, tokens)]
+
+    same, other = [[1] * 10, [2] * 10], [[1] * 10, [3] * 10]
+    report = _summarise_gguf({
+        "gguf_rag_spec": runs([0.5, 0.5], same),  # 20 tok/s
+        "gguf_rag_spec_no_drafts": runs([1.0, 1.0], same),  # 10
+        "gguf_llama_cpp_1_thread": runs([2.0, 2.0], other),  # 5
+        "gguf_llama_cpp_2_threads": runs([1.25, 1.25], other)})  # 8: the peer
+    assert report["peer"] == "gguf_llama_cpp_2_threads"
+    ours = report["systems"]["gguf_rag_spec"]
+    assert (ours["speedup_vs_llama_cpp"], ours["speedup_vs_no_drafts"]) == (2.5, 2.0)
+    assert ours["identical_to_no_drafts"] == 2
+    assert report["systems"]["gguf_llama_cpp_1_thread"]["identical_to_no_drafts"] == 1
 
 
 def test_the_batch_benchs_ablation_prefills_every_batch_as_one_padded_pass():

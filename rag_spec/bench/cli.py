@@ -34,6 +34,10 @@ def add_bench_commands(commands: Any) -> None:
                                 "compiled too with --compiled (train it first: rag-spec "
                                 "draft train --head, about an hour and a half on a CPU; the "
                                 "embedded model ships its own)")
+    lookahead.add_argument("--peer", choices=["llama.cpp"], default=None,
+                           help="also plain llama.cpp on the model's GGUF file (1 and 2 "
+                                "threads; llama-cpp-python installed) beside our decoding "
+                                "of the file's own weights, drafting and not")
     lookahead.set_defaults(run=_lookahead)
     structured = kinds.add_parser(
         "structured", help="JSON under a schema: ours vs generate + xgrammar's logits processor")
@@ -155,7 +159,7 @@ def _lookahead(args: argparse.Namespace) -> int:
 
     run(prompts_file=args.prompts, json_out=args.json_out, max_new_tokens=args.max_new_tokens,
         limit=args.limit, model_name=args.model, dtype=args.dtype, compiled=args.compiled,
-        draft_head=args.draft_head)
+        draft_head=args.draft_head, peer=args.peer)
     return 0
 
 

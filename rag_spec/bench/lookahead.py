@@ -13,11 +13,20 @@ with ``--draft-head``, ours drafting with the trained draft head (``draft_head.c
 alone and merged with the trie, eager and, with ``--compiled``, compiled. Outputs are
 compared token for token with transformers greedy; where one differs, the report gives the
 position and the baseline's top-2 logit margin there, so a real bug never hides as "numerics".
+Every system above runs the model's own (float32 or bfloat16) weights, as ``generate`` does.
+
+``--peer llama.cpp``, for a model loaded from a GGUF file: our decoding of the file's own
+weights (the default on a CPU), drafting and not, and plain llama.cpp greedy decoding of the
+same file at 1 and 2 threads (the faster is the peer: ``gguf`` in the report, its
+``speedup_vs_llama_cpp``); these are compared with our no-draft decoding of the file, not with
+``generate``, and llama.cpp's own greedy tokens are reported, for information, against it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,8 +55,8 @@ from rag_spec.bench.report import (
 
 def run(prompts_file: str | None = None, json_out: str | None = None, max_new_tokens: int = 128,
         limit: int | None = None, model_name: str = "smollm2-135m-instruct",
-        dtype: str = "float32", compiled: bool = False, draft_head: bool = False
-        ) -> dict[str, Any]:
+        dtype: str = "float32", compiled: bool = False, draft_head: bool = False,
+        peer: str | None = None) -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON and a PNG plot; return the report.
     ``compiled`` adds our decoder with compiled steps, drafting and not (its warm-up, which
     compiles, is reported as ``warm_up_s``); ``draft_head`` our decoder drafting with the
@@ -100,6 +109,8 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
             decoders[f"{name}_draft_head_trie"] = LookaheadDecoder(
                 lm.model, lm.tokenizer, config, drafter=MergedDrafter(FeatureDrafter(head)))
     systems = _systems(lm.model, decoders, max_new_tokens)
+    gguf = _gguf_systems(lm, max_new_tokens) if peer == "llama.cpp" else {}
+    systems.update(gguf)
     report: dict[str, Any] = {"benchmark": "lookahead", "model": model_name,
                               "dtype": str(lm.dtype), "exact": decoder.runner.exact,
                               "default_drafts": decoder.drafter.label,
@@ -110,7 +121,9 @@ def run(prompts_file: str | None = None, json_out: str | None = None, max_new_to
     for name, prompts in (("rag", rag), ("open_ended", open_ended)):
         print(f"{name}: {len(prompts)} prompts")
         runs = interleaved(systems, prompts)
-        summary = _summarise(lm.model, prompts, runs)
+        summary = _summarise(lm.model, prompts, {n: r for n, r in runs.items() if n not in gguf})
+        if gguf:
+            summary["gguf"] = _summarise_gguf({n: runs[n] for n in gguf})
         if name == "rag":
             report.update(summary)  # the top-level keys DESIGN.md names are the RAG set's
         report[name] = summary
@@ -146,18 +159,133 @@ def _systems(model: Any, decoders: dict[str, Any], max_new_tokens: int) -> dict[
         return Run(0.0, out[0, len(prompt):].tolist(), {"rss_mb": rss_mb(),
                                                           "peak_rss_mb": peak_rss_mb()})
 
-    def ours(decoder: Any, prompt: list[int]) -> Run:
-        reset_peak_rss()
-        result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
-        return Run(0.0, result.token_ids, {"stats": [result.stats],
-                                           "rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()})
-
     systems: dict[str, Any] = {"hf": hf,
                                "pld4": lambda p: hf(p, prompt_lookup_num_tokens=4),
                                "pld10": lambda p: hf(p, prompt_lookup_num_tokens=10)}
     for name, decoder in decoders.items():
-        systems[name] = lambda p, d=decoder: ours(d, p)
+        systems[name] = lambda p, d=decoder: _ours(d, p, max_new_tokens)
     return systems
+
+
+def _ours(decoder: Any, prompt: list[int], max_new_tokens: int) -> Run:
+    reset_peak_rss()
+    result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+    return Run(0.0, result.token_ids, {"stats": [result.stats],
+                                       "rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()})
+
+
+def _gguf_systems(lm: Any, max_new_tokens: int) -> dict[str, Any]:
+    """Our decoding of the model's GGUF file's weights, drafting and not, and plain llama.cpp
+    on the file at 1 and 2 threads; none (saying why in one line) where the model came from
+    no GGUF file or llama-cpp-python is not installed."""
+    from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+    from rag_spec.target.gguf import source_file
+
+    path = source_file(lm.model)
+    if path is None:
+        print("--peer llama.cpp: the model was not loaded from a GGUF file (the embedded "
+              "model is; or --model x.gguf): llama.cpp is left out")
+        return {}
+    try:
+        import llama_cpp
+    except ImportError:
+        print("--peer llama.cpp: llama-cpp-python is not installed (pip install "
+              "llama-cpp-python): llama.cpp is left out")
+        return {}
+    systems: dict[str, Any] = {}
+    for name, config in (("gguf_rag_spec", LookaheadConfig(quantized=True)),
+                         ("gguf_rag_spec_no_drafts", LookaheadConfig(quantized=True, budget=0))):
+        decoder = LookaheadDecoder(lm.model, lm.tokenizer, config)
+        systems[name] = lambda p, d=decoder: _ours(d, p, max_new_tokens)
+    eos = lm.tokenizer.eos_token_id
+
+    def plain(prompt: list[int], peer: LlamaCpp) -> Run:
+        reset_peak_rss()
+        tokens = peer.greedy(prompt, max_new_tokens, eos)
+        return Run(0.0, tokens, {"rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()})
+
+    for threads in (1, 2):
+        peer = LlamaCpp(llama_cpp, path, threads)
+        systems[f"gguf_llama_cpp_{threads}_thread{'s' * (threads > 1)}"] = (
+            lambda p, d=peer: plain(p, d))
+    return systems
+
+
+class LlamaCpp:
+    """Plain greedy decoding of a GGUF file by llama.cpp, through llama-cpp-python's low-level
+    API: its ``Llama`` class cannot turn off the repacked weights, whose path crashes on the
+    AMX Xeon VMs on prompts longer than one token. One-token steps run on ``threads`` threads,
+    a prompt on every core (llama-cpp-python's defaults for the rest)."""
+
+    def __init__(self, lib: Any, path: Any, threads: int) -> None:
+        import os
+
+        self.lib = lib
+        lib.llama_log_set(_QUIET, ctypes.c_void_p(0))
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.use_extra_bufts = False
+        self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+        context = lib.llama_context_default_params()
+        context.n_ctx, context.n_batch, context.n_ubatch = 8192, 4096, 512
+        context.n_threads, context.n_threads_batch = threads, os.cpu_count() or 1
+        self.ctx = lib.llama_init_from_model(self.model, context)
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        weakref.finalize(self, _free, lib, self.ctx, self.model)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+        """Up to ``max_new_tokens`` greedy tokens after ``prompt``, ending with ``eos``."""
+        import numpy as np
+
+        lib = self.lib
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        out: list[int] = []
+        feed = prompt
+        while len(out) < max_new_tokens:
+            tokens = (lib.llama_token * len(feed))(*feed)
+            if lib.llama_decode(self.ctx, lib.llama_batch_get_one(tokens, len(feed))) != 0:
+                msg = "llama.cpp could not decode a batch (llama_decode failed)"
+                raise RuntimeError(msg)
+            logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, -1),
+                                           shape=(self.vocab,))
+            out.append(int(logits.argmax()))
+            if out[-1] == eos:
+                break
+            feed = out[-1:]
+        return out
+
+
+def _free(lib: Any, ctx: Any, model: Any) -> None:
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _QUIET(level: int, text: bytes, data: Any) -> None:  # noqa: N802 - llama.cpp's log, dropped
+    return None
+
+
+def _summarise_gguf(runs: dict[str, list[Run]]) -> dict[str, Any]:
+    """The GGUF file's systems: tok/s, each one's median per-prompt tok/s ratio over plain
+    llama.cpp at its faster thread count (the peer) and over our no-draft decoding of the
+    file, and how many answers equal the latter's."""
+    rates = {n: [len(r.tokens) / r.seconds for r in rs] for n, rs in runs.items()}
+    threads = [n for n in runs if "llama_cpp" in n]
+    peer = max(threads, key=lambda n: median(rates[n]))
+    reference = runs["gguf_rag_spec_no_drafts"]
+    systems = {}
+    for name, system_runs in runs.items():
+        entry = {"tok_per_s": round(median(rates[name]), 2),
+                 "speedup_vs_llama_cpp": round(median(
+                     [a / b for a, b in zip(rates[name], rates[peer])]), 3),
+                 "speedup_vs_no_drafts": round(median(
+                     [a / b for a, b in zip(rates[name], rates["gguf_rag_spec_no_drafts"])]), 3),
+                 "identical_to_no_drafts": sum(r.tokens == b.tokens
+                                               for r, b in zip(system_runs, reference)),
+                 "peak_rss_mb": round(max(r.extra["peak_rss_mb"] for r in system_runs), 1)}
+        entry.update(runs_pass_statistics(system_runs))
+        systems[name] = entry
+    return {"peer": peer, "systems": systems}
 
 
 def _warm_up(systems: dict[str, Any], prompt: list[int]) -> dict[str, float]:
@@ -257,3 +385,12 @@ def _print_table(report: dict[str, Any]) -> None:
                   + (f"{projection['speedup_vs_no_drafts']:9.2f}x" if projection else ""))
         print("GPU proj.: tokens per pass over a tree step's cost against a plain step on a GPU "
               "(make gpu-check's report): the speedup over our no-draft decoder a GPU user keeps")
+        gguf = report[name].get("gguf")
+        if gguf:
+            print(f"\nthe GGUF file's weights (peer: {gguf['peer']}):")
+            print(f"{'system':26} {'tok/s':>7} {'vs llama.cpp':>13} {'vs no drafts':>13} "
+                  f"{'identical':>10} {'peak RSS':>9}")
+            for system, s in gguf["systems"].items():
+                print(f"{system:26} {s['tok_per_s']:7.1f} {s['speedup_vs_llama_cpp']:12.3f}x "
+                      f"{s['speedup_vs_no_drafts']:12.3f}x {s['identical_to_no_drafts']:>6}/{n} "
+                      f"{s['peak_rss_mb'] / 1024:8.2f}G")
