@@ -45,7 +45,7 @@ docs: pull  ## the documentation site, executing every tutorial notebook (warnin
 	$(BIN)/mkdocs build --strict
 
 bench: compile  ## the headline bench: the default decoder (steps compiled ahead of time) and its ablations
-	$(BIN)/rag-spec bench lookahead --limit 12 --json docs/benchmarks/lookahead.json
+	$(BIN)/rag-spec bench lookahead --limit 12 --peer llama.cpp --json docs/benchmarks/lookahead.json
 	$(BIN)/python -m rag_spec.bench.page
 
 bench-draft: pull  ## draft models and early exits vs transformers' assisted generation

@@ -35,8 +35,11 @@ BENCHES = (
     Bench("lookahead", "Speculative decoding",
           "Greedy decoding of RAG prompts (a standard-library question and its top-3 "
           "passages) and open-ended ones, 128 new tokens: transformers `generate`, its prompt "
-          "lookup, our decoder as a user gets it (`rag_spec`) and its ablations, on the same "
-          "model."),
+          "lookup, our decoder (`rag_spec`) and its ablations, on the same model's float32 "
+          "weights; and, under `gguf`, our decoding of the model's GGUF file's own weights (what "
+          "a CPU user gets by default), drafting and not, against plain llama.cpp on the same "
+          "file at its faster thread count, answers compared with our no-draft decoding of "
+          "the file."),
     Bench("chain", "LangChain and LlamaIndex pipelines",
           "A RAG chain and a query engine end to end: the stock Hugging Face classes against "
           "ours (`SpecRetriever`, `ChatLookahead`, `LookaheadLLM`), the same answers."),
@@ -111,6 +114,7 @@ SYSTEMS = {
 METRICS = (
     ("tok_per_s", "tok/s"), ("speedup_vs_hf", "vs `generate`"),
     ("speedup_vs_peer", "vs `generate` + xgrammar"), ("speedup_vs_naive", "vs naive"),
+    ("speedup_vs_llama_cpp", "vs llama.cpp"),
     ("speedup_vs_no_drafts", "vs no drafts"), ("speedup", "speedup"),
     ("tokens_per_step", "tokens per pass"), ("kb_calls", "KB calls"),
     ("mean_stride", "stride"), ("rollbacks", "rollbacks"),
@@ -133,7 +137,8 @@ PARTS = {"rag": "RAG prompts", "open_ended": "open-ended prompts", "greedy": "gr
          "extraction": "JSON extraction", "tool_call": "tool calls", "speed": "speed",
          "greedy_identical": "greedy identity", "attention_kernel": "attention kernel",
          "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex",
-         "levels": "by concurrent clients"}
+         "levels": "by concurrent clients",
+         "gguf": "the GGUF file's weights, against plain llama.cpp"}
 QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions", "tasks",
          "commit", "data_commit"}
 
@@ -181,8 +186,8 @@ def _label(key: str) -> str:
 
 def _tables(node: Any, path: list[str], count: Any) -> Iterator[tuple[str, dict, Any]]:
     """Every table in a report: each dict holding two or more systems' figures, titled by
-    where it sits; a dict whose parts hold their own ``systems`` skips its own (an older
-    report's copy of its first part)."""
+    where it sits; what a dict holds that one of its parts holds too (a report's copy of its
+    first part, as DESIGN.md's top-level keys) is shown once, in the part."""
     if isinstance(node, list) and node and all(_is_system(x) and "clients" in x for x in node):
         yield " / ".join(path), {f"{x['clients']} client{'s' * (x['clients'] > 1)}": x
                                    for x in node}, count
@@ -200,9 +205,11 @@ def _tables(node: Any, path: list[str], count: Any) -> Iterator[tuple[str, dict,
     rows = {k: v for k, v in node.items() if _is_system(v)}
     if len(rows) >= 2:
         yield " / ".join(path), rows, count
-    nested = any(isinstance(v, dict) and "systems" in v for v in node.values())
+    parts = [v for v in node.values() if isinstance(v, dict)]
+    copies = {key for key, value in node.items()
+              if isinstance(value, dict) and any(part.get(key) == value for part in parts)}
     for key, value in node.items():
-        if key in rows or (key == "systems" and nested) or key == "machine":
+        if key in rows or key in copies or key == "machine":
             continue
         part = [] if key == "systems" else [PARTS.get(key, key.replace("_", " "))]
         yield from _tables(value, [*path, *part], count)
@@ -406,6 +413,8 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
          _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]),
          f"{_x(milvus['systems']['spec_all']['speedup_vs_naive'])} speculative retrieval "
          f"alone, lookahead decoding the rest")]
+    gguf = _gguf_rows(look)
+    rows[4:4] = gguf
     reports = (look, chain, structured, milvus)
     machines = sorted({machine(r) for r in reports})
     wide = all("avx512f" in r.get("machine", {}).get("vector_flags", ()) for r in reports)
@@ -416,13 +425,34 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         "| what you run | instead of | speedup, same output | of which |",
         "| --- | --- | ---: | --- |",
         *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
-        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy, on its float32 "
-        "weights (`quantized=False`: the peers' weights, so every answer is checked against "
-        f"theirs); with {needs}. "
+        f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy; with {needs}. "
+        "Against the transformers-based classes, on the model's float32 weights "
+        "(`quantized=False`: the peers' weights, so every answer is checked against theirs)"
+        + ("; against plain llama.cpp (what `ChatLlamaCpp`, `LlamaCPP` and Ollama run), on "
+           "the model's GGUF file's own weights, what a CPU user gets by default (its answers "
+           "are checked against our one-token decoding of the file)" if gguf else
+           "; llama.cpp (`ChatLlamaCpp`, `LlamaCPP`, Ollama), the peer of the default GGUF "
+           "weights, is measured below (Python)") + ". "
         "Parts are medians of per-prompt ratios, so they need not multiply to the whole. Every "
-        "command, machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md). "
-        "The peers here are the transformers-based classes; llama.cpp (`ChatLlamaCpp`, "
-        "`LlamaCPP`, Ollama), the peer of the default GGUF weights, is measured below (Python)."])
+        "command, machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md)."])
+
+
+def _gguf_rows(look: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The CPU default on a GGUF file against plain llama.cpp, where the bench ran it."""
+    rows = []
+    for part, label in (("rag", "RAG answers"), ("open_ended", "open-ended answers")):
+        gguf = look[part].get("gguf")
+        if not gguf:
+            continue
+        systems, n = gguf["systems"], look[part]["prompts"]
+        threads = gguf["peer"].removeprefix("gguf_llama_cpp_").replace("_", " ")
+        rows.append((f"`LookaheadDecoder` on the GGUF file's weights (the CPU default), {label}",
+                     f"plain llama.cpp, {threads}",
+                     _x(systems["gguf_rag_spec"]["speedup_vs_llama_cpp"]),
+                     f"{_x(systems['gguf_rag_spec_no_drafts']['speedup_vs_llama_cpp'])} without "
+                     f"drafts; answers are our one-token decoding's of the file (llama.cpp's "
+                     f"own: {systems[gguf['peer']]['identical_to_no_drafts']} of {n} equal)"))
+    return rows
 
 
 def with_how_fast(readme: str, table: str) -> str:
