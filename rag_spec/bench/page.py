@@ -385,9 +385,10 @@ def page(directory: Path = REPORT_DIR) -> str:
 
 
 def how_fast(directory: Path = REPORT_DIR) -> str:
-    """README.md's one table: what a user of each surface gains, on one machine, and how
-    much of it is our kernels and compiled steps (the no-draft ablation) and how much
-    speculation, where the bench measured the ablation."""
+    """README.md's one table: what a user of each surface gains, and how much of it is our
+    kernels and compiled steps (the no-draft ablation) and how much speculation, where the
+    bench measured the ablation; where its benches ran on more than one machine, each row
+    names its own."""
     look, chain, structured = (load(n, directory) for n in ("lookahead", "chain", "structured"))
     milvus = load("ralm_milvus_300ms", directory)
 
@@ -415,8 +416,13 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
          f"alone, lookahead decoding the rest")]
     gguf = _gguf_rows(look)
     rows[4:4] = gguf
+    sources = [chain, chain, look, look, *[look] * len(gguf), structured, milvus]
     reports = (look, chain, structured, milvus)
     machines = sorted({machine(r) for r in reports})
+    if len(machines) > 1:  # each row names its machine
+        rows = [(*row[:3], f"{row[3]} (VM {machines.index(machine(source)) + 1})")
+                for row, source in zip(rows, sources)]
+        machines = [f"VM {i}: {m}" for i, m in enumerate(machines, 1)]
     wide = all("avx512f" in r.get("machine", {}).get("vector_flags", ()) for r in reports)
     needs = (f"steps {look.get('default_passes', 'compiled ahead of time')} (`make compile`)"
              + (", a CPU with AVX-512 (our linear kernel's widest path; an AVX2 CPU runs its "
