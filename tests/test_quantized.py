@@ -227,6 +227,32 @@ def quantized_copy(lm, folder):
     return LoadedModel(model, lm.tokenizer, "tiny.gguf", lm.device, lm.dtype)
 
 
+def test_a_files_converted_blocks_are_kept_and_a_damaged_copy_is_read_again(tmp_path,
+                                                                             monkeypatch):
+    """gguf's reader parses the whole vocabulary first (seconds a process): later reads of
+    the same file load its converted blocks from rag-spec's cache instead."""
+    from test_entry_matrix import char_lm
+
+    import rag_spec.target.gguf as gguf_module
+    from rag_spec.target.gguf import read_weights, source_file
+
+    lm = quantized_copy(char_lm(), tmp_path)
+    path, config = source_file(lm.model), lm.model.config
+    first = read_weights(path, config)
+    converted = gguf_module._converted
+    monkeypatch.setattr(gguf_module, "_converted", lambda *a: pytest.fail("read again"))
+    kept = read_weights(path, config)
+    assert kept.keys() == first.keys() and all(
+        torch.equal(kept[m].values, first[m].values) and torch.equal(kept[m].scales,
+                                                                     first[m].scales)
+        and kept[m].bits == first[m].bits for m in first)
+    copy = gguf_module._kept_path(path, config)
+    copy.write_bytes(b"damaged")
+    monkeypatch.setattr(gguf_module, "_converted", converted)
+    again = read_weights(path, config)
+    assert again.keys() == first.keys() and copy.stat().st_size > 100  # written afresh
+
+
 @pytest.fixture(scope="module")
 def quantized_lm(tmp_path_factory):
     from test_entry_matrix import char_lm
