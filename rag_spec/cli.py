@@ -197,10 +197,11 @@ def _models_pull(args: argparse.Namespace) -> int:
     path = pull(args.name, force=args.force)
     print(f"{args.name}: {path} ({time.perf_counter() - started:.1f} s)")
     # the CPU kernels built now where this CPU takes them, not in a first answer; the GGUF
-    # file's blocks converted once (kept in the cache) where its weights will decode
+    # file's blocks converted once (kept in the cache) where its weights will decode (the
+    # compile below converts them for its package)
     streamed_available(torch.float32)
     cpu_attention_available()
-    if quantized_available() and row_attention_available():
+    if args.no_compile and quantized_available() and row_attention_available():
         file_weights(load_model(args.name).model)
     return 0 if args.no_compile else _models_compile(args)
 

@@ -397,31 +397,32 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
                 f"compiled steps), drafts {_x(look[part]['rag_spec_over_no_drafts'])} over that")
 
     apart = "not measured apart"
-    rows: list[tuple[str, str, str, str]] = [
+    # each row: what, instead of what, the speedup, of which, and the report it comes from
+    rows: list[tuple[str, str, str, str, dict[str, Any]]] = [
         ("LangChain RAG chain (`SpecRetriever` + `ChatLookahead`)", "`ChatHuggingFace`",
-         _x(chain["langchain"]["speedup"]), apart),
+         _x(chain["langchain"]["speedup"]), apart, chain),
         ("LlamaIndex query engine (`LookaheadLLM`)", "`HuggingFaceLLM`",
-         _x(chain["llamaindex"]["speedup"]), apart),
+         _x(chain["llamaindex"]["speedup"]), apart, chain),
         ("`LookaheadDecoder`, RAG answers", "`generate`", _x(_system(look, "rag", "rag_spec")),
-         decoded("rag")),
+         decoded("rag"), look),
         ("`LookaheadDecoder`, open-ended answers", "`generate`",
-         _x(_system(look, "open_ended", "rag_spec")), decoded("open_ended")),
+         _x(_system(look, "open_ended", "rag_spec")), decoded("open_ended"), look),
+        *_gguf_rows(look),
         ("JSON under a schema", "`generate` + xgrammar",
          _x(_system(structured, "extraction", "rag_spec", "speedup_vs_peer")),
          f"{_x(_system(structured, 'extraction', 'rag_spec_no_drafts', 'speedup_vs_peer'))} "
-         f"without drafts"),
+         f"without drafts", structured),
         ("iterative RaLM, Milvus behind 300 ms", "the naive loop",
          _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]),
          f"{_x(milvus['systems']['spec_all']['speedup_vs_naive'])} speculative retrieval "
-         f"alone, lookahead decoding the rest")]
-    gguf = _gguf_rows(look)
-    rows[4:4] = gguf
-    sources = [chain, chain, look, look, *[look] * len(gguf), structured, milvus]
+         f"alone, lookahead decoding the rest", milvus)]
+    gguf = any("gguf" in look[part] for part in ("rag", "open_ended"))
     reports = (look, chain, structured, milvus)
     machines = sorted({machine(r) for r in reports})
-    if len(machines) > 1:  # each row names its machine
-        rows = [(*row[:3], f"{row[3]} (VM {machines.index(machine(source)) + 1})")
-                for row, source in zip(rows, sources)]
+    several = len(machines) > 1  # then each row names its machine
+    cells = [(a, b, c, f"{d} (VM {machines.index(machine(source)) + 1})" if several else d)
+             for a, b, c, d, source in rows]
+    if several:
         machines = [f"VM {i}: {m}" for i, m in enumerate(machines, 1)]
     wide = all("avx512f" in r.get("machine", {}).get("vector_flags", ()) for r in reports)
     needs = (f"steps {look.get('default_passes', 'compiled ahead of time')} (`make compile`)"
@@ -430,7 +431,7 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
     return "\n".join([
         "| what you run | instead of | speedup, same output | of which |",
         "| --- | --- | ---: | --- |",
-        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
+        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in cells), "",
         f"Measured on: {'; '.join(machines)}; SmolLM2-135M-Instruct, greedy; with {needs}. "
         "Against the transformers-based classes, on the model's float32 weights "
         "(`quantized=False`: the peers' weights, so every answer is checked against theirs)"
@@ -443,7 +444,7 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         "command, machine and per-prompt figure: [the benchmarks](docs/benchmarks/README.md)."])
 
 
-def _gguf_rows(look: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def _gguf_rows(look: dict[str, Any]) -> list[tuple[str, str, str, str, dict[str, Any]]]:
     """The CPU default on a GGUF file against plain llama.cpp, where the bench ran it."""
     rows = []
     for part, label in (("rag", "RAG answers"), ("open_ended", "open-ended answers")):
@@ -457,7 +458,8 @@ def _gguf_rows(look: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                      _x(systems["gguf_rag_spec"]["speedup_vs_llama_cpp"]),
                      f"{_x(systems['gguf_rag_spec_no_drafts']['speedup_vs_llama_cpp'])} without "
                      f"drafts; answers are our one-token decoding's of the file (llama.cpp's "
-                     f"own: {systems[gguf['peer']]['identical_to_no_drafts']} of {n} equal)"))
+                     f"own: {systems[gguf['peer']]['identical_to_no_drafts']} of {n} equal)",
+                     look))
     return rows
 
 
