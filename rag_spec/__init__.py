@@ -26,7 +26,7 @@ _EXPORTS = {
     "Retriever": "rag_spec.retrieval",
     "LookaheadDecoder": "rag_spec.engine.decoder",
     "LookaheadConfig": "rag_spec.engine.decoder",
-    "GenerationResult": "rag_spec.engine.decoder",
+    "GenerationResult": "rag_spec.engine.batch",
     "JsonSchema": "rag_spec.engine.verify.grammar",
     "IncompleteOutputWarning": "rag_spec.errors",
     "TokenTree": "rag_spec.target.tree",

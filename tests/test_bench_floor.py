@@ -207,7 +207,7 @@ def test_the_gpu_projection_divides_tokens_per_pass_by_the_tree_steps_measured_c
 
 def test_tokens_per_pass_are_stated_as_a_mean_a_median_and_pooled():
     from rag_spec.bench.report import Run, pass_statistics, runs_pass_statistics
-    from rag_spec.engine.decoder import DecodeStats
+    from rag_spec.engine.batch import DecodeStats
 
     short = DecodeStats(steps=2, accepted_per_step=[3, 1])  # 6 tokens in 2 passes: 3.0
     long = DecodeStats(steps=8, accepted_per_step=[0] * 8)  # 8 tokens in 8 passes: 1.0

@@ -11,6 +11,7 @@ from langchain_core.runnables import RunnableLambda
 
 from conftest import HashRetriever
 from langchain_rag_spec import ChatLookahead, IterativeRaLM, LookaheadLLM, SpecRetriever
+from rag_spec.engine.batch import LiveBatch
 from rag_spec.models import load_model
 from rag_spec.serving.local_lm import LocalLM
 
@@ -94,19 +95,18 @@ def test_stop_sequences_cut_exactly(tiny_model_dir, per_call):
     assert streamed == expected
 
 
-def test_batch_decodes_together_and_matches_invoke(chat, tiny_model_dir, monkeypatch):
-    lm = LocalLM.shared(tiny_model_dir)
+def test_batch_decodes_together_and_matches_invoke(chat, monkeypatch):
     batch_sizes = []
-    generate = lm.decoder.generate
+    step = LiveBatch.step
 
-    def spy(prompts, **kwargs):
-        batch_sizes.append(len(prompts))
-        return generate(prompts, **kwargs)
+    def spy(self):
+        batch_sizes.append(len(self.live))
+        return step(self)
 
-    monkeypatch.setattr(lm.decoder, "generate", spy)
+    monkeypatch.setattr(LiveBatch, "step", spy)
     inputs = ["hello there", "what is up", "a cat sat"]
     replies = chat.batch(inputs)
-    assert max(batch_sizes) > 1  # concurrent invokes were merged into one decode
+    assert max(batch_sizes) > 1  # concurrent invokes decoded in one batch
     assert [r.content for r in replies] == [chat.invoke(i).content for i in inputs]
 
 

@@ -108,6 +108,21 @@ def test_a_batch_of_one_length_runs_through_the_package(packaged):
     assert any(s[0] == 3 for _, s in shapes)  # three rows in one pass
 
 
+def test_rows_that_join_a_batch_in_flight_run_through_the_package(packaged, flat_step_costs):
+    """Continuous batching on a static cache: a join copies the batch into a new one, sized
+    for everyone's answers, and every row's tokens stay generate's."""
+    from test_continuous_batching import joined_midway
+
+    model = tiny_llama(seed=5, **SHAPE)
+    decoder = LookaheadDecoder(model)
+    shapes = calls_through(decoder.runner.compiled)
+    prompts = [repetitive_prompt(s, length=10 + 13 * s) for s in range(3)]
+    new_tokens = [30, 12, 20]
+    tokens, live = joined_midway(decoder, prompts, new_tokens, joins=[0, 4, 9])
+    assert tokens == [hf_greedy(model, p, n) for p, n in zip(prompts, new_tokens)]
+    assert max(live) >= 2 and any(s[0] >= 2 for _, s in shapes)
+
+
 def test_every_prompt_length_runs_through_the_package(packaged):
     """From one token (its first pass comes before any prefill allocated the static cache,
     which the package's graphs take whole) to the context's end: greedy tokens generate's,

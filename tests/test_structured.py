@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_llama
 from rag_spec.drafters.merged_drafter import MergedDrafter
 from rag_spec.drafters.model_drafter import DraftModelDrafter
+from rag_spec.engine.batch import LiveBatch
 from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, ablated
 from rag_spec.engine.verify.grammar import Constraint, GrammarRequest, Grammars
 from rag_spec.errors import RagSpecError
@@ -211,7 +212,7 @@ def constrained_marginals(lm, tok, ids, regex, knobs):
 ])
 def test_bad_grammars_fail_before_any_decoding(lm, tok, kind, match, monkeypatch):
     decoder = LookaheadDecoder(lm, tok)
-    monkeypatch.setattr(type(decoder), "_decode", lambda *a, **k: pytest.fail("decoded"))
+    monkeypatch.setattr(LiveBatch, "join", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(RagSpecError, match=match):
         decoder.generate(prompt(tok), 5, **kind)
 
@@ -515,7 +516,7 @@ def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
     """On an accelerator a forward call returns before the pass ends: each step fills its
     grammar's masks between the launch and the wait for the pass (as vLLM fills its
     bitmasks), so a constrained step costs the longer of the two, not their sum."""
-    import rag_spec.engine.decoder as decoder_module
+    import rag_spec.engine.batch as batch_module
     from rag_spec.target.transformers.runner import Runner
 
     events = []
@@ -524,7 +525,7 @@ def test_the_masks_are_filled_while_the_pass_runs(lm, tok, monkeypatch):
                         or forward(self, *a, **k))
     monkeypatch.setattr(Constraint, "masks", lambda self, tree: events.append("masks")
                         or masks(self, tree))
-    monkeypatch.setattr(decoder_module, "settle", lambda device: events.append("wait"))
+    monkeypatch.setattr(batch_module, "settle", lambda device: events.append("wait"))
     result = LookaheadDecoder(lm, tok).generate(prompt(tok), 24, json_schema=SCHEMA)
     steps = [events[i:i + 3] for i, e in enumerate(events) if e == "launch"]
     assert len(steps) >= result.stats.steps > 1

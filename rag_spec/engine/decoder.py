@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -17,31 +17,26 @@ from typing import Any, Literal
 import torch
 
 from rag_spec.drafters.defaults import default_drafter
-from rag_spec.drafters.drafter import (
-    Drafter,
-    DraftRequest,
-    DraftSession,
-    TargetView,
-    check_drafter,
-    propose,
-)
+from rag_spec.drafters.drafter import Drafter, DraftSession, TargetView, check_drafter
 from rag_spec.drafters.trie_drafter import TrieConfig
+from rag_spec.engine.batch import (
+    GenerationResult,
+    LiveBatch,
+    Row,
+    speculative_step,
+)
 from rag_spec.engine.stopping import StopRule
 from rag_spec.engine.streaming import TextStream
 from rag_spec.engine.verify.grammar import Constraint, Grammars, row_requests
-from rag_spec.engine.verify.verify import verify
 from rag_spec.errors import IncompleteOutputWarning, RagSpecError
 from rag_spec.models.limits import context_window
-from rag_spec.policy.plan import Policy, RowPlan, RowPolicy, StepPlanner, cache_room, cache_slots
-from rag_spec.policy.step_costs import settle
+from rag_spec.policy.plan import Policy, RowPolicy
 from rag_spec.progress import progress as progress_bar
 from rag_spec.target.sampling import RowSampler, SamplingParams
 from rag_spec.target.transformers.kv_cache import attention_window, crop
-from rag_spec.target.transformers.prefill import append, prefill, prefill_whole
+from rag_spec.target.transformers.prefill import append
 from rag_spec.target.transformers.runner import Runner, RunnerSettings
-from rag_spec.target.transformers.step_inputs import tree_step
 from rag_spec.target.transformers.tree_cache import TreeKVCache
-from rag_spec.target.tree import TokenTree
 from rag_spec.tokenizing import serial
 
 
@@ -95,66 +90,6 @@ class LookaheadConfig:
     def runner(self) -> RunnerSettings:
         return RunnerSettings(onednn_linear=self.onednn_linear, exact=self.exact,
                               compile=self.compile, quantized=self.quantized)
-
-
-@dataclass
-class DecodeStats:
-    """Where a generation's steps and time went."""
-
-    drafts: str = ""  # what drafted (``Drafter.label``): "draft head + trie", "trie", ...
-    # how the steps' passes ran: "compiled ahead of time" (a package this machine holds),
-    # "compiled" (torch.compile in this process), "eager"
-    passes: str = ""
-    # what the linear layers multiplied by: "GGUF" (a GGUF file's own quantised blocks,
-    # ``LookaheadConfig.quantized``) or the model's dtype ("float32": ``generate``'s numbers)
-    weights: str = ""
-    steps: int = 0
-    drafted: int = 0  # draft nodes verified, all steps
-    accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
-    prefill_seconds: float = 0.0  # before the first step: drafter sessions and the prefill
-    draft_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    bookkeeping_seconds: float = 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens committed per forward pass (accepted drafts plus the bonus)."""
-        return (sum(self.accepted_per_step) + self.steps) / max(self.steps, 1)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_step": round(self.tokens_per_step, 3)}
-
-
-@dataclass
-class GenerationResult:
-    """New tokens only (prompt excluded), their text, and how they were produced."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "eos", "stop" or "length"
-    stats: DecodeStats
-    # constrained output that ended before its grammar was complete (cut at the token limit):
-    # not valid under the grammar (``IncompleteOutputWarning``)
-    incomplete: bool = False
-
-
-@dataclass
-class _Row:
-    """One request in flight."""
-
-    prompt: list[int]
-    session: DraftSession
-    policy: RowPolicy  # the request's estimates: what sizes its trees
-    sampler: RowSampler
-    remember: bool = True  # hand the finished output to the drafter's cross-request memory
-    constraint: Constraint | None = None  # the grammar the output follows, if any
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: DecodeStats = field(default_factory=DecodeStats)
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt + self.output
 
 
 class GenerationStream:
@@ -340,11 +275,54 @@ class LookaheadDecoder:
 
     def _steps(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
                stop: Sequence[str], seed: int | None, context: Sequence[str],
-               streamer: Callable[[str], None] | Any = None, *, json_schema: Any = None,
-               regex: Any = None, grammar: Any = None, choices: Any = None,
+               streamer: Callable[[str], None] | Any = None, **grammars: Any,
                ) -> Generator[None, None, list[GenerationResult]]:
         """The whole generation as a generator: one ``yield`` per decoding step, holding the
         decoder meanwhile; returns the results."""
+        batch = self.open_batch(greedy=not params.do_sample)
+        try:
+            rows = self._rows(prompts, max_new_tokens, params, stop, seed, context, streamer,
+                              **grammars)
+            batch.join(rows)
+            if batch.runner.exact:  # the first tokens came with the prefill
+                yield
+            while batch.live:
+                batch.step()
+                yield
+        finally:
+            batch.close()
+        return [r.result() for r in rows]
+
+    def open_batch(self, *, greedy: bool = True) -> LiveBatch:
+        """A batch that rows join between steps (continuous batching): ``new_rows`` makes
+        them, ``LiveBatch.join`` adds them, ``LiveBatch.step`` decodes one step, ``close`` ends
+        it. It holds the decoder until closed (``generate`` and ``stream`` wait); ``greedy``:
+        the kind of rows it takes (sampled rows are planned otherwise)."""
+        self._lock.acquire()
+        try:
+            return LiveBatch(self.runner, self.drafter, self._policy, self.config.budget,
+                             self._window, greedy=greedy, release=self._lock.release)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def new_rows(self, input_ids: Any, max_new_tokens: int = 128, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, stop: Sequence[str] = (),
+                 seed: int | None = None, context: Sequence[str] = (),
+                 streamer: Callable[[str], None] | Any = None, **grammars: Any) -> list[Row]:
+        """Rows of an open batch (``open_batch``) for each prompt, with ``generate``'s options
+        (and its checks: a bad one is a RagSpecError); ``streamer`` follows the first. Call
+        it while holding the batch: drafting sessions are made here."""
+        prompts, _ = _prompts(input_ids, grammars.pop("attention_mask", None))
+        return self._rows(prompts, max_new_tokens, SamplingParams(
+            do_sample, temperature, top_k, top_p, repetition_penalty), stop, seed, context,
+            streamer, **grammars)
+
+    def _rows(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
+              stop: Sequence[str], seed: int | None, context: Sequence[str],
+              streamer: Callable[[str], None] | Any = None, *, json_schema: Any = None,
+              regex: Any = None, grammar: Any = None, choices: Any = None) -> list[Row]:
         if max_new_tokens <= 0:
             msg = f"max_new_tokens must be at least 1 (got {max_new_tokens})."
             raise RagSpecError(msg)
@@ -366,25 +344,17 @@ class LookaheadDecoder:
                                         grammar=grammar, choices=choices)
         if params.do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # torch.manual_seed still governs
-        with self._lock:
-            started = time.perf_counter()
-            greedy = not params.do_sample
-            rows = [_Row(p, self.drafter.session(p, documents),
-                         self._policy.row(greedy=greedy, steady=self._steady),
-                         RowSampler(params, None if seed is None else seed + b),
-                         constraint=constraints[b])
-                    for b, p in enumerate(prompts)]
-            for row in rows:
-                row.stats.drafts = self.drafter.label
-            rules = [StopRule(self._tokens, self._eos_ids(), stop,
-                              self._max_new(p, max_new_tokens)) for p in prompts]
-            stream = TextStream(streamer, rules[0], prompts[0]) if streamer is not None else None
-            yield from self._decode(rows, rules, stream, started)
-            self._policy.ended([r.policy for r in rows], greedy=greedy, steady=self._steady)
-        return [GenerationResult(r.output, rule.final_text(r.output) if self.tokenizer else "",
-                                 r.finish_reason or "length", r.stats,
-                                 r.constraint is not None and not r.constraint.complete)
-                for r, rule in zip(rows, rules)]
+        greedy = not params.do_sample
+        rows = [Row(p, self.drafter.session(p, documents),
+                    self._policy.row(greedy=greedy, steady=self._steady),
+                    RowSampler(params, None if seed is None else seed + b),
+                    StopRule(self._tokens, self._eos_ids(), stop,
+                             self._max_new(p, max_new_tokens)),
+                    constraint=constraints[b])
+                for b, p in enumerate(prompts)]
+        if streamer is not None:
+            rows[0].stream = TextStream(streamer, rows[0].rule, prompts[0])
+        return rows
 
     def _constraints(self, rows: int, **grammars: Any) -> list[Constraint | None]:
         """Each row's grammar, compiled before any decoding (a bad one is a RagSpecError)."""
@@ -451,8 +421,8 @@ class LookaheadDecoder:
                    f"{len(context)} tokens: pass the whole sequence the cache holds, plus the "
                    "pending last token.")
             raise ValueError(msg)
-        rule = StopRule(self._tokens, self._eos_ids(), (), max_new_tokens)
-        row = _Row(list(context), session, policy, RowSampler(SamplingParams()), remember=False)
+        row = Row(list(context), session, policy, RowSampler(SamplingParams()),
+                  StopRule(self._tokens, self._eos_ids(), (), max_new_tokens), remember=False)
         target = TargetView(self.runner, tree_cache)
         declared = self.drafter.capabilities
         planner = self._policy.segment_planner(chain=declared.chain,
@@ -461,7 +431,8 @@ class LookaheadDecoder:
             self.drafter.begin(target)
             try:
                 while row.finish_reason is None:
-                    self._step([row], [rule], target, planner)
+                    speculative_step([row], target, planner, self.drafter,
+                                     self.config.budget)
             finally:
                 self.drafter.end(target)
         crop(cache, length + len(row.output))  # a cut-short last step may have kept more
@@ -472,165 +443,6 @@ class LookaheadDecoder:
         the same fast path as the steps that follow."""
         with self._lock:
             append(self.runner, cache, tokens)
-
-    def _decode(self, rows: list[_Row], rules: list[StopRule], stream: TextStream | None,
-                started: float) -> Iterator[None]:
-        runner = self.runner
-        passes = "eager"
-        with torch.inference_mode():  # entered per step: a stream's caller runs in between
-            if runner.exact:  # generate's prefill, which gives the first token too
-                cache, logits = prefill_whole(runner, [r.prompt for r in rows])
-                self._first_tokens(rows, rules, cache, logits)
-            else:
-                capacity = self._capacity(runner, rows, rules)
-                cache = prefill(runner, [r.prompt for r in rows], capacity)
-                if capacity is not None and runner.compiled is not None:  # compiled steps
-                    passes = runner.compiled.kind
-        target = TargetView(runner, cache, self._policy.costs(runner, len(rows), passes,
-                                                              steady=self._steady))
-        for r in rows:
-            r.stats.prefill_seconds = time.perf_counter() - started
-            r.stats.passes = passes
-            r.stats.weights = runner.weights
-        if runner.exact:
-            if stream is not None:
-                stream.update(rows[0].output, rows[0].finish_reason is not None)
-            yield
-        declared = self.drafter.capabilities
-        planner = self._policy.planner(
-            greedy=not rows[0].sampler.params.do_sample, draws_drafts=declared.draws_drafts,
-            constrained=any(r.constraint for r in rows), steady=self._steady,
-            chain=declared.chain, chain_probes=declared.chain_probes)
-        live, live_rules = rows, rules  # the rows the cache holds, in its order
-        self.drafter.begin(target)
-        try:
-            while any(r.finish_reason is None for r in live):
-                self._step(live, live_rules, target, planner)
-                if stream is not None:
-                    stream.update(rows[0].output, rows[0].finish_reason is not None)
-                live, live_rules = self._without_finished(live, live_rules, target)
-                yield
-        finally:  # also when a stream is left unfinished: the next generation replays graphs
-            self.drafter.end(target)
-            runner.release(cache)
-            self._policy.measured(runner, passes, target.costs)
-
-    def _without_finished(self, rows: list[_Row], rules: list[StopRule], target: TargetView
-                          ) -> tuple[list[_Row], list[StopRule]]:
-        """The batch without its finished rows once they are a quarter of it: their entries
-        leave the cache (the others' are copied once), so later passes stop reading and
-        computing them. Where the drafter's state follows (``Capabilities.keeps_rows``) and
-        the cache grows."""
-        keep = [b for b, r in enumerate(rows) if r.finish_reason is None]
-        cache = target.cache
-        if not keep or 4 * (len(rows) - len(keep)) < len(rows) \
-                or not self.drafter.capabilities.keeps_rows or cache.capacity is not None:
-            return rows, rules
-        with torch.inference_mode():
-            cache.keep_rows(keep)
-            self.drafter.keep_rows(target, keep)
-        return [rows[b] for b in keep], [rules[b] for b in keep]
-
-    def _capacity(self, runner: Runner, rows: list[_Row], rules: list[StopRule]) -> int | None:
-        """Slots of a static cache for a compiled runner (``plan.cache_slots``); None (a
-        growing cache) without one, or for a sliding window, which the static cache does not
-        hold."""
-        if runner.compiled is None or self._window is not None:
-            return None
-        return runner.compiled.capacity(cache_slots(
-            max(len(r.prompt) for r in rows), max(rule.max_new_tokens for rule in rules),
-            len(rows), self.config.budget))
-
-    def _room(self, cache: TreeKVCache, rows: list[_Row], rules: list[StopRule]) -> int | None:
-        """The most tree nodes a step may verify on a static cache (``plan.cache_room``; None:
-        a growing cache)."""
-        if cache.capacity is None:
-            return None
-        behind = max((rule.max_new_tokens - len(r.output) for r, rule in zip(rows, rules)
-                      if r.finish_reason is None), default=0)
-        return cache_room(cache.capacity - cache.length, behind, self.config.budget)
-
-    @torch.inference_mode()
-    def _step(self, rows: list[_Row], rules: list[StopRule], target: TargetView,
-              planner: StepPlanner) -> None:
-        """One step for every row: plan, draft, verify in one forward pass, accept, compact."""
-        cache, runner = target.cache, target.runner
-        # 1. Draft: a tree per unfinished row (finished rows ride along with no draft until
-        # they leave the batch). Rows propose their plan's trees and verify their first nodes:
-        # what the rest would have kept is learnt from the tokens committed next.
-        t0 = time.perf_counter()
-        active = [r.finish_reason is None for r in rows]
-        plans = planner.plan(
-            [r.policy if on else None for r, on in zip(rows, active)],
-            [rule.max_new_tokens - len(r.output) for r, rule, on in zip(rows, rules, active) if on],
-            target.costs, self._room(cache, rows, rules))
-        requests = [DraftRequest(r.session, r.context, plan.nodes, r.sampler, plan)
-                    for r, plan in zip(rows, plans)]
-        proposals = [tree if on else TokenTree.empty() for tree, on in zip(
-            propose(self.drafter, requests, target), active)]
-        # a grammar cuts the drafts it forbids and drafts what it forces
-        proposals = [r.constraint.drafts(tree, plan.verify) if on and r.constraint else tree
-                     for r, tree, plan, on in zip(rows, proposals, plans, active)]
-        trees = [tree.first(plan.verify) for tree, plan in zip(proposals, plans)]
-        # 2. Forward: one pass over every row's root and tree.
-        t1 = time.perf_counter()
-        target.costs.record_proposal(max(p.spent + p.model_spent for p in plans), t1 - t0)
-        logits = runner.forward(cache, tree_step(cache, trees, runner.dtype),
-                                features=self.drafter.capabilities.reads_features)
-        # the grammars' masks are filled on the CPU while an accelerator runs the pass
-        masks = [_masks(row, tree) for row, tree in zip(rows, trees)]
-        settle(runner.device)  # the cost model needs the pass's time, not its launch's
-        t2 = time.perf_counter()
-        target.costs.record_target(1 + max(len(t) for t in trees), t2 - t1)
-        # 3. Verify: each row's accepted path and the target's next token after it.
-        verdicts = [verify(_allowed(row, logits[b, :1 + len(tree)], mask), tree,
-                           row.sampler, row.context, len(row.output))
-                    for b, (row, tree, mask) in enumerate(zip(rows, trees, masks))]
-        for row, rule, tree, proposal, plan, verdict, on in zip(
-                rows, rules, trees, proposals, plans, verdicts, active):
-            if on:
-                self._commit(row, rule, verdict.tokens, len(tree), proposal, plan)
-        # 4. Roll back: keep only the accepted slots of the KV cache.
-        cache.keep([v.path for v in verdicts], [v.next_token for v in verdicts])
-        t3 = time.perf_counter()
-        for row, on in zip(rows, active):
-            if on:
-                row.stats.draft_seconds += t1 - t0
-                row.stats.forward_seconds += t2 - t1
-                row.stats.bookkeeping_seconds += t3 - t2
-
-    def _first_tokens(self, rows: list[_Row], rules: list[StopRule], cache: TreeKVCache,
-                      logits: torch.Tensor) -> None:
-        """Commit each row's first token, chosen from the logits after its whole prompt; it
-        becomes the row's root."""
-        empty = TokenTree.empty()
-        verdicts = [verify(_allowed(row, logits[b:b + 1], _masks(row, empty)), empty,
-                           row.sampler, row.context, 0) for b, row in enumerate(rows)]
-        for row, rule, verdict in zip(rows, rules, verdicts):
-            self._commit(row, rule, verdict.tokens, 0, empty, RowPlan(0, 0))
-        cache.roots = [v.next_token for v in verdicts]
-
-    def _commit(self, row: _Row, rule: StopRule, tokens: list[int], drafted: int,
-                proposal: TokenTree, plan: RowPlan) -> None:
-        """Append tokens one by one until a stop rule fires; teach the drafter what was kept,
-        and the row's estimates what the proposals would have kept."""
-        before = len(row.context)
-        for token in tokens:
-            row.output.append(token)
-            row.finish_reason = rule.finish_reason(row.output)
-            if row.finish_reason is not None:
-                break
-        if row.constraint is not None:
-            row.constraint.advance(row.context[before:])
-        row.stats.steps += 1
-        row.stats.drafted += drafted
-        row.stats.accepted_per_step.append(len(tokens) - 1)
-        row.policy.proposed(proposal, before, plan.spent)
-        row.policy.learn(row.context, row.finish_reason is not None)
-        if self.config.budget:  # a drafter learns only to draft
-            row.session.observe(row.context, before)
-        if row.finish_reason is not None and row.remember:
-            row.session.finish(row.output)
 
     def segment_policy(self) -> RowPolicy:
         """Estimates for a loop that calls ``extend`` segment by segment (iterative RaLM): one
@@ -666,19 +478,6 @@ class LookaheadDecoder:
         if self.tokenizer is None:
             msg = f"{what} needs a tokenizer: LookaheadDecoder(model, tokenizer)."
             raise RagSpecError(msg)
-
-
-def _masks(row: _Row, tree: TokenTree) -> torch.Tensor | None:
-    """A row's grammar's bitmask over ``tree`` (None: no grammar, or the row has finished)."""
-    if row.constraint is None or row.finish_reason is not None:
-        return None
-    return row.constraint.masks(tree)
-
-
-def _allowed(row: _Row, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """A row's logits [1 + n, vocab], masked by its grammar along each node's path."""
-    return logits if row.constraint is None or mask is None else \
-        row.constraint.apply(logits, mask)
 
 
 def _prompts(input_ids: Any, attention_mask: Any) -> tuple[list[list[int]], bool]:

@@ -1,9 +1,9 @@
 """One local model serving many callers: text or chat prompts, batched lossless generation,
 and streaming as plain or async iterators. The LangChain and LlamaIndex adapters sit on this.
 
-Requests that arrive together with the same options decode as one batch (a Coalescer); the
-model computes on a caller's thread, one request or batch at a time, so callers on any thread
-or event loop are safe.
+Concurrent requests decode as one batch that each joins at its next step and leaves when it
+ends, whatever its options (continuous batching: ``serving.scheduler``); the model computes on
+a caller's thread, one step at a time, so callers on any thread or event loop are safe.
 """
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ import asyncio
 import functools
 import json
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rag_spec.coalesce import Coalescer
-from rag_spec.engine.decoder import DecodeStats, LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.batch import DecodeStats
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.models.loader import LoadedModel, load_model
 from rag_spec.models.registry import DEFAULT_MODEL
 from rag_spec.prompts import chat_input_ids, merge_turns
 from rag_spec.serving.drafts import draft_key, drafter_for
+from rag_spec.serving.scheduler import Job, Scheduler
 from rag_spec.serving.tools import (
     GENERIC,
     CallFormat,
@@ -140,7 +142,8 @@ class Chunk:
 
 
 class LocalLM:
-    """A loaded model behind a lookahead decoder that batches concurrent requests.
+    """A loaded model behind a lookahead decoder that batches concurrent requests
+    continuously (up to ``max_batch`` rows at once).
 
     Use ``LocalLM.shared(name)`` to get the one instance per model in this process.
 
@@ -158,8 +161,7 @@ class LocalLM:
         self.decoder = LookaheadDecoder(lm.model, lm.tokenizer, config,
                                         drafter=drafter_for(draft, lm))
         self._tokens = serial(lm.tokenizer)  # callers encode on their own threads
-        self._batcher: Coalescer[list[int], Completion] = Coalescer(
-            self._run, wait_ms=batch_wait_ms, max_batch=max_batch)
+        self._scheduler = Scheduler(self.decoder, max_rows=max_batch, wait_ms=batch_wait_ms)
 
     @classmethod
     def shared(cls, model: str | LoadedModel | None = None, *, config: LookaheadConfig | None
@@ -191,8 +193,9 @@ class LocalLM:
             return self.decoder.warm_up(progress=progress)
 
     def exclusive(self) -> Any:
-        """A context manager that holds the model for other work (e.g. an iterative RaLM loop)."""
-        return self._batcher.exclusive()
+        """A context manager that holds the model for other work (e.g. an iterative RaLM
+        loop), once the requests in flight have ended."""
+        return self._scheduler.exclusive()
 
     def encode(self, prompt: Prompt, tools: str | None = None) -> list[int]:
         """Token ids of a text prompt, or of chat messages with the generation prompt added
@@ -225,72 +228,80 @@ class LocalLM:
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                  context: Sequence[str] = ()) -> list[Completion]:
-        """Complete each prompt; prompts of one call (and of concurrent calls) share batches."""
-        return self._batcher.complete(self._submit(prompts, options, context))
+        """Complete each prompt; prompts of one call and of concurrent calls share the batch
+        in flight. With a ``seed``, prompt ``b`` of the call samples with ``seed + b``."""
+        options = _checked(options)
+        jobs = self._submit(prompts, options, context)
+        return self._completions(jobs, self._scheduler.complete(jobs), options)
 
     async def agenerate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                         context: Sequence[str] = ()) -> list[Completion]:
-        """``generate`` for event loops: the loop never blocks; concurrent calls share batches
-        and run on rag-spec's compute thread."""
-        requests = self._submit(prompts, options, context)
-        return await run_in_compute_thread(self._batcher.complete, requests)
+        """``generate`` for event loops: the loop never blocks; concurrent calls share the
+        batch, which runs on rag-spec's compute thread."""
+        options = _checked(options)
+        jobs = self._submit(prompts, options, context)
+        results = await run_in_compute_thread(self._scheduler.complete, jobs)
+        return self._completions(jobs, results, options)
 
     def stream(self, prompt: Prompt, options: GenerateOptions | None = None,
                context: Sequence[str] = ()) -> Iterator[Chunk]:
         """Yield text as the decoder settles it; the last chunk carries the Completion.
 
-        Stopping early (``break``) ends the generation at its current step.
+        Stopping early (``break``) ends the generation at the batch's next step.
         """
         options = _checked(options)
-        ids = self.encode(prompt, options.tools)
-        with self._batcher.exclusive():
-            stream = self.decoder.stream(ids, context=tuple(context),
-                                         **self._decoder_kwargs(options))
-            for piece in stream:
-                yield Chunk(piece)
-            result = stream.result
-        yield Chunk("", self._completion(result, len(ids), options))
+        pieces: deque[str] = deque()
+        job = self._submit([prompt], options, context, sink=pieces.append)[0]
+        try:
+            while not job.done:
+                self._scheduler.advance(lambda: bool(pieces) or job.done)
+                while pieces:
+                    yield Chunk(pieces.popleft())
+            while pieces:
+                yield Chunk(pieces.popleft())
+        finally:
+            if not job.done:
+                self._scheduler.cancel(job)
+        yield Chunk("", self._completions([job], [job.future.result()], options)[0])
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,
                       context: Sequence[str] = ()) -> AsyncIterator[Chunk]:
         """``stream`` for event loops: decoding runs on rag-spec's compute thread; chunks are
-        awaited."""
+        awaited. Leaving early (a client that disconnects) ends the generation at the batch's
+        next step."""
+        options = _checked(options)
         loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
-        stopped = threading.Event()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        def sink(piece: str) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
-        def produce() -> None:
-            try:
-                for chunk in self.stream(prompt, options, context):
-                    loop.call_soon_threadsafe(chunks.put_nowait, chunk)
-                    if stopped.is_set():
-                        break
-            except BaseException as error:  # re-raised in the consumer
-                loop.call_soon_threadsafe(chunks.put_nowait, error)
-            else:
-                loop.call_soon_threadsafe(chunks.put_nowait, None)
-
-        worker = asyncio.ensure_future(run_in_compute_thread(produce))
+        job = self._submit([prompt], options, context, sink=sink)[0]
+        worker = asyncio.ensure_future(run_in_compute_thread(self._scheduler.complete, [job]))
+        # after the pieces: both are handed to the loop in the order the compute thread ran
+        worker.add_done_callback(lambda done: pieces.put_nowait(None) or _retrieved(done))
         try:
-            while (item := await chunks.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            while (piece := await pieces.get()) is not None:
+                yield Chunk(piece)
+            result = (await worker)[0]
         finally:
-            stopped.set()
-            await worker
+            if not worker.done():
+                self._scheduler.cancel(job)
+        yield Chunk("", self._completions([job], [result], options)[0])
 
-    def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions | None,
-                context: Sequence[str]) -> list[Any]:
-        key = (_checked(options), tuple(context))  # only equal keys share a batch
-        return self._batcher.submit([self.encode(p, key[0].tools) for p in prompts], key=key)
+    def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions,
+                context: Sequence[str], sink: Any = None) -> list[Job]:
+        """Queue each prompt as a request of its own (they decode in the batch in flight)."""
+        kwargs = self._decoder_kwargs(options)
+        if context:
+            kwargs["context"] = tuple(context)
+        ids = [self.encode(p, options.tools) for p in prompts]
+        seed = options.seed
+        return [self._scheduler.submit(p, {**kwargs, "seed": None if seed is None else seed + b},
+                                       sink) for b, p in enumerate(ids)]
 
-    def _run(self, key: Any, prompts: Sequence[list[int]]) -> list[Completion]:
-        """Decode one batch of same-option requests (on the leading caller's thread)."""
-        options, context = key
-        results = self.decoder.generate(list(prompts), context=context,
-                                        **self._decoder_kwargs(options))
-        return [self._completion(r, len(p), options) for r, p in zip(results, prompts)]
+    def _completions(self, jobs: Sequence[Job], results: Sequence[Any],
+                     options: GenerateOptions) -> list[Completion]:
+        return [self._completion(r, len(j.prompt), options) for j, r in zip(jobs, results)]
 
     def _decoder_kwargs(self, options: GenerateOptions) -> dict[str, Any]:
         """The decoder's settings; with tools, the grammar of calls in this model's format."""
@@ -314,3 +325,9 @@ class LocalLM:
 
 def _checked(options: GenerateOptions | None) -> GenerateOptions:
     return options or GenerateOptions()
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """Mark a worker's error seen: a stream left early never awaits it."""
+    if not done.cancelled():
+        done.exception()

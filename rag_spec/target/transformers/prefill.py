@@ -55,6 +55,43 @@ def prefill(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
     return tree if capacity is None else _lent(runner, tree, capacity)
 
 
+def regroup(runner: ModuleRunner, parts: Sequence[tuple[TreeKVCache, Sequence[int]]],
+            capacity: int | None = None) -> TreeKVCache:
+    """One cache of the rows ``parts`` names, (cache, its rows to keep) in order: a batch in
+    flight with rows that joined it (continuous batching), its finished rows left out. Each
+    row's committed slots are copied right-aligned, holes before them: holes are masked and
+    never shift positions, so every row goes on as it would have. With ``capacity``, into a
+    static cache lent by the runner's compiled step. The parts' caches are only read: the
+    caller releases them after. Their rounds must be closed (between steps); the rows'
+    ``root_features`` are not kept (the next step drafts without a draft head's features)."""
+    rows = [(p, r) for p, (_, kept) in enumerate(parts) for r in kept]
+    width = max(parts[p][0].length for p, _ in rows)
+    first = parts[rows[0][0]][0]
+    valid = first.valid.new_zeros(len(rows), width)
+    for b, (p, r) in enumerate(rows):
+        part = parts[p][0]
+        valid[b, width - part.length:] = part.valid[r]
+    cache = new_cache()
+    held = [layers(part.cache) if part.length else None for part, _ in parts]
+    shapes = next((h for h in held if h is not None), [])  # none: every row is one token
+    for index in range(len(shapes)):
+        tensors = []
+        for name in ("keys", "values"):
+            like = getattr(shapes[index], name)
+            out = like.new_zeros(len(rows), like.shape[1], width, like.shape[3])
+            for p, (part, kept) in enumerate(parts):
+                if held[p] is None or not kept:
+                    continue
+                at = [b for b, (q, _) in enumerate(rows) if q == p]
+                source = getattr(held[p][index], name)[list(kept), :, :part.length]
+                out[at, :, width - part.length:] = source
+            tensors.append(out)
+        cache.update(*tensors, index)
+    roots = [parts[p][0].roots[r] for p, r in rows]
+    tree = TreeKVCache(cache, valid, roots, first.window)
+    return tree if capacity is None else _lent(runner, tree, capacity)
+
+
 def _lent(runner: ModuleRunner, tree: TreeKVCache, capacity: int) -> TreeKVCache:
     """``tree``'s entries copied into a static cache of ``capacity`` slots lent by the
     runner's compiled step, so that a batch of prompts of several lengths decodes compiled
