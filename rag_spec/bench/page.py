@@ -54,8 +54,11 @@ BENCHES = (
           "The OpenAI-compatible server under 1-16 concurrent `openai` SDK clients on held-out "
           "RAG questions (greedy): aggregate tokens per second against one client, latency of "
           "whole answers, time to first token of streamed ones, and each answer against the "
-          "same request sent alone. llama.cpp's server is the peer where llama-cpp-python's "
-          "`[server]` extra is installed; the JSON's `llama_cpp_server` says whether it was."),
+          "same request sent alone; every request joins the batch in flight at its next step "
+          "(continuous batching). llama.cpp's server (llama-cpp-python's `[server]` extra, "
+          "which answers one request at a time) on the same GGUF file is the peer, at its "
+          "faster thread count, where it is installed; the JSON's `llama_cpp_server` says "
+          "whether it was."),
     Bench("structured", "Structured output",
           "JSON under a schema and tool calls: `generate` with xgrammar's logits processor "
           "against our constrained decoding, with and without drafts."),
@@ -138,6 +141,7 @@ PARTS = {"rag": "RAG prompts", "open_ended": "open-ended prompts", "greedy": "gr
          "greedy_identical": "greedy identity", "attention_kernel": "attention kernel",
          "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex",
          "levels": "by concurrent clients",
+         "llama_cpp_server": "llama.cpp's server on the same GGUF file",
          "gguf": "the GGUF file's weights, against plain llama.cpp"}
 QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions", "tasks",
          "commit", "data_commit"}
