@@ -177,3 +177,44 @@ def test_exclusive_waits_for_the_rows_in_flight_and_lets_none_join(model, monkey
     assert scheduler.complete([queued])[0].token_ids == \
         hf_greedy(model, repetitive_prompt(2, length=17), 4)
     assert all(17 not in s for s in steps[:running.future.result().stats.steps])
+
+
+# -- LocalLM: streams share the batch ------------------------------------------------------------
+
+def test_streams_share_the_batch_and_each_gets_its_own_text(monkeypatch):
+    from conftest import char_lm
+    from rag_spec.serving.local_lm import GenerateOptions, LocalLM
+
+    steps = recorded_steps(monkeypatch)
+    lm = LocalLM(char_lm(), batch_wait_ms=0)
+    options = GenerateOptions(max_new_tokens=24)
+    prompts = ["the cat sat on the mat. the cat", "a dog ran far"]
+    alone = [c.text for c in lm.generate(prompts, options)]
+    steps.clear()
+    streams = [lm.stream(p, options) for p in prompts]
+    texts = ["", ""]
+    done = [None, None]
+    while None in done:  # the two consumers take turns on one thread
+        for i, stream in enumerate(streams):
+            if done[i] is None:
+                chunk = next(stream)
+                texts[i] += chunk.text
+                done[i] = chunk.completion
+    assert texts == alone == [c.text for c in done]
+    lengths = {len(lm.encode(p)) for p in prompts}
+    assert any(set(s) == lengths for s in steps)  # a step decoded both
+
+
+def test_a_stream_left_early_ends_its_row_and_frees_the_decoder(monkeypatch):
+    from conftest import char_lm
+    from rag_spec.serving.local_lm import GenerateOptions, LocalLM
+
+    steps = recorded_steps(monkeypatch)
+    lm = LocalLM(char_lm(), batch_wait_ms=0)
+    stream = lm.stream("the cat sat on the mat. the cat", GenerateOptions(max_new_tokens=200))
+    next(stream)
+    stream.close()  # the consumer went away
+    assert lm._scheduler._batch is None  # its row ended and the batch closed
+    assert lm.decoder._lock.acquire(blocking=False)
+    lm.decoder._lock.release()
+    assert len(steps) < 200

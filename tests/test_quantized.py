@@ -291,6 +291,31 @@ def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
     assert not any(stack.blocks is not None for stack in float32.runner.stacks)
 
 
+def test_on_a_files_weights_each_prompt_prefills_alone_so_a_batch_answers_as_each_alone(
+        quantized_lm, monkeypatch):
+    """A padded prefill rounds otherwise than a prompt's own, and inputs rounded to 8 bits
+    turn that into other tokens (the embedded model answered 4 of 8 RAG prompts otherwise in
+    a batch): each prompt of a batch prefills in a pass of its own."""
+    from test_entry_matrix import N, prompts
+
+    import rag_spec.target.transformers.prefill as prefill_module
+    from rag_spec import LookaheadConfig, LookaheadDecoder
+
+    kernel_or_skip()
+    lm = quantized_lm
+    decoder = LookaheadDecoder(lm.model, lm.tokenizer,
+                               LookaheadConfig(quantized=True, compile=False))
+    one, two = prompts(lm)
+    ragged = [one, two[:len(two) // 2], one[:5]]
+    alone = [decoder.generate(p, N).token_ids for p in ragged]
+    passes = []
+    fill = prefill_module.fill
+    monkeypatch.setattr(prefill_module, "fill", lambda runner, tree, ids: passes.append(
+        ids.shape[0]) or fill(runner, tree, ids))
+    assert [r.token_ids for r in decoder.generate(ragged, N)] == alone
+    assert passes == [1, 1, 1]
+
+
 def test_by_default_a_model_from_a_gguf_file_decodes_its_blocks_and_any_other_float32(
         quantized_lm, caplog):
     """``quantized="auto"``: the file's blocks where they apply, silently float32 elsewhere
@@ -365,3 +390,35 @@ def test_the_embedded_gguf_file_loads_with_its_chat_template_and_decodes_from_it
         result = drafted.generate(ids, max_new_tokens=24)
         assert result.token_ids == plain.generate(ids, max_new_tokens=24).token_ids
         assert result.text.strip()  # an answer, not an end token at once
+
+
+@pytest.mark.e2e
+def test_on_the_embedded_files_weights_a_ragged_batch_answers_as_each_prompt_alone(user_cache):
+    """Held-out RAG prompts of several lengths, decoded in one batch and joining a batch in
+    flight, against each alone (the embedded model, its GGUF blocks)."""
+    import rag_spec
+    from rag_spec.bench.prompts import HELD_OUT_RAG_QUESTIONS
+
+    kernel_or_skip()
+    lm = rag_spec.load_model()
+    questions = list(HELD_OUT_RAG_QUESTIONS)[:4]
+    hits = rag_spec.KnowledgeBase.load_default("flat").search(questions, k=3)
+    prompts = [rag_spec.chat_input_ids(lm.tokenizer, rag_spec.rag_messages(q, h))
+               for q, h in zip(questions, hits)]
+    decoder = rag_spec.LookaheadDecoder(lm.model, lm.tokenizer)
+    assert decoder.runner.weights == "GGUF"
+    alone = [decoder.generate(p, 40).token_ids for p in prompts]
+    assert [r.token_ids for r in decoder.generate(prompts, 40)] == alone
+    batch = decoder.open_batch()
+    try:
+        rows = []
+        for prompt in prompts:  # one joins every other step
+            rows += decoder.new_rows(prompt, 40)
+            batch.join(rows[-1:])
+            batch.step()
+            batch.step()
+        while batch.live:
+            batch.step()
+    finally:
+        batch.close()
+    assert [r.result().token_ids for r in rows] == alone

@@ -209,7 +209,7 @@ class LiveBatch:
         """A cache of ``rows``' prompts (a static one of ``capacity`` slots where given)."""
         prompts = [r.prompt for r in rows]
         if not self.runner.exact:
-            return prefill(self.runner, prompts, capacity)
+            return prefill(self.runner, prompts, capacity, alone=self.runner.rows_alone)
         cache, logits = prefill_whole(self.runner, prompts)  # generate's own prefill
         first_tokens(rows, cache, logits, self.budget)
         return cache

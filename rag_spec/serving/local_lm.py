@@ -260,8 +260,9 @@ class LocalLM:
             while pieces:
                 yield Chunk(pieces.popleft())
         finally:
-            if not job.done:
+            if not job.done:  # its row ends at the next step, which this thread leads if free
                 self._scheduler.cancel(job)
+                self._scheduler.complete([job])
         yield Chunk("", self._completions([job], [job.future.result()], options)[0])
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,

@@ -31,18 +31,22 @@ _PADDING_SHARE, _PADDING_FREE = 0.25, 64
 
 
 def prefill(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
-            capacity: int | None = None) -> TreeKVCache:
+            capacity: int | None = None, *, alone: bool = False) -> TreeKVCache:
     """Run every prompt but its last token; the last tokens become roots. Rows of very
     different lengths run in groups of similar length (``length_groups``), joined left-padded
     into one cache: a padded pass spends on padding what it spends on tokens (docs/concepts.md,
     "Why the defaults"). With ``capacity``, into a static cache of that many slots lent by the
     runner's compiled step (written in place for prompts of one length, else copied there
-    left-padded, the padding masked as any hole is); ``ModuleRunner.release`` returns it."""
+    left-padded, the padding masked as any hole is); ``ModuleRunner.release`` returns it.
+    ``alone``: every prompt a pass of its own (``Runner.rows_alone``), its entries as it
+    gets them in a batch of one."""
     prefixes = [list(p[:-1]) for p in prompts]
     roots = [p[-1] for p in prompts]
-    if capacity is not None and len({len(p) for p in prefixes}) == 1:
+    if capacity is not None and len({len(p) for p in prefixes}) == 1 and (
+            not alone or len(prompts) == 1):
         return padded_prefill(runner, prefixes, roots, capacity)
-    groups = length_groups([len(p) for p in prefixes])
+    groups = [[b] for b in range(len(prompts))] if alone else \
+        length_groups([len(p) for p in prefixes])
     if len(groups) == 1:
         tree = padded_prefill(runner, prefixes, roots)
     else:

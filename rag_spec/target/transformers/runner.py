@@ -127,6 +127,10 @@ class Runner(ModuleRunner):
             blocks = {}
         # what the linear layers multiply by: "GGUF" (the file's own blocks) or the dtype's name
         self.weights = "GGUF" if blocks else str(model.dtype).removeprefix("torch.")
+        # steps attend row by row, so a row's tokens are the same in any batch; its prompt's
+        # prefill must then be its own pass too (a padded one rounds otherwise, and 8-bit
+        # inputs turn that into other tokens)
+        self.rows_alone = bool(blocks)
         if self.exact:
             _chunk_rows(self.module, own)
         elif blocks or _wants_onednn(model, settings):
