@@ -394,7 +394,7 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
     bench measured the ablation; where its benches ran on more than one machine, each row
     names its own."""
     look, chain, structured = (load(n, directory) for n in ("lookahead", "chain", "structured"))
-    milvus = load("ralm_milvus_300ms", directory)
+    milvus, serve = load("ralm_milvus_300ms", directory), load("serve", directory)
 
     def decoded(part: str) -> str:
         return (f"{_x(_system(look, part, 'rag_spec_no_drafts'))} without drafts (our kernels, "
@@ -419,9 +419,9 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         ("iterative RaLM, Milvus behind 300 ms", "the naive loop",
          _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]),
          f"{_x(milvus['systems']['spec_all']['speedup_vs_naive'])} speculative retrieval "
-         f"alone, lookahead decoding the rest", milvus)]
+         f"alone, lookahead decoding the rest", milvus), *_serve_rows(serve)]
     gguf = any("gguf" in look[part] for part in ("rag", "open_ended"))
-    reports = (look, chain, structured, milvus)
+    reports = (look, chain, structured, milvus, *(serve for _ in _serve_rows(serve)))
     machines = sorted({machine(r) for r in reports})
     several = len(machines) > 1  # then each row names its machine
     cells = [(a, b, c, f"{d} (VM {machines.index(machine(source)) + 1})" if several else d)
@@ -465,6 +465,21 @@ def _gguf_rows(look: dict[str, Any]) -> list[tuple[str, str, str, str, dict[str,
                      f"own: {systems[gguf['peer']]['identical_to_no_drafts']} of {n} equal)",
                      look))
     return rows
+
+
+def _serve_rows(serve: dict[str, Any]) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    """The server under 8 concurrent clients against llama.cpp's, where the bench ran it."""
+    peer = serve.get("llama_cpp_server")
+    levels = {x["clients"]: x for x in serve["levels"]}
+    if not isinstance(peer, dict) or "speedup_vs_llama_cpp" not in levels.get(8, {}):
+        return []
+    one, eight = levels[1], levels[8]
+    return [("`rag-spec serve`, 8 concurrent clients (any OpenAI client)",
+             f"llama.cpp's server (llama-cpp-python), same GGUF file, {peer['threads']} "
+             f"thread{'s' * (peer['threads'] > 1)}", _x(eight["speedup_vs_llama_cpp"]),
+             f"{_x(one['speedup_vs_llama_cpp'])} at one client, continuous batching "
+             f"{_x(eight['speedup'])} over that; answers as alone "
+             f"{eight['identical_to_alone']} of {serve['questions']}", serve)]
 
 
 def with_how_fast(readme: str, table: str) -> str:
