@@ -218,3 +218,21 @@ def test_a_stream_left_early_ends_its_row_and_frees_the_decoder(monkeypatch):
     assert lm.decoder._lock.acquire(blocking=False)
     lm.decoder._lock.release()
     assert len(steps) < 200
+
+
+async def test_an_async_stream_left_early_ends_its_row_at_the_next_step(monkeypatch):
+    """A client that disconnects mid-stream (the server's ``astream`` closed): its row ends
+    at the batch's next step, as "cancelled", while another request goes on."""
+    from conftest import char_lm
+    from rag_spec.serving.local_lm import GenerateOptions, LocalLM
+
+    steps = recorded_steps(monkeypatch)
+    lm = LocalLM(char_lm(), batch_wait_ms=0)
+    left = "the cat sat on the mat. the cat"
+    stream = lm.astream(left, GenerateOptions(max_new_tokens=200))
+    await anext(stream)
+    await stream.aclose()  # the client went away
+    other = (await lm.agenerate(["a dog ran far"], GenerateOptions(max_new_tokens=12)))[0]
+    assert other.text == lm.generate(["a dog ran far"], GenerateOptions(max_new_tokens=12))[0].text
+    mine = len(lm.encode(left))
+    assert len([s for s in steps if mine in s]) < 200 and mine not in steps[-1]

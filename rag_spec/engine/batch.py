@@ -113,7 +113,16 @@ class Row:
 
 class LiveBatch:
     """Rows decoding together on one cache; ``join`` adds rows between steps, ``step`` runs
-    one speculative step for all of them, ``close`` ends the batch. One thread at a time."""
+    one speculative step for all of them, ``close`` ends the batch. One thread at a time.
+
+    Examples:
+        >>> batch = decoder.open_batch()                                  # doctest: +SKIP
+        >>> rows = decoder.new_rows([first, second], 64)                  # doctest: +SKIP
+        >>> batch.join(rows[:1]); batch.step()                            # doctest: +SKIP
+        >>> batch.join(rows[1:])  # joins the first, mid-answer           # doctest: +SKIP
+        >>> while batch.live: batch.step()                                # doctest: +SKIP
+        >>> batch.close(); rows[1].result().text                          # doctest: +SKIP
+    """
 
     def __init__(self, runner: Runner, drafter: Drafter, policy: Policy, budget: int,
                  window: SlidingWindow | None, *, greedy: bool,
