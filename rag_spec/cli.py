@@ -281,13 +281,14 @@ def _serve(args: argparse.Namespace) -> int:
         msg = (f"rag-spec serve needs FastAPI and uvicorn ({err}); install them with: "
                f"pip install 'rag-spec[serve]'.")
         raise RagSpecError(msg) from err
-    if args.max_waiting < 1:
-        msg = f"--max-waiting must be at least 1 (got {args.max_waiting})."
-        raise RagSpecError(msg)
+    for flag, value in (("--max-waiting", args.max_waiting), ("--max-rows", args.max_rows)):
+        if value < 1:
+            msg = f"{flag} must be at least 1 (got {value})."
+            raise RagSpecError(msg)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     serve(args.model, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("RAG_SPEC_API_KEY"),
-          max_waiting=args.max_waiting)
+          max_waiting=args.max_waiting, max_rows=args.max_rows)
     return 0
 
 
@@ -343,6 +344,9 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: $RAG_SPEC_API_KEY, else none)")
     serve.add_argument("--max-waiting", type=int, default=32,
                        help="requests in flight before new ones get 429 (default 32)")
+    serve.add_argument("--max-rows", type=int, default=8,
+                       help="requests decoding at once in the batch in flight; the others "
+                       "wait in line (default 8)")
     serve.set_defaults(run=_serve)
 
     index = commands.add_parser("index", help="build knowledge-base indexes")

@@ -47,6 +47,12 @@ def test_models_list(capsys):
     assert "smollm2-135m-instruct" in out
 
 
+@pytest.mark.parametrize("flag", ["--max-rows", "--max-waiting"])
+def test_serve_refuses_caps_below_one(capsys, flag):
+    code, _, err = run(capsys, "serve", flag, "0")
+    assert code == 2 and f"{flag} must be at least 1" in err
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["ask", "--k"])

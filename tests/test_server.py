@@ -154,6 +154,11 @@ def test_not_ready_is_503_and_past_the_cap_is_429(tiny_model_dir, monkeypatch):
                           json={"prompt": "the cat", "max_tokens": 4}).status_code == 200
 
 
+def test_the_row_cap_reaches_the_batch(tiny_model_dir):
+    app = create_app(tiny_model_dir, max_rows=3, background=False)
+    assert app.state.rag_spec.lm._scheduler.max_rows == 3
+
+
 def test_a_client_that_drops_a_stream_frees_the_model(client, url, tiny_model_dir):
     with httpx.stream("POST", f"{url}/v1/chat/completions", json={
             "model": tiny_model_dir, "messages": [{"role": "user", "content": "hi"}],

@@ -152,7 +152,7 @@ class LocalLM:
         >>> lm.generate([[{"role": "user", "content": "Hi"}]])[0].text    # doctest: +SKIP
     """
 
-    _instances: dict[tuple[int, LookaheadConfig, Any], LocalLM] = {}
+    _instances: dict[tuple[int, LookaheadConfig, Any, int], LocalLM] = {}
     _instances_lock = threading.Lock()
 
     def __init__(self, lm: LoadedModel, config: LookaheadConfig | None = None, *,
@@ -165,16 +165,17 @@ class LocalLM:
 
     @classmethod
     def shared(cls, model: str | LoadedModel | None = None, *, config: LookaheadConfig | None
-               = None, draft: Any = None, **load_kwargs: Any) -> LocalLM:
-        """The process-wide LocalLM for ``model`` (a name, a folder, or a loaded model) and
+               = None, draft: Any = None, max_batch: int = 8, **load_kwargs: Any) -> LocalLM:
+        """The process-wide LocalLM for ``model`` (a name, a folder, or a loaded model),
         ``draft`` (see ``rag_spec.serving.drafts.drafter_for``; None: the default drafter, the
-        model's draft head + the trie where it has one, else the trie)."""
+        model's draft head + the trie where it has one, else the trie) and ``max_batch`` (the
+        most rows decoding at once)."""
         lm = model if isinstance(model, LoadedModel) else load_model(
             model or DEFAULT_MODEL, **load_kwargs)
-        key = (id(lm), config or LookaheadConfig(), draft_key(draft))
+        key = (id(lm), config or LookaheadConfig(), draft_key(draft), max_batch)
         with cls._instances_lock:
             if key not in cls._instances:
-                cls._instances[key] = cls(lm, config, draft=draft)
+                cls._instances[key] = cls(lm, config, draft=draft, max_batch=max_batch)
             return cls._instances[key]
 
     @property

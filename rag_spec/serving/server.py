@@ -7,9 +7,11 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed as server-se
 ending in ``[DONE]``; tools; ``response_format``), ``POST /v1/completions``,
 ``POST /v1/embeddings`` (the knowledge bases' embedder), ``GET /health``. The model loads on
 a thread of its own at start-up; until it is ready every route but ``/health`` answers 503.
-Requests decode on rag-spec's compute thread (``LocalLM.agenerate``): concurrent requests
-with the same options share a batch; past ``max_waiting`` requests in flight a request gets
-429 with ``Retry-After``. Bad input gets a 4xx with the API's error body and one sentence
+Requests decode on rag-spec's compute thread (``LocalLM.agenerate``, ``astream``): each joins
+the batch in flight at its next step and leaves it when it ends (continuous batching, at most
+``max_rows`` rows; the others wait in line), a client that disconnects from a stream frees its
+row at the next step, and past ``max_waiting`` requests in flight a request gets 429 with
+``Retry-After``. Bad input gets a 4xx with the API's error body and one sentence
 that names the fix, never a traceback.
 """
 
@@ -35,9 +37,10 @@ MAX_BODY_BYTES = 4 * 2**20
 class _State:
     """The model behind the server, once loaded, and the requests in flight."""
 
-    def __init__(self, model: str, max_waiting: int) -> None:
+    def __init__(self, model: str, max_waiting: int, max_rows: int) -> None:
         self.model = model
         self.max_waiting = max_waiting
+        self.max_rows = max_rows
         self.lm: LocalLM | None = None
         self.failed: str | None = None
         self.in_flight = 0
@@ -46,7 +49,7 @@ class _State:
     def load(self, load_kwargs: dict[str, Any]) -> None:
         try:
             log.info("rag-spec serve: loading %s", self.model)
-            self.lm = LocalLM.shared(self.model, **load_kwargs)
+            self.lm = LocalLM.shared(self.model, max_batch=self.max_rows, **load_kwargs)
             log.info("rag-spec serve: %s is ready", self.model)
         except Exception as err:  # reported by every request, and in the log
             self.failed = f"{type(err).__name__}: {err}"
@@ -56,8 +59,8 @@ class _State:
 
 
 def create_app(model: str | None = None, *, api_key: str | None = None,
-               max_waiting: int = 32, load_kwargs: dict[str, Any] | None = None,
-               background: bool = True) -> Any:
+               max_waiting: int = 32, max_rows: int = 8,
+               load_kwargs: dict[str, Any] | None = None, background: bool = True) -> Any:
     """The ASGI application. ``model``: an embedded name or a local folder (default: the
     embedded model); ``api_key``: checked on every route but ``/health``; ``background``:
     load the model on a thread (the server answers 503 meanwhile), else before returning."""
@@ -67,7 +70,7 @@ def create_app(model: str | None = None, *, api_key: str | None = None,
 
     from rag_spec.models.registry import DEFAULT_MODEL
 
-    state = _State(model or DEFAULT_MODEL, max_waiting)
+    state = _State(model or DEFAULT_MODEL, max_waiting, max_rows)
     loader = threading.Thread(target=state.load, args=(dict(load_kwargs or {}),),
                               name="rag-spec-load", daemon=True)
     if background:
@@ -271,11 +274,13 @@ class Server:
     application ``create_app`` made, served as it is."""
 
     def __init__(self, model: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_waiting: int = 32, app: Any = None) -> None:
+                 api_key: str | None = None, max_waiting: int = 32, max_rows: int = 8,
+                 app: Any = None) -> None:
         import uvicorn
 
         self.app = app if app is not None else create_app(
-            model, api_key=api_key, max_waiting=max_waiting, background=False)
+            model, api_key=api_key, max_waiting=max_waiting, max_rows=max_rows,
+            background=False)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                                      log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="rag-spec-serve",
@@ -307,7 +312,7 @@ class Server:
 
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_waiting: int = 32,
+          api_key: str | None = None, max_waiting: int = 32, max_rows: int = 8,
           load_kwargs: dict[str, Any] | None = None) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn stops taking requests, finishes those
     in flight, then exits). Loopback by default; elsewhere without a key, a warning."""
@@ -317,7 +322,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         log.warning("rag-spec serve: listening on %s without an API key: anyone who reaches "
                     "this address can use the model. Pass --api-key (or set "
                     "RAG_SPEC_API_KEY).", host)
-    app = create_app(model, api_key=api_key, max_waiting=max_waiting, load_kwargs=load_kwargs)
+    app = create_app(model, api_key=api_key, max_waiting=max_waiting, max_rows=max_rows,
+                     load_kwargs=load_kwargs)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
 
 
