@@ -25,6 +25,33 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
+class Turns:
+    """Whoever waits computes: one caller at a time leads (runs the shared work), the others
+    wait until the lead is free or their own wait is over. ``changed`` is the lock and
+    condition of whatever the callers share; notify it when that changes."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self._busy = False
+
+    @contextlib.contextmanager
+    def turn(self, satisfied: Callable[[], bool], may_lead: Callable[[], bool] = lambda: True
+             ) -> Iterator[bool]:
+        """Wait until ``satisfied()`` (yields False) or the lead is free and ``may_lead()``
+        (then lead: yields True, and the lead is freed when the block ends)."""
+        with self.changed:
+            self.changed.wait_for(lambda: satisfied() or not self._busy and may_lead())
+            leading = not satisfied()
+            self._busy = self._busy or leading
+        try:
+            yield leading
+        finally:
+            if leading:
+                with self.changed:
+                    self._busy = False
+                    self.changed.notify_all()
+
+
 @dataclass
 class _Request(Generic[Item, Result]):
     key: Hashable
@@ -47,8 +74,8 @@ class Coalescer(Generic[Item, Result]):
         self._wait = wait_ms / 1000
         self._max_batch = max_batch
         self._pending: list[_Request[Item, Result]] = []
-        self._changed = threading.Condition()
-        self._busy = False  # a caller is leading a batch or holds ``exclusive``
+        self._turns = Turns()
+        self._changed = self._turns.changed
 
     def __call__(self, items: Sequence[Item], key: Hashable = None) -> list[Result]:
         """Results for ``items``, computed in batches with whatever else arrives meanwhile."""
@@ -65,7 +92,7 @@ class Coalescer(Generic[Item, Result]):
     def complete(self, requests: Sequence[_Request[Item, Result]]) -> list[Result]:
         """Wait for ``requests``, leading batches whenever nobody else does."""
         while not all(r.future.done() for r in requests):
-            with self._take_turn(lambda: all(r.future.done() for r in requests)) as mine:
+            with self._turns.turn(lambda: all(r.future.done() for r in requests)) as mine:
                 if mine:
                     self._lead(requests)
         return [r.future.result() for r in requests]
@@ -73,25 +100,8 @@ class Coalescer(Generic[Item, Result]):
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the resource for other work (a stream, a RaLM loop) until the block ends."""
-        with self._take_turn(lambda: False):
+        with self._turns.turn(lambda: False):
             yield
-
-    @contextlib.contextmanager
-    def _take_turn(self, satisfied: Callable[[], bool]) -> Iterator[bool]:
-        """Wait until nobody leads (then lead: yields True) or ``satisfied()`` (yields False)."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._busy or satisfied())
-            if satisfied():
-                leading = False
-            else:
-                self._busy = leading = True
-        try:
-            yield leading
-        finally:
-            if leading:
-                with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
 
     def _lead(self, mine: Sequence[_Request[Item, Result]]) -> None:
         """Run batches (others' too) until every one of ``mine`` has its result."""

@@ -17,12 +17,12 @@ import contextlib
 import ctypes
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rag_spec.coalesce import Turns
 from rag_spec.engine.batch import CANCELLED, DecodeStats, GenerationResult, LiveBatch, Row
 from rag_spec.engine.decoder import LookaheadDecoder
 
@@ -64,9 +64,9 @@ class Scheduler:
         self._pending: list[Job] = []
         self._running: dict[Row, Job] = {}
         self._batch: LiveBatch | None = None
-        self._changed = threading.Condition()
-        self._busy = False  # a caller leads steps, or holds ``exclusive``
-        self._held = 0  # ``exclusive`` callers waiting: nothing joins meanwhile
+        self._turns = Turns()  # a caller leads steps, or holds ``exclusive``
+        self._changed = self._turns.changed
+        self._held = 0  # ``exclusive`` callers waiting: nothing joins meanwhile, nobody steps
 
     def submit(self, prompt: list[int], options: dict[str, Any],
                sink: Callable[[str], None] | None = None) -> Job:
@@ -92,7 +92,7 @@ class Scheduler:
     def complete(self, jobs: Sequence[Job]) -> list[GenerationResult]:
         """Wait for ``jobs``, leading steps whenever nobody else does."""
         while not all(j.done for j in jobs):
-            with self._turn(lambda: all(j.done for j in jobs)) as mine:
+            with self._turns.turn(lambda: all(j.done for j in jobs), self._may_step) as mine:
                 while mine and not all(j.done for j in jobs) and self._step():
                     pass
         return [j.future.result() for j in jobs]
@@ -100,7 +100,7 @@ class Scheduler:
     def advance(self, satisfied: Callable[[], bool]) -> None:
         """For a stream's consumer: one step if nobody leads, else wait until
         ``satisfied()`` (its text came, or its end) or the lead is free."""
-        with self._turn(satisfied) as mine:
+        with self._turns.turn(satisfied, self._may_step) as mine:
             if mine:
                 self._step()
 
@@ -111,7 +111,7 @@ class Scheduler:
         with self._changed:
             self._held += 1
         try:
-            with self._turn(lambda: False, exclusive=True):
+            with self._turns.turn(lambda: False):
                 while self._batch is not None:
                     self._step()
                 yield
@@ -120,23 +120,9 @@ class Scheduler:
                 self._held -= 1
                 self._changed.notify_all()
 
-    @contextlib.contextmanager
-    def _turn(self, satisfied: Callable[[], bool], exclusive: bool = False
-              ) -> Iterator[bool]:
-        """Wait until the lead is free (then lead: yields True) or ``satisfied()`` (yields
-        False). A caller of ``exclusive`` goes before those who would only step."""
-        with self._changed:
-            self._changed.wait_for(
-                lambda: satisfied() or not self._busy and (exclusive or not self._held))
-            leading = not satisfied()
-            self._busy = self._busy or leading
-        try:
-            yield leading
-        finally:
-            if leading:
-                with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
+    def _may_step(self) -> bool:
+        """An ``exclusive`` caller waiting goes first."""
+        return not self._held
 
     def _step(self) -> bool:
         """Admit what may join, then one step of the batch (the leader's); False when there

@@ -69,30 +69,8 @@ def regroup(runner: ModuleRunner, parts: Sequence[tuple[TreeKVCache, Sequence[in
     caller releases them after. Their rounds must be closed (between steps); the rows'
     ``root_features`` are not kept (the next step drafts without a draft head's features)."""
     rows = [(p, r) for p, (_, kept) in enumerate(parts) for r in kept]
-    width = max(parts[p][0].length for p, _ in rows)
-    first = parts[rows[0][0]][0]
-    valid = first.valid.new_zeros(len(rows), width)
-    for b, (p, r) in enumerate(rows):
-        part = parts[p][0]
-        valid[b, width - part.length:] = part.valid[r]
-    cache = new_cache()
-    held = [layers(part.cache) if part.length else None for part, _ in parts]
-    shapes = next((h for h in held if h is not None), [])  # none: every row is one token
-    for index in range(len(shapes)):
-        tensors = []
-        for name in ("keys", "values"):
-            like = getattr(shapes[index], name)
-            out = like.new_zeros(len(rows), like.shape[1], width, like.shape[3])
-            for p, (part, kept) in enumerate(parts):
-                if held[p] is None or not kept:
-                    continue
-                at = [b for b, (q, _) in enumerate(rows) if q == p]
-                source = getattr(held[p][index], name)[list(kept), :, :part.length]
-                out[at, :, width - part.length:] = source
-            tensors.append(out)
-        cache.update(*tensors, index)
-    roots = [parts[p][0].roots[r] for p, r in rows]
-    tree = TreeKVCache(cache, valid, roots, first.window)
+    cache, valid = joined([(part.cache, part.valid) for part, _ in parts], rows, release=False)
+    tree = TreeKVCache(cache, valid, [parts[p][0].roots[r] for p, r in rows], parts[0][0].window)
     return tree if capacity is None else _lent(runner, tree, capacity)
 
 

@@ -147,19 +147,20 @@ class TreeKVCache:
         return positions.masked_fill(~self.valid, -1)
 
 
-def joined(parts: Sequence[tuple[Any, torch.Tensor]], rows: Sequence[tuple[int, int]]
-            ) -> tuple[Any, torch.Tensor]:
+def joined(parts: Sequence[tuple[Any, torch.Tensor]], rows: Sequence[tuple[int, int]], *,
+           release: bool = True) -> tuple[Any, torch.Tensor]:
     """One cache and its ``valid`` [B, width] from rows of others: ``rows`` names each row as
-    (part, row in it) of ``parts``, (cache, valid) pairs; each row is right-aligned, holes
-    before it. The parts' layers are released as they are copied (they are not used after),
-    so the join needs little more memory than the cache it makes."""
+    (part, row in it) of ``parts``, (cache, valid) pairs (a static cache's slots past its
+    ``valid`` are left out); each row is right-aligned, holes before it. With ``release``, the
+    parts' layers are released as they are copied (they are not used after), so the join
+    needs little more memory than the cache it makes."""
     width = max(parts[p][1].shape[1] for p, _ in rows)
-    valid = parts[0][1].new_zeros(len(rows), width)
+    valid = parts[rows[0][0]][1].new_zeros(len(rows), width)
     for b, (p, r) in enumerate(rows):
         valid[b, width - parts[p][1].shape[1]:] = parts[p][1][r]
     held = [layers(cache) if mask.shape[1] else None for cache, mask in parts]  # none if empty
     cache = new_cache()
-    shapes = next(h for h in held if h is not None)
+    shapes = next((h for h in held if h is not None), [])  # none: every row is empty
     for index in range(len(shapes)):
         joined = []
         for name in ("keys", "values"):
@@ -167,11 +168,12 @@ def joined(parts: Sequence[tuple[Any, torch.Tensor]], rows: Sequence[tuple[int, 
             out = like.new_zeros(len(rows), like.shape[1], width, like.shape[3])
             for b, (p, r) in enumerate(rows):
                 if held[p] is not None:
-                    row = getattr(held[p][index], name)[r]
-                    out[b, :, width - row.shape[1]:] = row
+                    length = parts[p][1].shape[1]
+                    out[b, :, width - length:] = getattr(held[p][index], name)[r, :, :length]
             joined.append(out)
-        for h in held:
-            if h is not None:
-                h[index] = None  # the part's layer list is its cache's: this frees the layer
+        if release:
+            for h in held:
+                if h is not None:
+                    h[index] = None  # the part's layer list is its cache's: this frees it
         cache.update(*joined, index)
     return cache, valid
