@@ -236,3 +236,17 @@ async def test_an_async_stream_left_early_ends_its_row_at_the_next_step(monkeypa
     assert other.text == lm.generate(["a dog ran far"], GenerateOptions(max_new_tokens=12))[0].text
     mine = len(lm.encode(left))
     assert len([s for s in steps if mine in s]) < 200 and mine not in steps[-1]
+
+
+def test_a_cut_constrained_answer_warns_the_caller_as_generate_does():
+    from conftest import char_lm
+    from rag_spec import IncompleteOutputWarning
+    from rag_spec.serving.local_lm import GenerateOptions, LocalLM
+
+    lm = LocalLM(char_lm(), batch_wait_ms=0)
+    options = GenerateOptions(max_new_tokens=3, grammar='root ::= "the cat sat"')
+    with pytest.warns(IncompleteOutputWarning, match="Raise max_new_tokens") as caught:
+        cut = lm.generate(["the cat"], options)[0]
+    assert caught[0].filename == __file__ and cut.incomplete
+    with pytest.warns(IncompleteOutputWarning):
+        assert "".join(c.text for c in lm.stream("the cat", options)) == cut.text

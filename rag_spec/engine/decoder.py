@@ -110,7 +110,7 @@ class GenerationStream:
                     if done.value is None:  # closed before the end
                         return
                     self.result = done.value[0]
-                    _warn_incomplete(done.value)
+                    warn_incomplete(done.value)
                 yield from self._flush()
         finally:
             self.close()
@@ -124,16 +124,16 @@ class GenerationStream:
         yield from pieces
 
 
-def _warn_incomplete(results: list[GenerationResult]) -> None:
-    """Warn the caller of ``generate`` or of a stream's iteration (two frames up) of
-    constrained answers that ended before their grammar was complete."""
+def warn_incomplete(results: Sequence[GenerationResult], stacklevel: int = 3) -> None:
+    """Warn the caller of ``generate`` or of a stream's iteration (two frames up, by
+    default) of constrained answers that ended before their grammar was complete."""
     cut = sum(r.incomplete for r in results)
     if cut:
         msg = (f"{cut} of {len(results)} constrained answers (a JSON schema, a grammar, a "
                f"tool call) ended before their grammar was complete, at max_new_tokens or a "
                f"stop string: they are not valid under it (GenerationResult.incomplete). Raise "
                f"max_new_tokens (max_tokens in LangChain).")
-        warnings.warn(msg, IncompleteOutputWarning, stacklevel=3)
+        warnings.warn(msg, IncompleteOutputWarning, stacklevel=stacklevel)
 
 
 def _drain(steps: Generator[None, None, list[GenerationResult]]) -> list[GenerationResult]:
@@ -245,7 +245,7 @@ class LookaheadDecoder:
             do_sample, temperature, top_k, top_p, repetition_penalty), stop, seed, context,
             streamer, json_schema=json_schema, regex=regex, grammar=grammar, choices=choices)
         results = _drain(steps)
-        _warn_incomplete(results)
+        warn_incomplete(results)
         return results[0] if single else results
 
     def stream(self, input_ids: Any, max_new_tokens: int = 128, **options: Any

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rag_spec.engine.batch import DecodeStats
-from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
+from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder, warn_incomplete
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.models.loader import LoadedModel, load_model
@@ -233,7 +233,9 @@ class LocalLM:
         in flight. With a ``seed``, prompt ``b`` of the call samples with ``seed + b``."""
         options = _checked(options)
         jobs = self._submit(prompts, options, context)
-        return self._completions(jobs, self._scheduler.complete(jobs), options)
+        results = self._scheduler.complete(jobs)
+        warn_incomplete(results)
+        return self._completions(jobs, results, options)
 
     async def agenerate(self, prompts: Sequence[Prompt], options: GenerateOptions | None = None,
                         context: Sequence[str] = ()) -> list[Completion]:
@@ -242,6 +244,7 @@ class LocalLM:
         options = _checked(options)
         jobs = self._submit(prompts, options, context)
         results = await run_in_compute_thread(self._scheduler.complete, jobs)
+        warn_incomplete(results)
         return self._completions(jobs, results, options)
 
     def stream(self, prompt: Prompt, options: GenerateOptions | None = None,
@@ -264,6 +267,7 @@ class LocalLM:
             if not job.done:  # its row ends at the next step, which this thread leads if free
                 self._scheduler.cancel(job)
                 self._scheduler.complete([job])
+        warn_incomplete([job.future.result()])
         yield Chunk("", self._completions([job], [job.future.result()], options)[0])
 
     async def astream(self, prompt: Prompt, options: GenerateOptions | None = None,
@@ -288,6 +292,7 @@ class LocalLM:
         finally:
             if not worker.done():
                 self._scheduler.cancel(job)
+        warn_incomplete([result])
         yield Chunk("", self._completions([job], [result], options)[0])
 
     def _submit(self, prompts: Sequence[Prompt], options: GenerateOptions,
