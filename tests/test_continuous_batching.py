@@ -250,3 +250,19 @@ def test_a_cut_constrained_answer_warns_the_caller_as_generate_does():
     assert caught[0].filename == __file__ and cut.incomplete
     with pytest.warns(IncompleteOutputWarning):
         assert "".join(c.text for c in lm.stream("the cat", options)) == cut.text
+
+
+def test_the_scheduler_gives_back_freed_memory_once_idle(model, monkeypatch):
+    import rag_spec.serving.scheduler as scheduler_module
+
+    trims = []
+    monkeypatch.setattr(scheduler_module, "_return_free_memory",
+                        lambda: trims.append(scheduler._batch))
+    scheduler = Scheduler(LookaheadDecoder(model), wait_ms=0)
+    first = scheduler.submit(repetitive_prompt(1, length=21), {"max_new_tokens": 4})
+    scheduler.advance(lambda: False)
+    second = scheduler.submit(repetitive_prompt(2, length=17), {"max_new_tokens": 60})
+    scheduler.complete([first])
+    assert trims == []  # the first ended while the second decoded
+    scheduler.complete([second])
+    assert trims == [None]  # once, after the batch closed
