@@ -206,8 +206,8 @@ class Scheduler:
 def _return_free_memory() -> None:
     """Give the memory the batch's caches freed back to the system, once nothing decodes.
     Joins copy the batch into caches of new shapes; glibc keeps what they free in its heap,
-    and under load a server's resident memory would sit at its busiest (about 1.5x the model's
-    working set in ``tests/test_server.py``'s soak) however idle it then is."""
+    and a server's resident memory would otherwise sit at its busiest however idle it then
+    is (``tests/test_server.py``'s soak)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
