@@ -266,3 +266,18 @@ def test_the_scheduler_gives_back_freed_memory_once_idle(model, monkeypatch):
     assert trims == []  # the first ended while the second decoded
     scheduler.complete([second])
     assert trims == [None]  # once, after the batch closed
+
+
+def test_a_request_cancelled_while_it_is_admitted_ends_at_its_first_step(model, monkeypatch):
+    """Cancelled after it left the line but before its row existed: its row ends at once."""
+    scheduler = Scheduler(LookaheadDecoder(model), wait_ms=0)
+    job = scheduler.submit(repetitive_prompt(1, length=21), {"max_new_tokens": 40})
+    new_rows = scheduler.decoder.new_rows
+
+    def cancelled_meanwhile(*args, **kwargs):
+        scheduler.cancel(job)  # neither queued nor running yet
+        return new_rows(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler.decoder, "new_rows", cancelled_meanwhile)
+    result = scheduler.complete([job])[0]
+    assert result.finish_reason == CANCELLED and result.stats.steps <= 1

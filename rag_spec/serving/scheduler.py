@@ -36,6 +36,7 @@ class Job:
     sink: Callable[[str], None] | None = None
     future: Future[GenerationResult] = field(default_factory=Future)
     row: Row | None = None
+    cancelled: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +83,7 @@ class Scheduler:
         """Stop ``job`` (its caller went away): a queued one leaves the queue, a running one
         ends at the next step (``finish_reason`` "cancelled"); its row is freed then."""
         with self._changed:
+            job.cancelled = True  # before reading ``row``: a job being admitted sees one
             if job in self._pending:
                 self._pending.remove(job)
                 job.future.set_result(GenerationResult([], "", CANCELLED, DecodeStats()))
@@ -175,6 +177,8 @@ class Scheduler:
                 job.future.set_exception(error)
                 continue
             job.row = row
+            if job.cancelled:  # after setting ``row``: a cancel meanwhile sees one of them
+                row.cancel()
             self._running[row] = job
             rows.append(row)
         return rows
