@@ -93,3 +93,42 @@ def test_langchains_iterative_ralm_drives_a_served_model(served):
     assert chain.invoke(QUESTION) == expected
     with pytest.raises(ValueError, match="takes one model"):
         ChainRaLM(retriever=ChainSpecRetriever(source=HashRetriever()))
+
+
+class Recording(ServedModel):
+    """A served model that keeps each stride's prompt and the server's answer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def complete(self, token_ids, max_tokens):
+        done = super().complete(token_ids, max_tokens)
+        self.seen.append((list(token_ids), done))
+        return done
+
+
+def shared_length(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+def test_a_served_stride_computes_only_what_follows_the_last_prompt_it_shares():
+    """``rag-spec serve`` on the embedded model (GGUF weights: prompts read their stored
+    prefixes): each stride, a rollback's included, computes at most the tokens after what it
+    shares with the stride before (the server's ``cached_tokens``), and the answers stay the
+    naive loop's."""
+    with Server(app=create_app(background=False)) as server:
+        served = Recording(server.url)
+        settings = {"stride": 4, "query_tokens": 12}
+        naive = IterativeRaLM(served, HashRetriever(), **settings).generate(QUESTION, 24)
+        spec = IterativeRaLM(served, SpecRetriever(HashRetriever(lying=True)),
+                             speculation=RaLMSpeculation(os3=False, stride=3), **settings)
+        result = spec.generate(QUESTION, 24)
+    assert result.token_ids == naive.token_ids and result.stats.rollbacks > 0
+    for (before, _), (ids, done) in zip(served.seen, served.seen[1:]):
+        assert done.prompt_tokens == len(ids)
+        computed = done.prompt_tokens - done.cached_tokens
+        assert computed <= len(ids) - min(shared_length(before, ids), len(before) - 1)
+    assert naive.stats.served_cached_tokens > 0 and result.stats.served_cached_tokens > 0

@@ -28,7 +28,7 @@ from rag_spec_kernels.mask import TreeMask, pass_mask, reference_attention, seen
 
 TREE_ATTENTION = "rag_spec_tree"
 TREE_ATTENTION_SDPA = "rag_spec_tree_sdpa"  # the same without our CPU kernel (an ablation)
-TREE_ATTENTION_ROWS = "rag_spec_tree_rows"  # steps on ``row_attention``: rows as if alone
+TREE_ATTENTION_ROWS = "rag_spec_tree_rows"  # passes on ``row_attention``: rows as if alone
 # Dense-masked passes of up to this many queries (steps, not prompts) take our CPU kernel
 DENSE_KERNEL_QUERIES = 64
 
@@ -48,10 +48,11 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         cpu_kernel: on the CPU, run tree-masked steps, and dense-masked passes of up to
             ``DENSE_KERNEL_QUERIES`` queries (compiled steps), on our kernel where it fits
             (else SDPA).
-        rows: on the CPU, run every step (a tree, a chain, one token; not a prompt's prefill)
+        rows: on the CPU, run every pass (a tree, a chain, one token, a prompt's prefill)
             on ``row_attention`` where it fits, each query row computed from its own keys in
-            their order: a tree's rows bit for bit their one-token steps' (steps on 8-bit
-            inputs need it, whose products amplify the smallest difference).
+            their order: a token's output is bit for bit what it gets in a one-token step,
+            whatever pass it came in (passes on 8-bit inputs need it, whose products amplify
+            the smallest difference).
 
     Returns:
         ([B, q, heads, D], None), as every transformers attention function returns.
@@ -97,8 +98,8 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 def _row_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
               tree_mask: TreeMask | None) -> torch.Tensor | None:
-    """[B, q, kv] which keys each query of a step sees, for ``row_attention``; None where it
-    does not apply (a prompt's prefill, a sparse view's draft pass, tensors it does not take)."""
+    """[B, q, kv] which keys each query of a pass sees, for ``row_attention``; None where it
+    does not apply (a sparse view's draft pass, tensors it does not take)."""
     from rag_spec_kernels.cpu_attention import row_attention_fits
 
     batch, _, q_len, _ = query.shape
@@ -108,11 +109,14 @@ def _row_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tens
         if tree_mask.sparse is not None:
             return None
         return tree_mask.over_cache(key.shape[2] - tree_mask.round_length)
-    if attention_mask is None:  # one token after all keys (a prompt's prefill: None)
-        return (torch.ones(batch, 1, key.shape[2], dtype=torch.bool, device=query.device)
-                if q_len == 1 else None)
-    if q_len > DENSE_KERNEL_QUERIES:
-        return None
+    if attention_mask is None:  # causal as SDPA's ``is_causal``: query i sees slots up to i
+        # (a prompt's prefill, into a new cache or a static one's first slots), or one token
+        # after all keys
+        if q_len == 1:
+            return torch.ones(batch, 1, key.shape[2], dtype=torch.bool, device=query.device)
+        slots = torch.arange(key.shape[2], device=query.device)
+        queries = torch.arange(q_len, device=query.device)
+        return (slots[None, :] <= queries[:, None])[None].expand(batch, -1, -1)
     return seen_keys(attention_mask)[:, :, :key.shape[2]].expand(batch, -1, -1)
 
 
@@ -134,8 +138,8 @@ def _kernel(query: torch.Tensor, key: torch.Tensor, cpu_kernel: bool) -> Any:
 
 def register_tree_attention(exact: bool = False, cpu_kernel: bool = True, rows: bool = False
                             ) -> str:
-    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``; ``rows``: its steps on
-    ``row_attention``; without ``cpu_kernel``: ``tree_attention`` on SDPA alone) in
+    """Register ``tree_attention`` (``exact``: ``exact_tree_attention``; ``rows``: its passes
+    on ``row_attention``; without ``cpu_kernel``: ``tree_attention`` on SDPA alone) in
     transformers' public attention registry, with SDPA's
     mask builder for the masks a model makes itself (causal and sliding-window prefills);
     idempotent. Returns the name a config's ``_attn_implementation`` selects it by."""

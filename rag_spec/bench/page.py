@@ -49,7 +49,10 @@ BENCHES = (
           "`generate` under xgrammar's logits processor (`ChatHuggingFace` over a local "
           "pipeline makes no tool calls) against `ChatLookahead` and its no-draft ablation; "
           "wall time per task, each model turn's tokens per pass and prefill share, and "
-          "whether each transcript equals the peer's."),
+          "whether each transcript equals the peer's; and, on the GGUF weights, the default "
+          "agent with and without stored prompt prefixes (a later turn reads its "
+          "conversation's earlier prompt instead of computing it), its transcripts against "
+          "the same agent's without them."),
     Bench("serve", "rag-spec serve under concurrent clients",
           "The OpenAI-compatible server under 1-16 concurrent `openai` SDK clients on held-out "
           "RAG questions (greedy): aggregate tokens per second against one client, latency of "
@@ -71,8 +74,10 @@ BENCHES = (
     Bench("ralm_exact_300ms_served", "Speculative retrieval in front of a served model",
           "Iterative RaLM on the exact index behind 300 ms, both loops driving the embedded "
           "model behind `rag-spec serve` on loopback (`ServedModel`: each stride a request by "
-          "token ids; the server caches no prompt prefix, so every stride re-reads its "
-          "prompt): the naive loop against speculative retrieval and its ablations."),
+          "token ids; on the GGUF weights the server reads the prompt it already computed for "
+          "the stride before, so a stride computes only its new tokens, a rollback what "
+          "follows the first changed passage): the naive loop against speculative retrieval "
+          "and its ablations."),
     Bench("ralm_bm25_300ms", "Speculative retrieval, BM25",
           "Iterative RaLM on a BM25 index behind 300 ms."),
     Bench("ralm_exact_5000000", "Speculative retrieval, exact dense at 5M passages",
@@ -129,7 +134,9 @@ METRICS = (
     ("identical_to_hf", "identical"), ("identical_to_naive", "identical"),
     ("identical_to_nodraft", "identical"), ("identical_answers", "identical"),
     ("identical_to_no_drafts", "identical"), ("identical_to_alone", "identical to alone"),
-    ("tool_calls", "tool calls"),
+    ("tool_calls", "tool calls"), ("later_turn_read", "later turn's prompt read"),
+    ("later_turn_prefill_seconds", "later turn's prefill s"),
+    ("later_turn_prefill_share", "later turn's prefill share"),
     ("batch1", "identical, 1 row"),
     ("batch4", "identical, 4 rows"), ("valid", "valid"))
 COUNTED = {"identical_to_hf", "identical_to_naive", "identical_to_nodraft", "identical_answers",
@@ -142,7 +149,8 @@ PARTS = {"rag": "RAG prompts", "open_ended": "open-ended prompts", "greedy": "gr
          "keys": "keys", "langchain": "LangChain", "llamaindex": "LlamaIndex",
          "levels": "by concurrent clients",
          "llama_cpp_server": "llama.cpp's server on the same GGUF file",
-         "gguf": "the GGUF file's weights, against plain llama.cpp"}
+         "gguf": "the GGUF file's weights, against plain llama.cpp",
+         "prefix_reuse": "the GGUF weights, stored prompt prefixes against none"}
 QUIET = {"benchmark", "command", "date", "machine", "systems", "prompts", "questions", "tasks",
          "commit", "data_commit"}
 

@@ -28,7 +28,8 @@ from rag_spec.policy.plan import Policy, RowPlan, RowPolicy, StepPlanner, cache_
 from rag_spec.policy.step_costs import settle
 from rag_spec.target.sampling import RowSampler
 from rag_spec.target.transformers.kv_cache import SlidingWindow
-from rag_spec.target.transformers.prefill import prefill, prefill_whole, regroup
+from rag_spec.target.transformers.prefill import prefill, prefill_reusing, prefill_whole, regroup
+from rag_spec.target.transformers.prefix_store import PrefixStore
 from rag_spec.target.transformers.runner import Runner
 from rag_spec.target.transformers.step_inputs import tree_step
 from rag_spec.target.transformers.tree_cache import TreeKVCache
@@ -53,6 +54,9 @@ class DecodeStats:
     drafted: int = 0  # draft nodes verified, all steps
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept (no bonus)
     prefill_seconds: float = 0.0  # before the first step: drafter sessions and the prefill
+    # prompt tokens whose entries were read from the decoder's stored prefixes, not computed
+    # (``LookaheadConfig.prefix_cache_mb``)
+    cached_prompt_tokens: int = 0
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     bookkeeping_seconds: float = 0.0
@@ -126,7 +130,8 @@ class LiveBatch:
 
     def __init__(self, runner: Runner, drafter: Drafter, policy: Policy, budget: int,
                  window: SlidingWindow | None, *, greedy: bool,
-                 release: Callable[[], None] | None = None) -> None:
+                 release: Callable[[], None] | None = None,
+                 prefixes: PrefixStore | None = None) -> None:
         self.runner = runner
         self.drafter = drafter
         self.policy = policy
@@ -139,6 +144,7 @@ class LiveBatch:
         self.passes = "eager"
         self._ended: list[RowPolicy] = []  # the estimates of rows that ended (``close``)
         self._release = release  # called once the batch is closed (its decoder is free)
+        self.prefixes = prefixes  # prompts' stored entries, where reading them is lossless
 
     @property
     def live(self) -> list[Row]:
@@ -217,8 +223,13 @@ class LiveBatch:
     def _prefilled(self, rows: Sequence[Row], capacity: int | None) -> TreeKVCache:
         """A cache of ``rows``' prompts (a static one of ``capacity`` slots where given)."""
         prompts = [r.prompt for r in rows]
+        if self.prefixes is not None:
+            cache, read = prefill_reusing(self.runner, prompts, self.prefixes, capacity)
+            for row, tokens in zip(rows, read):
+                row.stats.cached_prompt_tokens = tokens
+            return cache
         if not self.runner.exact:
-            return prefill(self.runner, prompts, capacity, alone=self.runner.rows_alone)
+            return prefill(self.runner, prompts, capacity)
         cache, logits = prefill_whole(self.runner, prompts)  # generate's own prefill
         first_tokens(rows, cache, logits, self.budget)
         return cache

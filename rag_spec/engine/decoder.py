@@ -35,6 +35,7 @@ from rag_spec.progress import progress as progress_bar
 from rag_spec.target.sampling import RowSampler, SamplingParams
 from rag_spec.target.transformers.kv_cache import attention_window, crop
 from rag_spec.target.transformers.prefill import append
+from rag_spec.target.transformers.prefix_store import PrefixStore
 from rag_spec.target.transformers.runner import Runner, RunnerSettings
 from rag_spec.target.transformers.tree_cache import TreeKVCache
 from rag_spec.tokenizing import serial
@@ -81,6 +82,12 @@ class LookaheadConfig:
     # exact numerics), as measured faster there; True: required (an error says why it does
     # not apply); False: the de-quantised float32 weights, whose output equals ``generate``'s
     quantized: bool | Literal["auto"] = "auto"
+    # bound on the prompts' KV entries the decoder keeps, so that a prompt that begins as an
+    # earlier one did (a conversation's next turn, an agent's next step, a shared system
+    # prompt) reads them instead of computing them again; only where that is lossless: the
+    # GGUF weights' passes work row by row, so a token's entries are the same in any pass
+    # (``DecodeStats.cached_prompt_tokens`` counts what was read). 0 turns it off
+    prefix_cache_mb: float = 256.0
 
     @property
     def trie(self) -> TrieConfig:
@@ -181,6 +188,7 @@ class LookaheadDecoder:
         self._lock = threading.Lock()  # one generation at a time (streams hold it between steps)
         # every sizing decision, and what carries over between requests
         self._policy = Policy(self.config.budget, adaptive=self._adaptive)
+        self._prefixes: tuple[Runner, PrefixStore] | None = None  # the runner they came from
 
     @property
     def runner(self) -> Runner:
@@ -300,11 +308,23 @@ class LookaheadDecoder:
         the kind of rows it takes (sampled rows are planned otherwise)."""
         self._lock.acquire()
         try:
-            return LiveBatch(self.runner, self.drafter, self._policy, self.config.budget,
-                             self._window, greedy=greedy, release=self._lock.release)
+            runner = self.runner
+            return LiveBatch(runner, self.drafter, self._policy, self.config.budget,
+                             self._window, greedy=greedy, release=self._lock.release,
+                             prefixes=self._prefix_store(runner))
         except BaseException:
             self._lock.release()
             raise
+
+    def _prefix_store(self, runner: Runner) -> PrefixStore | None:
+        """The prompts' stored entries for ``runner`` (a new store if the runner was
+        rebuilt); None where reading them would not be lossless, or they are turned off."""
+        if not (runner.row_invariant and self.config.prefix_cache_mb > 0
+                and self._window is None):
+            return None
+        if self._prefixes is None or self._prefixes[0] is not runner:
+            self._prefixes = (runner, PrefixStore(int(self.config.prefix_cache_mb * 2**20)))
+        return self._prefixes[1]
 
     def new_rows(self, input_ids: Any, max_new_tokens: int = 128, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

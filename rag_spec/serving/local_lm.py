@@ -116,10 +116,12 @@ class Completion:
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / max(self.seconds, 1e-9)
 
-    def usage(self) -> dict[str, int]:
-        """Token counts, as APIs report them."""
+    def usage(self) -> dict[str, Any]:
+        """Token counts, as the OpenAI API reports them: ``cached_tokens``, the prompt tokens
+        read from stored prefixes rather than computed (``LookaheadConfig.prefix_cache_mb``)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
-                "total_tokens": self.prompt_tokens + len(self.token_ids)}
+                "total_tokens": self.prompt_tokens + len(self.token_ids),
+                "prompt_tokens_details": {"cached_tokens": self.stats.cached_prompt_tokens}}
 
     def speculation(self) -> dict[str, Any]:
         """How the tokens were produced: steps, drafts verified and kept, speed."""
@@ -129,8 +131,10 @@ class Completion:
                 "accepted_per_step": list(s.accepted_per_step),
                 "tokens_per_step": round(s.tokens_per_step, 3),
                 "tokens_per_second": round(self.tokens_per_second, 2),
-                # what reusing an unchanged prompt prefix (an agent's turns) could save at most
-                "prefill_share": round(s.prefill_seconds / max(self.seconds, 1e-9), 3)}
+                "prefill_seconds": round(s.prefill_seconds, 4),
+                "prefill_share": round(s.prefill_seconds / max(self.seconds, 1e-9), 3),
+                # prompt tokens read from stored prefixes (an agent's earlier turns), not computed
+                "cached_prompt_tokens": s.cached_prompt_tokens}
 
 
 @dataclass(frozen=True)

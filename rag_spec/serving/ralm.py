@@ -73,8 +73,9 @@ class RalmStats(SpeculationTally):
     retrieval_seconds: float = 0.0  # inside knowledge-base calls
     generation_seconds: float = 0.0  # prefills and decoding (served: waiting for the strides)
     # a served model's: prompt tokens its strides sent, all of which a server without a prefix
-    # cache processes again
+    # cache processes again, and of them those the server said it read from its prefix cache
     served_prompt_tokens: int = 0
+    served_cached_tokens: int = 0
 
 
 @dataclass
@@ -178,6 +179,7 @@ class IterativeRaLM:
         stats.generation_seconds = state.compute_seconds
         if isinstance(state, ServedState):
             stats.served_prompt_tokens = state.prompt_tokens
+            stats.served_cached_tokens = state.cached_tokens
         text = tokenizer.decode(state.output, skip_special_tokens=True)
         return RalmResult(text, list(state.output), state.passages, stats)
 

@@ -32,11 +32,13 @@ from rag_spec.serving.ralm_state import Segment, SegmentHistory
 
 @dataclass(frozen=True)
 class Continuation:
-    """A served stride: its token ids, why it ended, and the prompt the server read."""
+    """A served stride: its token ids, why it ended, and the prompt the server read (and of
+    it, what it read from its prefix cache, where it says)."""
 
     token_ids: list[int]
     finish_reason: str  # the API's: "stop" (the end of the answer) or "length"
     prompt_tokens: int
+    cached_tokens: int = 0
 
 
 class ServedModel:
@@ -83,8 +85,11 @@ class ServedModel:
                    "RaLM continues prefixes token for token, which text alone cannot give. "
                    "Serve the model with `rag-spec serve`.")
             raise RagSpecError(msg) from err
+        usage = answer.get("usage") or {}
         return Continuation([int(t) for t in ids], choice.get("finish_reason") or "length",
-                            int(answer.get("usage", {}).get("prompt_tokens", len(token_ids))))
+                            int(usage.get("prompt_tokens", len(token_ids))),
+                            int((usage.get("prompt_tokens_details") or {}).get(
+                                "cached_tokens") or 0))
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
@@ -127,6 +132,7 @@ class ServedState(SegmentHistory):
         super().__init__(build_prompt, eos_ids)
         self.served = served
         self.prompt_tokens = 0  # prompt tokens the server was sent, all strides
+        self.cached_tokens = 0  # of them, read from the server's prefix cache (as it says)
         self._ended = False  # the server ended the answer without an end token in the ids
 
     @property
@@ -146,6 +152,7 @@ class ServedState(SegmentHistory):
         done = self.served.complete(self.segments[-1].prompt + self.output, n)
         self.compute_seconds += time.perf_counter() - started
         self.prompt_tokens += done.prompt_tokens
+        self.cached_tokens += done.cached_tokens
         self.output.extend(done.token_ids)
         self._ended = done.finish_reason == "stop" and len(done.token_ids) < n
         return len(done.token_ids)

@@ -92,8 +92,10 @@ def response_metadata(completion: Completion, model: str) -> dict[str, Any]:
             "ended_by": completion.finish_reason, "speculation": completion.speculation()}
 
 
-def usage(completion: Completion) -> dict[str, int]:
-    """LangChain's names for the token counts."""
+def usage(completion: Completion) -> dict[str, Any]:
+    """LangChain's names for the token counts (``cache_read``: prompt tokens read from the
+    decoder's stored prefixes)."""
     counts = completion.usage()
     return {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
-            "total_tokens": counts["total_tokens"]}
+            "total_tokens": counts["total_tokens"], "input_token_details": {
+                "cache_read": counts["prompt_tokens_details"]["cached_tokens"]}}

@@ -2,8 +2,12 @@
 tools, a documentation search over the default knowledge base and a word count, on held-out
 tasks; the model under it is ``ChatLookahead`` (our decoder as a user gets it), the same
 without drafts, or the peer. Wall time per task, tokens per second per model turn, the
-prefill's share of each turn (what reusing a conversation's unchanged prefix could save at
-most), and whether each transcript equals the peer's.
+prefill's share of each turn, and whether each transcript equals the peer's.
+
+On the GGUF weights (what the embedded model decodes by default) a turn reads the entries of
+the conversation's earlier prompt instead of computing them (``prefix_cache_mb``): the same
+agent there with and without stored prefixes gives what that saves per turn and per task, and
+whether the transcripts stay the same (they must: a token's entries are the same in any pass).
 
 The peer is what a user has without rag-spec for a local model that must call tools:
 transformers ``generate``, one token a pass, under xgrammar's logits processor for the same
@@ -46,6 +50,8 @@ COUNTING = ["How many words are in 'the quick brown fox jumps'?",
             "Count the words in 'to be or not to be'.",
             "How many words does 'a stitch in time saves nine' have?"]
 SYSTEMS = ("hf_xgrammar", "rag_spec_no_drafts", "rag_spec")
+# the default decoder on the file's own weights, without and with stored prompt prefixes
+STORED = ("rag_spec_gguf_no_prefixes", "rag_spec_gguf")
 
 
 def agent_tools(retriever: Any) -> list[BaseTool]:
@@ -135,14 +141,18 @@ def run(json_out: str | None = None, limit: int = 6, max_new_tokens: int = 128) 
     models = {"hf_xgrammar": GenerateChat(lm=chat.local_lm(), max_tokens=max_new_tokens),
               "rag_spec_no_drafts": ChatLookahead(max_tokens=max_new_tokens,
                                                   lookahead={**DEQUANTIZED, "budget": 0}),
-              "rag_spec": chat}
+              "rag_spec": chat,
+              "rag_spec_gguf_no_prefixes": ChatLookahead(max_tokens=max_new_tokens,
+                                                         lookahead={"prefix_cache_mb": 0}),
+              "rag_spec_gguf": ChatLookahead(max_tokens=max_new_tokens)}
     agents = {name: create_agent(model, tools, middleware=[tools_first()])
               for name, model in models.items()}
     for agent in agents.values():  # first-use costs (grammars compiled, kernels) off the clock
         agent.invoke({"messages": [("user", "How do I read a file?")]})
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+    names = (*SYSTEMS, *STORED)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i, task in enumerate(tasks):
-        order = SYSTEMS[i % 3:] + SYSTEMS[:i % 3]  # interleaved, each first in turn
+        order = names[i % len(names):] + names[:i % len(names)]  # interleaved, each first in turn
         for name in order:
             started = time.perf_counter()
             messages = agents[name].invoke({"messages": [("user", task)]})["messages"]
@@ -165,8 +175,34 @@ def run(json_out: str | None = None, limit: int = 6, max_new_tokens: int = 128) 
             "turns": [r["turns"] for r in mine]}
     ours = [t for r in runs["rag_spec"] for t in r["turns"] if "prefill_share" in t]
     report["prefill_share"] = round(median([t["prefill_share"] for t in ours]), 3)
+    report["prefix_reuse"] = _prefix_reuse(runs)
     publish(report, json_out, "agent", _plot, _print_table)
     return report
+
+
+def _prefix_reuse(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What stored prompt prefixes save on the GGUF weights: per task (median of ratios), per
+    later model turn (its prompt's share read, its prefill's seconds and share of the turn),
+    and whether the transcripts are the same with and without them."""
+    without = runs[STORED[0]]
+
+    def later(name: str, key: str) -> float:
+        return median([t[key] for r in runs[name] for t in r["turns"][1:]])
+
+    rows: dict[str, Any] = {"weights": "GGUF"}
+    for name in STORED:
+        mine = runs[name]
+        rows[name] = {
+            "median_seconds": round(median([r["seconds"] for r in mine]), 3),
+            "speedup": round(median([a["seconds"] / b["seconds"]
+                                     for a, b in zip(without, mine)]), 3),
+            "identical_answers": sum(a["transcript"] == b["transcript"]
+                                     for a, b in zip(without, mine)),
+            "later_turn_read": round(median([t["cached_prompt_tokens"] / t["prompt_tokens"]
+                                             for r in mine for t in r["turns"][1:]]), 3),
+            "later_turn_prefill_seconds": round(later(name, "prefill_seconds"), 4),
+            "later_turn_prefill_share": round(later(name, "prefill_share"), 3)}
+    return rows
 
 
 def _turns(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -184,6 +220,9 @@ def _turns(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             turn["tok_per_s"] = spec["tokens_per_second"]
             turn["tokens_per_step"] = spec["tokens_per_step"]
             turn["prefill_share"] = spec.get("prefill_share")
+            turn["prefill_seconds"] = spec.get("prefill_seconds")
+            turn["prompt_tokens"] = (m.usage_metadata or {}).get("input_tokens")
+            turn["cached_prompt_tokens"] = spec.get("cached_prompt_tokens")
         turns.append(turn)
     return turns
 
@@ -203,3 +242,7 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name:<20} {row['median_seconds']:>8.2f} {row['speedup']:>7.2f}x "
               f"{row['identical_answers']:>6}/{report['tasks']} {row['tool_calls']:>6}")
     print(f"prefill share of our model turns (median): {report['prefill_share']:.0%}")
+    reuse = report["prefix_reuse"][STORED[1]]
+    print(f"GGUF weights, stored prompt prefixes: {reuse['speedup']:.2f}x per task, "
+          f"{reuse['later_turn_read']:.0%} of a later turn's prompt read, transcripts "
+          f"identical {reuse['identical_answers']}/{report['tasks']}")

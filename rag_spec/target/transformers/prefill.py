@@ -1,6 +1,7 @@
 """Prefill: the passes that fill a new ``TreeKVCache`` with the prompts (every token but each
-prompt's last, which becomes the row's root), grouped by length so padding stays cheap, or each
-prompt whole and alone where output must be ``generate``'s bit for bit."""
+prompt's last, which becomes the row's root), grouped by length so padding stays cheap; each
+prompt whole and alone where output must be ``generate``'s bit for bit; or from a stored
+prefix where a token's entries do not depend on the pass (``prefill_reusing``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rag_spec.target.transformers.kv_cache import (
     new_cache,
 )
 from rag_spec.target.transformers.passes import ModuleRunner
+from rag_spec.target.transformers.prefix_store import PrefixStore
 from rag_spec.target.transformers.step_inputs import dense_mask
 from rag_spec.target.transformers.tree_cache import TreeKVCache, joined
 from rag_spec_kernels import whole_rows
@@ -31,22 +33,18 @@ _PADDING_SHARE, _PADDING_FREE = 0.25, 64
 
 
 def prefill(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
-            capacity: int | None = None, *, alone: bool = False) -> TreeKVCache:
+            capacity: int | None = None) -> TreeKVCache:
     """Run every prompt but its last token; the last tokens become roots. Rows of very
     different lengths run in groups of similar length (``length_groups``), joined left-padded
     into one cache: a padded pass spends on padding what it spends on tokens (docs/concepts.md,
     "Why the defaults"). With ``capacity``, into a static cache of that many slots lent by the
     runner's compiled step (written in place for prompts of one length, else copied there
-    left-padded, the padding masked as any hole is); ``ModuleRunner.release`` returns it.
-    ``alone``: every prompt a pass of its own (``Runner.rows_alone``), its entries as it
-    gets them in a batch of one."""
+    left-padded, the padding masked as any hole is); ``ModuleRunner.release`` returns it."""
     prefixes = [list(p[:-1]) for p in prompts]
     roots = [p[-1] for p in prompts]
-    if capacity is not None and len({len(p) for p in prefixes}) == 1 and (
-            not alone or len(prompts) == 1):
+    if capacity is not None and len({len(p) for p in prefixes}) == 1:
         return padded_prefill(runner, prefixes, roots, capacity)
-    groups = [[b] for b in range(len(prompts))] if alone else \
-        length_groups([len(p) for p in prefixes])
+    groups = length_groups([len(p) for p in prefixes])
     if len(groups) == 1:
         tree = padded_prefill(runner, prefixes, roots)
     else:
@@ -57,6 +55,44 @@ def prefill(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
                               [where[b] for b in range(len(prompts))])
         tree = TreeKVCache(cache, valid, roots, attention_window(runner.config))
     return tree if capacity is None else _lent(runner, tree, capacity)
+
+
+def prefill_reusing(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
+                    store: PrefixStore, capacity: int | None = None
+                    ) -> tuple[TreeKVCache, list[int]]:
+    """``prefill``, each prompt's longest prefix in ``store`` read rather than computed (only
+    where a token's entries do not depend on the pass: ``Runner.row_invariant``); what it
+    computes is kept there. Returns the cache and how many tokens of each prompt were read."""
+    prefixes = [list(p[:-1]) for p in prompts]
+    found = [store.longest(p) for p in prefixes]
+    fresh = [b for b, f in enumerate(found) if not f.length]
+    parts: list[tuple[Any, torch.Tensor]] = []
+    where: dict[int, tuple[int, int]] = {}
+    if fresh:
+        part = prefill(runner, [prompts[b] for b in fresh])
+        parts.append((part.cache, part.valid))
+        where.update((b, (0, r)) for r, b in enumerate(fresh))
+    for b, stored in enumerate(found):
+        if stored.length:  # a pass of its own, after what was read
+            cache = new_cache()
+            for index, (keys, values) in enumerate(stored.entries):
+                cache.update(keys, values, index)
+            if len(prefixes[b]) > stored.length:
+                append(runner, cache, prefixes[b][stored.length:])
+            where[b] = (len(parts), 0)
+            parts.append((cache, torch.ones(1, len(prefixes[b]), dtype=torch.bool,
+                                            device=runner.device)))
+    for b, prefix in enumerate(prefixes):
+        if len(prefix) > found[b].length:
+            p, r = where[b]
+            width = parts[p][1].shape[1]
+            store.keep(prefix, [(layer.keys[r, :, width - len(prefix):width],
+                                 layer.values[r, :, width - len(prefix):width])
+                                for layer in layers(parts[p][0])])
+    cache, valid = joined(parts, [where[b] for b in range(len(prompts))])
+    tree = TreeKVCache(cache, valid, [p[-1] for p in prompts], attention_window(runner.config))
+    return (tree if capacity is None else _lent(runner, tree, capacity)), \
+        [f.length for f in found]
 
 
 def regroup(runner: ModuleRunner, parts: Sequence[tuple[TreeKVCache, Sequence[int]]],

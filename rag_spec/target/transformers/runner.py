@@ -127,10 +127,11 @@ class Runner(ModuleRunner):
             blocks = {}
         # what the linear layers multiply by: "GGUF" (the file's own blocks) or the dtype's name
         self.weights = "GGUF" if blocks else str(model.dtype).removeprefix("torch.")
-        # steps attend row by row, so a row's tokens are the same in any batch; its prompt's
-        # prefill must then be its own pass too (a padded one rounds otherwise, and 8-bit
-        # inputs turn that into other tokens)
-        self.rows_alone = bool(blocks)
+        # every pass, prefill too, multiplies and attends row by row: a token's entries are
+        # the same whatever pass computed them (a prompt whole, in chunks, padded in a batch,
+        # or one token at a time), which 8-bit inputs need (they turn the smallest rounding
+        # difference into other tokens) and which lets prompts reuse stored prefixes
+        self.row_invariant = bool(blocks)
         if self.exact:
             _chunk_rows(self.module, own)
         elif blocks or _wants_onednn(model, settings):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -140,10 +141,10 @@ def _sources_digest() -> str:
     """A digest of the kernels' and the step's code, read once per process (every runner
     built with ``compile="auto"`` asks): their syntax trees without docstrings, so an edit to
     the prose (comments, docstrings) does not make a new package."""
-    modules = [rag_spec_kernels.onednn_linear, rag_spec_kernels.streamed,
-               rag_spec_kernels.quantized,
-               rag_spec_kernels.tree_attention, rag_spec_kernels.cpu_attention,
-               inspect.getmodule(step_forward), inspect.getmodule(_Pass)]
+    # by module name: ``rag_spec_kernels.tree_attention`` is also the function of that name
+    kernels = [importlib.import_module(f"rag_spec_kernels.{name}") for name in (
+        "onednn_linear", "streamed", "quantized", "tree_attention", "cpu_attention")]
+    modules = [*kernels, inspect.getmodule(step_forward), inspect.getmodule(_Pass)]
     code = "".join(ast.dump(_without_docstrings(ast.parse(inspect.getsource(m))))
                    for m in modules)
     return hashlib.sha256(code.encode()).hexdigest()
