@@ -8,7 +8,8 @@
 // dimension in one fixed order (8 lanes, then a fixed tree of additions); the maximum (exact in
 // any order); each exponential by one vector routine whatever its lane (a tail is padded with
 // -inf, never computed another way); the denominator summed 8 lanes by the key's place in the
-// list; the values added key after key. Masked keys are skipped, not added as zeros.
+// list; the values added key after key. Masked keys are skipped, not added as zeros. Four keys'
+// scores are reduced together (``lane_sums``), adding the same pairs as one key's reduction.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -57,12 +58,52 @@ struct Tensor4 {  // a [B, heads, tokens, D] tensor's data and strides (last dim
   }
 };
 
-void attend_row(const float* q, const Tensor4& key, const Tensor4& value, int64_t b,
-                int64_t kv_head, const uint8_t* allowed, int64_t slots, int64_t chunks,
-                float scale, float* out, std::vector<int64_t>& seen, std::vector<float>& p) {
+// lane_sum of four vectors at once, each summed in lane_sum's own order (the same pairs
+// added, so the same results), for four keys' scores a step: one reduction for four
+inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),   // lo + hi of a | b
+                                  _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20),
+                                  _mm256_permute2f128_ps(c, d, 0x31));
+  const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+  // sums: [a, c, a, c | b, d, b, d]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// The slots a row's mask allows, in order, 32 mask bytes a test.
+inline void visible(const uint8_t* allowed, int64_t slots, std::vector<int64_t>& seen) {
   seen.clear();
-  for (int64_t s = 0; s < slots; ++s)
+  int64_t s = 0;
+  for (; s + 32 <= slots; s += 32) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(allowed + s));
+    uint32_t bits = ~static_cast<uint32_t>(
+        _mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+    while (bits) {
+      seen.push_back(s + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; s < slots; ++s)
     if (allowed[s]) seen.push_back(s);
+}
+
+inline __m256 score_sum(const __m256* query, const float* k, int64_t chunks) {
+  __m256 acc = _mm256_mul_ps(query[0], _mm256_loadu_ps(k));
+  for (int64_t c = 1; c < chunks; ++c)
+    acc = _mm256_fmadd_ps(query[c], _mm256_loadu_ps(k + c * 8), acc);
+  return acc;
+}
+
+// One query row; CHUNKS: the head dimension over 8 where the build knows it (0: ``chunks``).
+template <int64_t CHUNKS>
+void attend_row(const float* q, const Tensor4& key, const Tensor4& value, int64_t b,
+                int64_t kv_head, const uint8_t* allowed, int64_t slots, int64_t runtime_chunks,
+                float scale, float* out, std::vector<int64_t>& seen, std::vector<float>& p) {
+  const int64_t chunks = CHUNKS ? CHUNKS : runtime_chunks;
+  visible(allowed, slots, seen);
   const int64_t n = static_cast<int64_t>(seen.size());
   if (n == 0) {  // no key: zeros, as the reference's empty softmax is taken to be
     for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + c * 8, _mm256_setzero_ps());
@@ -73,24 +114,31 @@ void attend_row(const float* q, const Tensor4& key, const Tensor4& value, int64_
   const int64_t padded = (n + 7) / 8 * 8;
   p.assign(padded, -std::numeric_limits<float>::infinity());
   float largest = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = key.at(b, kv_head, seen[j]);
-    __m256 acc = _mm256_mul_ps(query[0], _mm256_loadu_ps(k));
-    for (int64_t c = 1; c < chunks; ++c)
-      acc = _mm256_fmadd_ps(query[c], _mm256_loadu_ps(k + c * 8), acc);
-    p[j] = lane_sum(acc) * scale;
+  const __m128 scales = _mm_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys' dot products side by side, one reduction
+    const __m128 s = _mm_mul_ps(lane_sums(score_sum(query, key.at(b, kv_head, seen[j]), chunks),
+                                          score_sum(query, key.at(b, kv_head, seen[j + 1]), chunks),
+                                          score_sum(query, key.at(b, kv_head, seen[j + 2]), chunks),
+                                          score_sum(query, key.at(b, kv_head, seen[j + 3]), chunks)),
+                                scales);
+    _mm_storeu_ps(p.data() + j, s);
+    for (int64_t t = 0; t < 4; ++t) largest = std::max(largest, p[j + t]);
+  }
+  for (; j < n; ++j) {
+    p[j] = lane_sum(score_sum(query, key.at(b, kv_head, seen[j]), chunks)) * scale;
     largest = std::max(largest, p[j]);
   }
   const __m256 top = _mm256_set1_ps(largest);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) {
+  for (j = 0; j < padded; j += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), top));
     _mm256_storeu_ps(p.data() + j, e);
     total = _mm256_add_ps(total, e);
   }
   __m256 acc[MOST_CHUNKS];
   for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (j = 0; j < n; ++j) {
     const float* v = value.at(b, kv_head, seen[j]);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int64_t c = 0; c < chunks; ++c)
@@ -133,9 +181,9 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
     std::vector<float> p;
     for (int64_t item = first; item < last; ++item) {
       const int64_t i = item % queries, h = item / queries % heads, b = item / queries / heads;
-      attend_row(q.at(b, h, i), k, v, b, h / group, mask + (b * queries + i) * slots, slots,
-                 dim / 8, static_cast<float>(scale), po + ((b * queries + i) * heads + h) * dim,
-                 seen, p);
+      const auto row = dim == 64 ? &attend_row<8> : dim == 128 ? &attend_row<16> : &attend_row<0>;
+      row(q.at(b, h, i), k, v, b, h / group, mask + (b * queries + i) * slots, slots, dim / 8,
+          static_cast<float>(scale), po + ((b * queries + i) * heads + h) * dim, seen, p);
     }
   });
   return out;

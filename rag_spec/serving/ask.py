@@ -1,7 +1,9 @@
-"""One-shot RAG: retrieve passages for a question, then answer it with the local model."""
+"""One-shot RAG: retrieve passages for a question, then answer it with the local model, or
+with a model behind an OpenAI-compatible server (``ask_served``)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from rag_spec.models.loader import LoadedModel
 from rag_spec.prompts import chat_input_ids, rag_messages
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.drafts import drafter_for
+from rag_spec.serving.served_model import ServedModel
 
 
 @dataclass
@@ -57,3 +60,33 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
     return Answer(text=result.text, token_ids=result.token_ids, hits=hits,
                   retrieval_seconds=retrieved - started, generation_seconds=generated - retrieved,
                   stats=result.stats.as_dict(), finish_reason=result.finish_reason)
+
+
+def ask_served(served: ServedModel, retriever: Retriever, question: str, *, k: int = 3,
+               max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
+               json_schema: Any = None) -> Answer:
+    """``ask`` with the answer from ``served``'s chat route (any OpenAI-compatible server:
+    ``rag-spec serve``, llama.cpp's, vLLM, Ollama): the passages are retrieved here and sent
+    in the same messages ``ask`` renders. ``stats`` holds the server's token counts (no token
+    ids: the chat route sends text)."""
+    if not question.strip():
+        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
+        raise RagSpecError(msg)
+    started = time.perf_counter()
+    hits = retriever.search([question], k=k)[0]
+    retrieved = time.perf_counter()
+    if isinstance(json_schema, str):
+        json_schema = json.loads(json_schema)
+    elif isinstance(json_schema, type):  # a Pydantic model class
+        json_schema = json_schema.model_json_schema()
+    answer = served.chat(rag_messages(question, hits), max_new_tokens, on_text=on_text,
+                         json_schema=json_schema)
+    generated = time.perf_counter()
+    usage = answer.usage
+    stats = {"completion_tokens": usage.get("completion_tokens"),
+             "prompt_tokens": usage.get("prompt_tokens"),
+             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return Answer(text=answer.text, token_ids=[], hits=hits,
+                  retrieval_seconds=retrieved - started, generation_seconds=generated - retrieved,
+                  stats=stats, finish_reason="length" if answer.finish_reason == "length"
+                  else "eos")

@@ -8,8 +8,12 @@ the stride, so that a rollback re-sends exactly the kept prefix. The answer's to
 back in the response's ``rag_spec`` field (``rag-spec serve`` sends them); a server that sends
 only text cannot be driven exactly (text does not tokenize back to the same ids) and is named
 as such. The server decodes each request from its prompt: a server that caches prompt
-prefixes (vLLM's automatic prefix caching, llama.cpp's ``cache_prompt``) re-processes only
-the tokens after a change.
+prefixes (vLLM's automatic prefix caching, llama.cpp's ``cache_prompt``, ``rag-spec serve`` on
+GGUF weights) re-processes only the tokens after a change, and says how many it read
+(``usage.prompt_tokens_details.cached_tokens``).
+
+``ServedModel.chat`` is the plain chat route, streamed, for one-shot RAG against any
+OpenAI-compatible server (``rag-spec ask --served``).
 
 ``ServedState`` is ``RalmState`` for a served model: the same output, segments, rollback and
 bookkeeping, with no cache on this side (the server holds it).
@@ -17,17 +21,29 @@ bookkeeping, with no cache on this side (the server holds it).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.types import Hit
 from rag_spec.serving.ralm_state import Segment, SegmentHistory
+
+
+@dataclass(frozen=True)
+class ServedAnswer:
+    """A served chat answer: its text, why it ended (the API's words) and the server's token
+    counts (``usage``, where it sent them)."""
+
+    text: str
+    finish_reason: str
+    usage: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -64,9 +80,48 @@ class ServedModel:
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
-        self.tokenizer = _tokenizer(tokenizer)
+        self._tokenizer = tokenizer
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer, loaded at first use (``chat`` needs none)."""
+        return _tokenizer(self._tokenizer)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = [] if eos is None else [eos]
+        return [] if eos is None else [eos]
+
+    def chat(self, messages: Sequence[dict[str, str]], max_tokens: int = 256, *,
+             on_text: Callable[[str], None] | None = None, json_schema: Any = None
+             ) -> ServedAnswer:
+        """A greedy answer to ``messages`` on ``/v1/chat/completions``, streamed: each piece
+        of text goes to ``on_text`` as the server sends it; under ``json_schema`` (a dict)
+        through the API's ``response_format``. Any OpenAI-compatible server."""
+        body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
+                                "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.model is not None:
+            body["model"] = self.model
+        if json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": json_schema, "strict": True}}
+        pieces, reason, usage = [], "length", {}
+        with self._open("/v1/chat/completions", body) as response:
+            for line in response:
+                data = line.decode().strip().removeprefix("data:").strip()
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        pieces.append(piece)
+                        if on_text is not None:
+                            on_text(piece)
+                    reason = choice.get("finish_reason") or reason
+        return ServedAnswer("".join(pieces), reason, usage)
 
     def complete(self, token_ids: Sequence[int], max_tokens: int) -> Continuation:
         """Greedy tokens after ``token_ids``: at most ``max_tokens``, fewer at the answer's
@@ -92,6 +147,12 @@ class ServedModel:
                                 "cached_tokens") or 0))
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._open(path, body) as response:
+            return json.loads(response.read())
+
+    @contextlib.contextmanager
+    def _open(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
+        """The server's response to ``body`` posted at ``path``; errors name the server."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -99,7 +160,7 @@ class ServedModel:
                                          headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
-                return json.loads(response.read())
+                yield response
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
             msg = f"The server at {self.base_url} refused a completion ({err.code}): {detail}"
