@@ -375,7 +375,10 @@ def test_row_attention_never_reads_a_key_it_does_not_see():
 
 
 @needs_row_kernel
-def test_rows_mode_takes_every_step_to_the_row_kernel_and_prefills_to_sdpa(monkeypatch):
+def test_rows_mode_takes_every_pass_to_the_row_kernel_prompts_too(monkeypatch):
+    """Steps (eager tree, compiled dense mask, one token) and prompts (a padded one's mask, a
+    whole one's causal ``None``, as SDPA's ``is_causal`` reads it: query i sees slots up to i,
+    also in a static cache longer than the prompt) all run on the row kernel."""
     calls: list[int] = []
     kernel = cpu_attention.row_attention
     monkeypatch.setattr(cpu_attention, "row_attention",
@@ -388,6 +391,12 @@ def test_rows_mode_takes_every_step_to_the_row_kernel_and_prefills_to_sdpa(monke
     tree_attention(None, query, key, value, dense_mask(mask, 40, True), rows=True)  # compiled
     tree_attention(None, query[:, :, :1], key, value, None, rows=True)  # one token, eager
     prompt = random_case(8, 1, 2, 3, DENSE_KERNEL_QUERIES + 1, 10, 0, None, 64)
-    tree_attention(None, *prompt[:3], dense_mask(prompt[3], 10, False), rows=True)  # SDPA
-    assert calls == [5, 5, 1]
+    tree_attention(None, *prompt[:3], dense_mask(prompt[3], 10, False), rows=True)  # padded
+    query, key, value = (torch.randn(2, 6, 30, 64), torch.randn(2, 2, 40, 64),
+                         torch.randn(2, 2, 40, 64))
+    got, _ = tree_attention(None, query, key, value, None, rows=True)  # a prompt's causal pass
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), is_causal=True)
+    torch.testing.assert_close(got.transpose(1, 2), expected, atol=1e-5, rtol=1e-5)
+    assert calls == [5, 5, 1, DENSE_KERNEL_QUERIES + 1, 30]
 

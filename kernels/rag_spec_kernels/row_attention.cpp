@@ -9,11 +9,14 @@
 // any order); each exponential by one vector routine whatever its lane (a tail is padded with
 // -inf, never computed another way); the denominator summed 8 lanes by the key's place in the
 // list; the values added key after key. Masked keys are skipped, not added as zeros. Four keys'
-// scores are reduced together (``lane_sums``), adding the same pairs as one key's reduction.
+// scores are reduced together (``lane_sums``), adding the same pairs as one key's reduction;
+// the query heads that share a KV head run together, a tile of keys at a time, so that keys
+// and values come from L2 once for the group (``attend_group``).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,6 +25,7 @@
 namespace {
 
 constexpr int64_t MOST_CHUNKS = 16;  // head dimension up to 16 * 8 = 128
+constexpr int64_t MOST_GROUP = 64;  // query heads per KV head
 
 // exp(x) for x <= 0 (or -inf): 2^n * exp(r), r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by its
 // Taylor series to r^7 (relative error < 1e-7); 2^n built in the exponent bits, 0 below -126.
@@ -97,55 +101,85 @@ inline __m256 score_sum(const __m256* query, const float* k, int64_t chunks) {
   return acc;
 }
 
-// One query row; CHUNKS: the head dimension over 8 where the build knows it (0: ``chunks``).
+constexpr int64_t TILE = 32;  // keys whose keys and values (16 KB at D = 128) stay in L1
+
+// The query heads of one KV head (they see the same keys) for one query row; CHUNKS: the head
+// dimension over 8 where the build knows it (0: ``runtime_chunks``). Keys and values are read
+// a tile at a time for every head of the group, so the group's heads after the first read
+// them from L1; each head's arithmetic is a lone row's, in the same order.
 template <int64_t CHUNKS>
-void attend_row(const float* q, const Tensor4& key, const Tensor4& value, int64_t b,
-                int64_t kv_head, const uint8_t* allowed, int64_t slots, int64_t runtime_chunks,
-                float scale, float* out, std::vector<int64_t>& seen, std::vector<float>& p) {
+void attend_group(const Tensor4& q, const Tensor4& key, const Tensor4& value, int64_t b,
+                  int64_t i, int64_t kv_head, int64_t group, const uint8_t* allowed,
+                  int64_t slots, int64_t runtime_chunks, float scale, float* out,
+                  int64_t head_stride, std::vector<int64_t>& seen, std::vector<float>& p,
+                  std::vector<float>& accs) {
   const int64_t chunks = CHUNKS ? CHUNKS : runtime_chunks;
   visible(allowed, slots, seen);
   const int64_t n = static_cast<int64_t>(seen.size());
   if (n == 0) {  // no key: zeros, as the reference's empty softmax is taken to be
-    for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + c * 8, _mm256_setzero_ps());
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm256_storeu_ps(out + g * head_stride + c * 8, _mm256_setzero_ps());
     return;
   }
-  __m256 query[MOST_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) query[c] = _mm256_loadu_ps(q + c * 8);
   const int64_t padded = (n + 7) / 8 * 8;
-  p.assign(padded, -std::numeric_limits<float>::infinity());
-  float largest = -std::numeric_limits<float>::infinity();
+  p.assign(group * padded, -std::numeric_limits<float>::infinity());
+  accs.assign(group * chunks * 8, 0.0f);
   const __m128 scales = _mm_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {  // four keys' dot products side by side, one reduction
-    const __m128 s = _mm_mul_ps(lane_sums(score_sum(query, key.at(b, kv_head, seen[j]), chunks),
-                                          score_sum(query, key.at(b, kv_head, seen[j + 1]), chunks),
-                                          score_sum(query, key.at(b, kv_head, seen[j + 2]), chunks),
-                                          score_sum(query, key.at(b, kv_head, seen[j + 3]), chunks)),
-                                scales);
-    _mm_storeu_ps(p.data() + j, s);
-    for (int64_t t = 0; t < 4; ++t) largest = std::max(largest, p[j + t]);
+  for (int64_t start = 0; start < n; start += TILE) {  // scores
+    const int64_t end = std::min(n, start + TILE);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* row = q.at(b, kv_head * group + g, i);
+      float* scores = p.data() + g * padded;
+      __m256 query[MOST_CHUNKS];
+      for (int64_t c = 0; c < chunks; ++c) query[c] = _mm256_loadu_ps(row + c * 8);
+      int64_t j = start;
+      for (; j + 4 <= end; j += 4)  // four keys' dot products side by side, one reduction
+        _mm_storeu_ps(scores + j, _mm_mul_ps(lane_sums(
+            score_sum(query, key.at(b, kv_head, seen[j]), chunks),
+            score_sum(query, key.at(b, kv_head, seen[j + 1]), chunks),
+            score_sum(query, key.at(b, kv_head, seen[j + 2]), chunks),
+            score_sum(query, key.at(b, kv_head, seen[j + 3]), chunks)), scales));
+      for (; j < end; ++j)
+        scores[j] = lane_sum(score_sum(query, key.at(b, kv_head, seen[j]), chunks)) * scale;
+    }
   }
-  for (; j < n; ++j) {
-    p[j] = lane_sum(score_sum(query, key.at(b, kv_head, seen[j]), chunks)) * scale;
-    largest = std::max(largest, p[j]);
+  float inverse[MOST_GROUP];
+  for (int64_t g = 0; g < group; ++g) {  // exponentials, each head's own
+    float* scores = p.data() + g * padded;
+    float largest = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) largest = std::max(largest, scores[j]);
+    const __m256 top = _mm256_set1_ps(largest);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
+      _mm256_storeu_ps(scores + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    inverse[g] = 1.0f / lane_sum(total);
   }
-  const __m256 top = _mm256_set1_ps(largest);
-  __m256 total = _mm256_setzero_ps();
-  for (j = 0; j < padded; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), top));
-    _mm256_storeu_ps(p.data() + j, e);
-    total = _mm256_add_ps(total, e);
+  for (int64_t start = 0; start < n; start += TILE) {  // values, key after key per head
+    const int64_t end = std::min(n, start + TILE);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = p.data() + g * padded;
+      float* kept = accs.data() + g * chunks * 8;
+      __m256 acc[MOST_CHUNKS];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_loadu_ps(kept + c * 8);
+      for (int64_t j = start; j < end; ++j) {
+        const float* v = value.at(b, kv_head, seen[j]);
+        const __m256 weight = _mm256_set1_ps(weights[j]);
+        for (int64_t c = 0; c < chunks; ++c)
+          acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + c * 8), acc[c]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(kept + c * 8, acc[c]);
+    }
   }
-  __m256 acc[MOST_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const float* v = value.at(b, kv_head, seen[j]);
-    const __m256 weight = _mm256_set1_ps(p[j]);
+  for (int64_t g = 0; g < group; ++g) {
+    const __m256 scaled = _mm256_set1_ps(inverse[g]);
     for (int64_t c = 0; c < chunks; ++c)
-      acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + c * 8), acc[c]);
+      _mm256_storeu_ps(out + g * head_stride + c * 8,
+                       _mm256_mul_ps(_mm256_loadu_ps(accs.data() + (g * chunks + c) * 8), scaled));
   }
-  const __m256 inverse = _mm256_set1_ps(1.0f / lane_sum(total));
-  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + c * 8, _mm256_mul_ps(acc[c], inverse));
 }
 
 }  // namespace
@@ -162,12 +196,13 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
                   key.stride(3) == 1 && value.stride(3) == 1 && query.size(3) == key.size(3) &&
                   query.size(3) % 8 == 0 && query.size(3) <= 8 * MOST_CHUNKS &&
                   key.size(1) > 0 && query.size(1) % key.size(1) == 0 &&
+                  query.size(1) / key.size(1) <= MOST_GROUP &&
                   allowed.scalar_type() == torch::kByte && allowed.is_contiguous() &&
                   allowed.dim() == 3 && allowed.size(0) == query.size(0) &&
                   allowed.size(1) == query.size(2) && allowed.size(2) == key.size(2),
               "row_attention: float32 [B, heads, q, D] queries, [B, kv_heads, slots, D] keys "
-              "and values (heads a multiple of kv_heads, D a multiple of 8 up to 128, last "
-              "dimension dense), a [B, q, slots] uint8 mask");
+              "and values (heads a multiple of kv_heads, at most 64 times; D a multiple of 8 up "
+              "to 128; last dimension dense), a [B, q, slots] uint8 mask");
   const int64_t batch = query.size(0), heads = query.size(1), queries = query.size(2);
   const int64_t dim = query.size(3), slots = key.size(2), group = heads / key.size(1);
   auto out = torch::empty({batch, queries, heads, dim}, query.options());
@@ -176,14 +211,18 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
   const Tensor4 v{value.data_ptr<float>(), value.stride(0), value.stride(1), value.stride(2)};
   const uint8_t* mask = allowed.data_ptr<uint8_t>();
   float* po = out.data_ptr<float>();
-  at::parallel_for(0, batch * heads * queries, 1, [&](int64_t first, int64_t last) {
+  const int64_t kv_heads = key.size(1);
+  const auto rows = dim == 64 ? &attend_group<8> : dim == 128 ? &attend_group<16>
+                                                              : &attend_group<0>;
+  at::parallel_for(0, batch * kv_heads * queries, 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> seen;
-    std::vector<float> p;
+    std::vector<float> p, accs;
     for (int64_t item = first; item < last; ++item) {
-      const int64_t i = item % queries, h = item / queries % heads, b = item / queries / heads;
-      const auto row = dim == 64 ? &attend_row<8> : dim == 128 ? &attend_row<16> : &attend_row<0>;
-      row(q.at(b, h, i), k, v, b, h / group, mask + (b * queries + i) * slots, slots, dim / 8,
-          static_cast<float>(scale), po + ((b * queries + i) * heads + h) * dim, seen, p);
+      const int64_t i = item % queries, h = item / queries % kv_heads;
+      const int64_t b = item / queries / kv_heads;
+      rows(q, k, v, b, i, h, group, mask + (b * queries + i) * slots, slots, dim / 8,
+           static_cast<float>(scale), po + ((b * queries + i) * heads + h * group) * dim, dim,
+           seen, p, accs);
     }
   });
   return out;
