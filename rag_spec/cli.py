@@ -32,8 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _ask(args: argparse.Namespace) -> int:
     from rag_spec.models import load_model
     from rag_spec.models.loader import resolve_device
-    from rag_spec.serving.ask import ask
+    from rag_spec.models.registry import DEFAULT_MODEL
+    from rag_spec.serving.ask import ask, ask_served
     from rag_spec.serving.drafts import check_draft, drafter_for
+    from rag_spec.serving.served_model import ServedModel
 
     if args.question is None:
         print(f"rag-spec: no question given: asking the demo question ({DEFAULT_QUESTION!r}). "
@@ -53,15 +55,17 @@ def _ask(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # bad flags fail before anything loads
     check_draft(args.draft)
     _check_backend_flags(args)
+    _check_served_flags(args)
     schema = _json_schema(args.json_schema)
     started = time.perf_counter()
-    lm = load_model(args.model, device=args.device)
-    drafter = drafter_for(args.draft, lm)  # loads a trained draft, never trains one
+    if args.served is None:
+        lm = load_model(args.model or DEFAULT_MODEL, device=args.device)
+        drafter = drafter_for(args.draft, lm)  # loads a trained draft, never trains one
     kb = _knowledge_base(args, args.kind)
     # with --json, standard output holds the answer's JSON alone: everything else is a report
     report = sys.stderr if args.json else sys.stdout
-    print(f"(model and {kb.kind} index ready in {time.perf_counter() - started:.1f} s)\n",
-          file=report)
+    ready = f"{kb.kind} index" if args.served else f"model and {kb.kind} index"
+    print(f"({ready} ready in {time.perf_counter() - started:.1f} s)\n", file=report)
     print(f"Q: {args.question}", file=report)
     started_answer = []
 
@@ -71,11 +75,18 @@ def _ask(args: argparse.Namespace) -> int:
             print("A: ", end="")
         print(piece, end="", flush=True)
 
-    with warnings.catch_warnings():  # a cut answer is this command's error, below
-        warnings.simplefilter("ignore", IncompleteOutputWarning)
-        answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
-                     on_text=None if args.json else show, draft=drafter, json_schema=schema,
-                     quantized=args.quantized)
+    on_text = None if args.json else show
+    if args.served is not None:
+        served = ServedModel(args.served, model=args.model, api_key=args.api_key)
+        answer = ask_served(served, kb, args.question, k=args.k,
+                            max_new_tokens=args.max_new_tokens, on_text=on_text,
+                            json_schema=schema)
+    else:
+        with warnings.catch_warnings():  # a cut answer is this command's error, below
+            warnings.simplefilter("ignore", IncompleteOutputWarning)
+            answer = ask(lm, kb, args.question, k=args.k, max_new_tokens=args.max_new_tokens,
+                         on_text=on_text, draft=drafter, json_schema=schema,
+                         quantized=args.quantized)
     if schema is not None and answer.finish_reason == "length":
         print(file=report)
         msg = (f"The answer was cut at --max-new-tokens {args.max_new_tokens} before its JSON "
@@ -88,12 +99,40 @@ def _ask(args: argparse.Namespace) -> int:
         preview = hit.text[:100] + ("..." if len(hit.text) > 100 else "")
         print(f"  [{i}] {hit.title} (score {hit.score:.3f}): {preview}", file=report)
     stats = answer.stats
+    if args.served is not None:
+        tokens = stats["completion_tokens"]
+        speed = "" if tokens is None else (
+            f"{tokens} tokens, {tokens / max(answer.generation_seconds, 1e-9):.1f} tok/s, ")
+        cached = "" if stats["cached_tokens"] is None else (
+            f", {stats['cached_tokens']} of its {stats['prompt_tokens']} prompt tokens read "
+            f"from its prefix cache")
+        print(f"\n{speed}{answer.generation_seconds:.2f} s from {args.served}{cached}; "
+              f"retrieval {answer.retrieval_seconds * 1000:.0f} ms", file=report)
+        return 0
     print(f"\n{len(answer.token_ids)} tokens in {answer.generation_seconds:.2f} s "
           f"({answer.tokens_per_second:.1f} tok/s, {stats['tokens_per_step']:.2f} tokens per "
           f"forward pass, drafts: {stats['drafts'] or 'none'}, {stats['passes']} steps on "
           f"{stats['weights']} weights); "
           f"retrieval {answer.retrieval_seconds * 1000:.0f} ms", file=report)
     return 0
+
+
+def _check_served_flags(args: argparse.Namespace) -> None:
+    """--served answers on the server: the flags that choose how a local model decodes do
+    not apply there, and --api-key only applies there."""
+    if args.served is None:
+        if args.api_key is not None:
+            msg = "--api-key is the served model's key: give the server's address, --served URL."
+            raise RagSpecError(msg)
+        return
+    local = [flag for flag, given in (("--draft", args.draft is not None),
+                                      ("--device", args.device is not None),
+                                      ("--quantized / --float32", args.quantized != "auto"))
+             if given]
+    if local:
+        msg = (f"{', '.join(local)} choose how a local model decodes; with --served the server "
+               f"decodes: leave them out, or drop --served.")
+        raise RagSpecError(msg)
 
 
 def _json_schema(path: str | None) -> Any:
@@ -308,8 +347,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="index (default: flat; with --backend milvus, the collection's)")
     ask.add_argument("--source", action="append",
                      help="corpus: stdlib, pkg:NAME or a folder (repeatable; default stdlib)")
-    ask.add_argument("--model", default=DEFAULT_MODEL,
-                     help="embedded name, model folder or .gguf file")
+    ask.add_argument("--model", default=None,
+                     help=f"embedded name, model folder or .gguf file (default {DEFAULT_MODEL}); "
+                     "with --served, the served model's name (default: the server's one)")
+    ask.add_argument("--served", default=None, metavar="URL",
+                     help="answer with the model behind an OpenAI-compatible server at URL "
+                     "(rag-spec serve, llama.cpp's server, vLLM, Ollama); the passages are "
+                     "retrieved here")
+    ask.add_argument("--api-key", default=None, help="with --served: the server's API key")
     weights = ask.add_mutually_exclusive_group()
     weights.add_argument("--quantized", dest="quantized", action="store_const", const=True,
                          default="auto",

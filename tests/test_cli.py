@@ -217,3 +217,11 @@ def test_draft_help_names_every_kind_and_the_default(capsys):
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at any hyphen
     for kind in ("early-exit:L", "trained-exit:L", "head", "self-spec:N", "drafthead+thetrie"):
         assert kind in text, kind
+
+
+def test_served_asks_refuse_the_local_decoders_flags(capsys):
+    code, _, err = run(capsys, "ask", "hi", "--served", "http://127.0.0.1:9", "--draft", "head",
+                       "--float32")
+    assert code == 2 and "--draft, --quantized / --float32 choose how a local model" in err
+    code, _, err = run(capsys, "ask", "hi", "--api-key", "k")
+    assert code == 2 and "--served URL" in err

@@ -71,6 +71,10 @@ def test_speculative_retrieval_in_front_of_a_served_model_gives_the_naive_loops_
         assert result.stats.rollbacks > 0
 
 
+def test_a_servers_prefix_cache_reset_is_answered_where_nothing_is_stored(served):
+    assert served.reset_prefix_cache()  # float32 weights: nothing stored, the route answers
+
+
 def test_a_served_model_takes_no_lookahead_decoder_and_a_dead_server_is_named(served):
     from rag_spec import LookaheadDecoder
 
@@ -126,9 +130,38 @@ def test_a_served_stride_computes_only_what_follows_the_last_prompt_it_shares():
         spec = IterativeRaLM(served, SpecRetriever(HashRetriever(lying=True)),
                              speculation=RaLMSpeculation(os3=False, stride=3), **settings)
         result = spec.generate(QUESTION, 24)
+        last, _ = served.seen[-1]
+        assert served.complete(last, 2).cached_tokens == len(last) - 1
+        assert served.reset_prefix_cache()  # vLLM's route: a cold cache after it
+        assert served.complete(last, 2).cached_tokens == 0
+    served.seen = served.seen[:-2]
     assert result.token_ids == naive.token_ids and result.stats.rollbacks > 0
     for (before, _), (ids, done) in zip(served.seen, served.seen[1:]):
         assert done.prompt_tokens == len(ids)
         computed = done.prompt_tokens - done.cached_tokens
         assert computed <= len(ids) - min(shared_length(before, ids), len(before) - 1)
     assert naive.stats.served_cached_tokens > 0 and result.stats.served_cached_tokens > 0
+
+
+def test_one_shot_rag_on_a_served_model_streams_the_servers_answer(served, tmp_path, capsys):
+    """``ask_served``: the passages retrieved here, the answer streamed from the chat route, as
+    the server answers the same messages unstreamed; ``rag-spec ask --served`` prints it."""
+    from rag_spec import rag_messages
+    from rag_spec.cli import main
+    from rag_spec.serving.ask import ask_served
+
+    kb = HashRetriever()
+    pieces = []
+    answer = ask_served(served, kb, QUESTION, k=2, max_new_tokens=16, on_text=pieces.append)
+    whole = served._post("/v1/chat/completions", {
+        "messages": rag_messages(QUESTION, answer.hits), "max_tokens": 16, "temperature": 0})
+    assert len(pieces) > 1 and "".join(pieces) == answer.text
+    assert answer.text == whole["choices"][0]["message"]["content"]
+    assert answer.stats["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert answer.stats["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    (tmp_path / "a.txt").write_text("alpha beta gamma delta and more words about files " * 3)
+    assert main(["ask", QUESTION, "--served", served.base_url, "--source", str(tmp_path),
+                 "--kind", "bm25", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "(bm25 index ready" in out and "Sources:" in out
+    assert "tokens, " in out and f"s from {served.base_url}" in out

@@ -47,8 +47,11 @@ agent = create_agent(ChatLookahead(max_tokens=128), [search_python_docs, word_co
 #
 # The model calls a tool (its call carries an id), the tool's result comes back as a
 # `ToolMessage` under that id, and the model answers. Each model turn reports how it was
-# decoded: tokens per forward pass (above 1: drafts were accepted) and the share of the
-# turn spent reading the prompt (prefill), which grows as the conversation does. Which tool
+# decoded: tokens per forward pass (above 1: drafts were accepted), the share of the turn
+# spent reading the prompt (prefill), and how many of the prompt's tokens it read as an earlier
+# turn computed them instead of computing them again: on the embedded model's GGUF weights a
+# token's entries are the same in any pass, so a later turn computes only what the
+# conversation added (the call and the tool's result), with the same tokens. Which tool
 # the model picks, and what it makes of the result, are the 135M model's own: a larger local
 # model (`ChatLookahead(model="path/to/folder")`) answers better through the same loop.
 
@@ -63,7 +66,9 @@ for message in result["messages"]:
     spec = message.response_metadata.get("speculation")
     if spec:
         line += (f"\n       {spec['tokens_per_step']:.2f} tokens per pass, "
-                 f"prefill {spec['prefill_share']:.0%} of the turn")
+                 f"prefill {spec['prefill_share']:.0%} of the turn, "
+                 f"{spec['cached_prompt_tokens']} of {message.usage_metadata['input_tokens']} "
+                 f"prompt tokens read")
     print(line)
 
 # %% [markdown]

@@ -88,6 +88,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
                                  asynchronous=bool(settings and settings[2])))
 
         def one(question: str) -> Run:
+            if served:  # every run from a cold prefix cache: no system reads another's prompts
+                lm.reset_prefix_cache()
             result = ralm.generate(question, max_new_tokens=max_new_tokens)
             return Run(0.0, result.token_ids, {"stats": result.stats})
         return one
@@ -99,6 +101,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         "benchmark": "ralm", "questions": len(questions), "retriever": retriever,
         "kb_size": len(kb), "real_passages": real, "distractor_top1_wins": distractor_wins,
         "latency_ms": latency_ms, "packed": packed, "stride": stride, "served": bool(served),
+        # served: whether the server's prefix cache was emptied before every run
+        "cold_prefix_cache": bool(served) and lm.reset_prefix_cache(),
         "max_new_tokens": max_new_tokens,
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
         "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
@@ -110,6 +114,11 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
                                              for r in system_runs]), 3),
             "per_question_speedup": [round(n.seconds / r.seconds, 3)
                                      for n, r in zip(naive, system_runs)]}
+        if served:  # the prompt tokens the strides sent, and those the server read, not computed
+            report["systems"][name].update({
+                key: round(median([getattr(r.extra["stats"], f"served_{key}")
+                                   for r in system_runs]), 1)
+                for key in ("prompt_tokens", "cached_tokens")})
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
         "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "") + (
         "_served" if served else "")

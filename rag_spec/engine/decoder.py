@@ -387,6 +387,17 @@ class LookaheadDecoder:
         return [Constraint(compiler.compile(r), vocab, self._tokens) if r.given else None
                 for r in requests]
 
+    def forget_prefixes(self) -> int:
+        """Drop the stored prompt entries (``LookaheadConfig.prefix_cache_mb``): the next
+        prompts compute all of theirs, as a cold server's would (benchmarks measure from
+        there). Returns how many prompts were stored. Thread-safe."""
+        if self._prefixes is None:
+            return 0
+        store = self._prefixes[1]
+        stored = len(store)
+        store.clear()
+        return stored
+
     def warm_up(self, max_new_tokens: int = 16, *, progress: bool = True) -> float:
         """Pay a first request's one-time costs now, before a service takes traffic: with
         ``compile=True`` and no package of steps compiled ahead of time, the steps'

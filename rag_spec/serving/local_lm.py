@@ -197,6 +197,10 @@ class LocalLM:
         with self.exclusive():
             return self.decoder.warm_up(progress=progress)
 
+    def forget_prefixes(self) -> int:
+        """``LookaheadDecoder.forget_prefixes``: the stored prompt entries dropped."""
+        return self.decoder.forget_prefixes()
+
     def exclusive(self) -> Any:
         """A context manager that holds the model for other work (e.g. an iterative RaLM
         loop), once the requests in flight have ended."""

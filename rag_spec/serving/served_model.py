@@ -146,6 +146,19 @@ class ServedModel:
                             int((usage.get("prompt_tokens_details") or {}).get(
                                 "cached_tokens") or 0))
 
+    def reset_prefix_cache(self) -> bool:
+        """Ask the server to drop its cached prompt prefixes (``POST /reset_prefix_cache``,
+        as vLLM's and ``rag-spec serve`` have it), so that what follows is measured from a
+        cold cache; False where the server has no such route."""
+        try:
+            self._post("/reset_prefix_cache", {})
+        except RagSpecError as err:
+            if isinstance(err.__cause__, urllib.error.HTTPError) and err.__cause__.code in (
+                    404, 405):
+                return False
+            raise
+        return True
+
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._open(path, body) as response:
             return json.loads(response.read())

@@ -152,6 +152,11 @@ def create_app(model: str | None = None, *, api_key: str | None = None,
         return {"object": "list", "data": [{"id": state.model, "object": "model",
                                             "created": 0, "owned_by": "rag-spec"}]}
 
+    @app.post("/reset_prefix_cache")  # vLLM's route for the same
+    async def reset_prefix_cache() -> Any:
+        assert state.lm is not None
+        return {"status": "ok", "forgotten_prompts": state.lm.forget_prefixes()}
+
     @app.post("/v1/chat/completions")
     async def chat(request: api.ChatRequest) -> Any:
         lm = lm_for(request.model)
