@@ -131,7 +131,7 @@ class Runner(ModuleRunner):
         # the same whatever pass computed them (a prompt whole, in chunks, padded in a batch,
         # or one token at a time), which 8-bit inputs need (they turn the smallest rounding
         # difference into other tokens) and which lets prompts reuse stored prefixes
-        self.row_invariant = bool(blocks)
+        self.row_invariant = bool(blocks) and _every_layer_quantized(module, blocks)
         if self.exact:
             _chunk_rows(self.module, own)
         elif blocks or _wants_onednn(model, settings):
@@ -268,6 +268,15 @@ def _traced_linears(compiled: torch.nn.Module, own: set[int], eager: torch.nn.Mo
                 stacks.append(stack)
             parent._modules[name] = siblings[id(stack)][eager_layer.index]
     return stacks
+
+
+def _every_layer_quantized(module: torch.nn.Module, blocks: dict[str, Any]) -> bool:
+    """Whether every linear layer that computes KV entries multiplies by the file's blocks
+    (the output head only makes logits): a de-quantised layer's float products round by the
+    pass's row count, so its entries would depend on the pass."""
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    return all(path in blocks for path, child in module.named_modules()
+               if is_plain_linear(child) and child is not head)
 
 
 def _wants_exact(model: Any, settings: RunnerSettings) -> bool:
