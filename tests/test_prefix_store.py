@@ -163,3 +163,17 @@ def test_the_embedded_model_reads_an_agents_earlier_turns_and_answers_as_without
         messages += [{"role": "assistant", "content": answer.text},
                      {"role": "user", "content": question}]
     assert read[0] == 0 and read[1] > 20
+
+
+def test_a_file_with_a_de_quantised_layer_stores_no_prefix(quantized_lm):
+    """Formats without a kernel stay float32, whose products round by the pass's row count:
+    one such layer and a token's entries depend on the pass."""
+    from rag_spec.target.gguf import file_weights
+    from rag_spec.target.transformers.runner import _every_layer_quantized
+
+    blocks = dict(file_weights(quantized_lm.model))
+    assert _every_layer_quantized(quantized_lm.model, blocks)
+    assert _every_layer_quantized(quantized_lm.model, {k: v for k, v in blocks.items()
+                                                       if k != "lm_head"})  # logits only
+    blocks.pop(next(k for k in blocks if "layers.1." in k))
+    assert not _every_layer_quantized(quantized_lm.model, blocks)
