@@ -57,7 +57,8 @@ def main(rag: int = 8, open_ended: int = 4) -> dict[str, Any]:
     lm = rag_spec.load_model()
     sets = held_out_prompts(lm, rag, open_ended)
     config = rag_spec.LookaheadConfig
-    decoders = {"float32_no_drafts": config(budget=0), "float32": config(),
+    decoders = {"float32_no_drafts": config(budget=0, quantized=False),
+                "float32": config(quantized=False),
                 "gguf_no_drafts": config(budget=0, quantized=True),
                 "gguf": config(quantized=True)}
     passes = {}
