@@ -94,6 +94,13 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
             return Run(0.0, result.token_ids, {"stats": result.stats})
         return one
 
+    deterministic = None
+    if served:  # a server that batches may round otherwise run to run: then no identity holds
+        twice = [system(None)(questions[0]).tokens for _ in range(2)]
+        deterministic = twice[0] == twice[1]
+        if not deterministic:
+            print("the server's greedy answer changed between two identical naive runs: "
+                  "'identical' below compares against a reference that is not one")
     runs = interleaved({name: system(s) for name, s in systems.items()}, questions)
     naive = runs["naive"]
     share = median([r.extra["stats"].retrieval_seconds / r.seconds for r in naive])
@@ -103,6 +110,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         "latency_ms": latency_ms, "packed": packed, "stride": stride, "served": bool(served),
         # served: whether the server's prefix cache was emptied before every run
         "cold_prefix_cache": bool(served) and lm.reset_prefix_cache(),
+        "server_deterministic": deterministic,  # two naive runs of one question agreed
         "max_new_tokens": max_new_tokens,
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),
         "rss_mb": round(rss_mb(), 1), "machine": machine(), "systems": {}}
