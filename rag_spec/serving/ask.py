@@ -44,12 +44,7 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
     (``LookaheadConfig.quantized``: by default wherever that applies)."""
     from rag_spec.engine.decoder import LookaheadConfig, LookaheadDecoder
 
-    if not question.strip():
-        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
-        raise RagSpecError(msg)
-    started = time.perf_counter()
-    hits = retriever.search([question], k=k)[0]
-    retrieved = time.perf_counter()
+    hits, started, retrieved = _retrieved(retriever, question, k)
     decoder = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(quantized=quantized),
                                drafter=drafter_for(draft, lm))
     decoder.add_context([hit.text for hit in hits])
@@ -62,6 +57,16 @@ def ask(lm: LoadedModel, retriever: Retriever, question: str, *, k: int = 3,
                   stats=result.stats.as_dict(), finish_reason=result.finish_reason)
 
 
+def _retrieved(retriever: Retriever, question: str, k: int) -> tuple[list[Hit], float, float]:
+    """The question's ``k`` passages, and when their search started and ended."""
+    if not question.strip():
+        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
+        raise RagSpecError(msg)
+    started = time.perf_counter()
+    hits = retriever.search([question], k=k)[0]
+    return hits, started, time.perf_counter()
+
+
 def ask_served(served: ServedModel, retriever: Retriever, question: str, *, k: int = 3,
                max_new_tokens: int = 256, on_text: Callable[[str], None] | None = None,
                json_schema: Any = None) -> Answer:
@@ -69,12 +74,7 @@ def ask_served(served: ServedModel, retriever: Retriever, question: str, *, k: i
     ``rag-spec serve``, llama.cpp's, vLLM, Ollama): the passages are retrieved here and sent
     in the same messages ``ask`` renders. ``stats`` holds the server's token counts (no token
     ids: the chat route sends text)."""
-    if not question.strip():
-        msg = 'The question is empty. Ask something, e.g. rag-spec ask "How do I join paths?"'
-        raise RagSpecError(msg)
-    started = time.perf_counter()
-    hits = retriever.search([question], k=k)[0]
-    retrieved = time.perf_counter()
+    hits, started, retrieved = _retrieved(retriever, question, k)
     if isinstance(json_schema, str):
         json_schema = json.loads(json_schema)
     elif isinstance(json_schema, type):  # a Pydantic model class
