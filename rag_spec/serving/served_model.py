@@ -108,11 +108,12 @@ class ServedModel:
                 "name": "answer", "schema": json_schema, "strict": True}}
         pieces, reason, usage = [], "length", {}
         with self._open("/v1/chat/completions", body) as response:
-            for line in response:
-                data = line.decode().strip().removeprefix("data:").strip()
-                if not data or data == "[DONE]":
+            for line in response:  # server-sent events: data lines; comments are pings
+                text = line.decode().strip()
+                payload = text.removeprefix("data:").strip()
+                if not text.startswith("data:") or payload == "[DONE]":
                     continue
-                chunk = json.loads(data)
+                chunk = json.loads(payload)
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content") or ""
