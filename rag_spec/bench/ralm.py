@@ -76,6 +76,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
 
     decoder = None if served else LookaheadDecoder(lm.model, lm.tokenizer)
     systems = {name: s for name, s in SYSTEMS.items() if not (served and s and s[3])}
+    cold = bool(served) and lm.reset_prefix_cache()  # the server can empty its prefix cache
 
     def system(settings: tuple[int, bool, bool, bool, bool] | None) -> Any:
         # One loop per system, as an application keeps one: OS3 starts cold only once.
@@ -88,7 +89,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
                                  asynchronous=bool(settings and settings[2])))
 
         def one(question: str) -> Run:
-            if served:  # every run from a cold prefix cache: no system reads another's prompts
+            if cold:  # every run from a cold prefix cache: no system reads another's prompts
                 lm.reset_prefix_cache()
             result = ralm.generate(question, max_new_tokens=max_new_tokens)
             return Run(0.0, result.token_ids, {"stats": result.stats})
@@ -109,7 +110,7 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
         "kb_size": len(kb), "real_passages": real, "distractor_top1_wins": distractor_wins,
         "latency_ms": latency_ms, "packed": packed, "stride": stride, "served": bool(served),
         # served: whether the server's prefix cache was emptied before every run
-        "cold_prefix_cache": bool(served) and lm.reset_prefix_cache(),
+        "cold_prefix_cache": cold,
         "server_deterministic": deterministic,  # two naive runs of one question agreed
         "max_new_tokens": max_new_tokens,
         "retrieval_share": round(share, 3), "amdahl_bound": round(1 / max(1 - share, 1e-9), 3),

@@ -19,7 +19,7 @@ from rag_spec.target.transformers.kv_cache import (
     new_cache,
 )
 from rag_spec.target.transformers.passes import ModuleRunner
-from rag_spec.target.transformers.prefix_store import PrefixStore
+from rag_spec.target.transformers.prefix_store import PrefixStore, StoredPrefix
 from rag_spec.target.transformers.step_inputs import dense_mask
 from rag_spec.target.transformers.tree_cache import TreeKVCache, joined
 from rag_spec_kernels import whole_rows
@@ -65,6 +65,11 @@ def prefill_reusing(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
     computes is kept there. Returns the cache and how many tokens of each prompt were read."""
     prefixes = [list(p[:-1]) for p in prompts]
     found = [store.longest(p) for p in prefixes]
+    if not any(f.length for f in found):  # nothing to read: ``prefill`` (in place, compiled)
+        tree = prefill(runner, prompts, capacity)
+        _keep(store, prefixes, found, [(tree.cache, tree.valid)],
+              {b: (0, b) for b in range(len(prompts))})
+        return tree, [0] * len(prompts)
     fresh = [b for b, f in enumerate(found) if not f.length]
     parts: list[tuple[Any, torch.Tensor]] = []
     where: dict[int, tuple[int, int]] = {}
@@ -82,6 +87,18 @@ def prefill_reusing(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
             where[b] = (len(parts), 0)
             parts.append((cache, torch.ones(1, len(prefixes[b]), dtype=torch.bool,
                                             device=runner.device)))
+    _keep(store, prefixes, found, parts, where)
+    cache, valid = joined(parts, [where[b] for b in range(len(prompts))])
+    tree = TreeKVCache(cache, valid, [p[-1] for p in prompts], attention_window(runner.config))
+    return (tree if capacity is None else _lent(runner, tree, capacity)), \
+        [f.length for f in found]
+
+
+def _keep(store: PrefixStore, prefixes: Sequence[list[int]], found: Sequence[StoredPrefix],
+          parts: Sequence[tuple[Any, torch.Tensor]], where: dict[int, tuple[int, int]]) -> None:
+    """Store each prompt prefix that computed more than it read: ``where`` names its row as
+    (part, row) of ``parts``, (cache, valid) pairs whose rows end at their ``valid`` width
+    (a static cache's later slots are not read)."""
     for b, prefix in enumerate(prefixes):
         if len(prefix) > found[b].length:
             p, r = where[b]
@@ -89,10 +106,6 @@ def prefill_reusing(runner: ModuleRunner, prompts: Sequence[Sequence[int]],
             store.keep(prefix, [(layer.keys[r, :, width - len(prefix):width],
                                  layer.values[r, :, width - len(prefix):width])
                                 for layer in layers(parts[p][0])])
-    cache, valid = joined(parts, [where[b] for b in range(len(prompts))])
-    tree = TreeKVCache(cache, valid, [p[-1] for p in prompts], attention_window(runner.config))
-    return (tree if capacity is None else _lent(runner, tree, capacity)), \
-        [f.length for f in found]
 
 
 def regroup(runner: ModuleRunner, parts: Sequence[tuple[TreeKVCache, Sequence[int]]],
