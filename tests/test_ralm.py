@@ -9,6 +9,7 @@ from rag_spec.bench.simulated import DelayedRetriever
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.spec_retriever import SpecRetriever
 from rag_spec.serving.ralm import IterativeRaLM, RaLMSpeculation
+from rag_spec.speculation import Speculation
 
 
 def service(retriever: HashRetriever, latency_ms: float = 3) -> DelayedRetriever:
@@ -348,3 +349,81 @@ def test_the_earlier_speculation_keywords_still_set_the_settings_object_and_warn
     assert loop.speculation == RaLMSpeculation(os3=False, stride=5)
     with pytest.raises(TypeError, match="strid"):
         IterativeRaLM(lm, SpecRetriever(HashRetriever()), strid=5)
+
+
+class _Points(Speculation):
+    """A speculation over numbered points whose strides last until the round verified in
+    flight returns: right, it lets them end; wrong, only the loop's ``Cancel`` does."""
+
+    cancellable = True
+
+    def __init__(self, guesses, truths):
+        self.guesses, self.truths = guesses, truths
+        self.output = []  # what each point decoded under: its guess or its truth
+        self.returned = [threading.Event() for _ in truths]  # a right verification returned
+        self.awaiting = []  # points verified in flight, newest last
+        self.cancelled = 0
+
+    def advance(self, cancel):
+        if len(self.output) == len(self.truths):
+            return None, True
+        if self.awaiting:
+            returned = self.returned[self.awaiting[-1]]
+            with cancel.hooked(returned.set):
+                assert returned.wait(30), "neither a right verification nor a cancel came"
+            if cancel.is_set():
+                self.cancelled += 1
+                return None, False
+        return len(self.output), False
+
+    def guessed(self, point):
+        return True
+
+    def go_on(self, point, truth):
+        self.output.append(self.guesses[point] if truth is None else truth)
+        if truth is None:
+            self.awaiting.append(point)
+
+    def verify(self, points, foreground):
+        truths = [self.truths[p] for p in points]
+        for p in points:
+            if self.right(p, self.truths[p]):
+                self.returned[p].set()
+        return truths, 0.0
+
+    def right(self, point, truth):
+        return self.guesses[point] == truth
+
+    def roll_back(self, point, truth):
+        del self.output[point:]
+        self.output.append(truth)
+        self.awaiting.clear()
+
+
+def test_a_wrong_guess_found_in_flight_cancels_the_stride_decoding_past_it():
+    """Asynchronous verification: a round found wrong while the next stride decodes cancels
+    that stride (event order: the stride ends on the cancel alone), and the output is the
+    truths', as if nothing had been guessed."""
+    from rag_spec.retrieval.os3 import StrideScheduler
+    from rag_spec.speculation import SpeculationTally, speculate
+
+    truths = list(range(10, 18))
+    guesses = [t + (p in (2, 5)) for p, t in enumerate(truths)]  # points 2 and 5 guessed wrong
+    spec, tally = _Points(guesses, truths), SpeculationTally()
+    speculate(spec, StrideScheduler(os3=False, fixed=1, asynchronous=True), tally,
+              max_in_flight=1)
+    assert spec.output == truths
+    assert tally.rollbacks == 2 and spec.cancelled == 2
+
+
+def test_a_cancel_runs_its_hooks_once_and_at_once_for_late_hooks():
+    from rag_spec.speculation import Cancel
+
+    cancel, calls = Cancel(), []
+    with cancel.hooked(lambda: calls.append("early")):
+        assert calls == [] and not cancel.is_set()
+        cancel.set()
+        cancel.set()
+    with cancel.hooked(lambda: calls.append("late")):
+        pass
+    assert calls == ["early", "late"] and cancel.is_set()

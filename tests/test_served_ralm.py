@@ -2,6 +2,10 @@
 (started and stopped here). The speculative loop's tokens equal the naive loop's against the
 same server, rollbacks included, and the in-process loop's on the same model."""
 
+import json
+import threading
+import urllib.request
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -100,16 +104,25 @@ def test_langchains_iterative_ralm_drives_a_served_model(served):
 
 
 class Recording(ServedModel):
-    """A served model that keeps each stride's prompt and the server's answer."""
+    """A served model that keeps each stride's prompt and the server's answer (a stride closed
+    mid-stream has none)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen = []
 
-    def complete(self, token_ids, max_tokens):
-        done = super().complete(token_ids, max_tokens)
-        self.seen.append((list(token_ids), done))
+    def complete(self, token_ids, max_tokens, cancel=None):
+        done = super().complete(token_ids, max_tokens, cancel)
+        if done.finish_reason != "cancelled":
+            self.seen.append((list(token_ids), done))
         return done
+
+
+def post(url, body):
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
 
 
 def shared_length(a, b):
@@ -139,7 +152,9 @@ def test_a_served_stride_computes_only_what_follows_the_last_prompt_it_shares():
     for (before, _), (ids, done) in zip(served.seen, served.seen[1:]):
         assert done.prompt_tokens == len(ids)
         computed = done.prompt_tokens - done.cached_tokens
-        assert computed <= len(ids) - min(shared_length(before, ids), len(before) - 1)
+        # a prompt inside the one before still computes its last token (its logits)
+        read = min(shared_length(before, ids), len(before) - 1, len(ids) - 1)
+        assert computed <= len(ids) - read
     assert naive.stats.served_cached_tokens > 0 and result.stats.served_cached_tokens > 0
 
 
@@ -153,7 +168,7 @@ def test_one_shot_rag_on_a_served_model_streams_the_servers_answer(served, tmp_p
     kb = HashRetriever()
     pieces = []
     answer = ask_served(served, kb, QUESTION, k=2, max_new_tokens=16, on_text=pieces.append)
-    whole = served._post("/v1/chat/completions", {
+    whole = post(served.base_url + "/v1/chat/completions", {
         "messages": rag_messages(QUESTION, answer.hits), "max_tokens": 16, "temperature": 0})
     assert len(pieces) > 1 and "".join(pieces) == answer.text
     assert answer.text == whole["choices"][0]["message"]["content"]
@@ -165,3 +180,46 @@ def test_one_shot_rag_on_a_served_model_streams_the_servers_answer(served, tmp_p
     out = capsys.readouterr().out
     assert "(bm25 index ready" in out and "Sources:" in out
     assert "tokens, " in out and f"s from {served.base_url}" in out
+
+
+def test_a_cancelled_stride_closes_its_stream_and_returns_nothing():
+    """Event order, no clock: a server that sends one chunk and then holds the stream open;
+    setting the stride's ``Cancel`` ends the client's blocked read and shuts the connection
+    (the server reads its end), and the stride comes back empty, "cancelled"."""
+    import http.server
+    import socketserver
+
+    from rag_spec.speculation import Cancel
+
+    sent, closed = threading.Event(), threading.Event()
+
+    class Holding(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n')
+            self.wfile.flush()
+            sent.set()
+            if self.rfile.read(1) == b"":  # the client shut its side
+                closed.set()
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Holding) as server:
+        thread = threading.Thread(target=server.handle_request, daemon=True)
+        thread.start()
+        served = ServedModel(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=object())
+        cancel, answers = Cancel(), []
+        client = threading.Thread(target=lambda: answers.append(
+            served.complete([1, 2, 3], 8, cancel)), daemon=True)
+        client.start()
+        assert sent.wait(30)
+        cancel.set()
+        client.join(30)
+        thread.join(30)
+    assert answers and answers[0].finish_reason == "cancelled" and answers[0].token_ids == []
+    assert closed.is_set()
+    assert served.complete([1, 2, 3], 8, cancel).finish_reason == "cancelled"  # set already

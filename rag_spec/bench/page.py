@@ -127,6 +127,7 @@ METRICS = (
     ("tokens_per_step", "tokens per pass"), ("kb_calls", "KB calls"),
     ("mean_stride", "stride"), ("rollbacks", "rollbacks"),
     ("prompt_tokens", "prompt tokens sent"), ("cached_tokens", "of them read, not computed"),
+    ("cancelled_strides", "strides cancelled"),
     ("seconds_per_request", "s per question"), ("seconds_per_prompt", "s per prompt"),
     ("median_seconds", "median s"), ("p50_seconds", "p50 s"), ("p95_seconds", "p95 s"),
     ("ttft_p50_seconds", "first token p50 s"), ("ttft_p95_seconds", "first token p95 s"),

@@ -123,11 +123,12 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
                                              for r in system_runs]), 3),
             "per_question_speedup": [round(n.seconds / r.seconds, 3)
                                      for n, r in zip(naive, system_runs)]}
-        if served:  # the prompt tokens the strides sent, and those the server read, not computed
+        if served:  # the prompt tokens the strides sent, those the server read, not computed,
+            # and the strides closed mid-stream on a wrong guess found behind them
             report["systems"][name].update({
                 key: round(median([getattr(r.extra["stats"], f"served_{key}")
                                    for r in system_runs]), 1)
-                for key in ("prompt_tokens", "cached_tokens")})
+                for key in ("prompt_tokens", "cached_tokens", "cancelled_strides")})
     name = f"ralm_{retriever}" + (f"_{kb_size}" if kb_size else "") + (
         "_packed" if packed else "") + (f"_{int(latency_ms)}ms" if latency_ms else "") + (
         "_served" if served else "")

@@ -30,7 +30,7 @@ from rag_spec.knnlm.datastore import KNNDatastore, model_fingerprint
 from rag_spec.knnlm.keys import KeyedLM
 from rag_spec.knnlm.neighbour_cache import NeighbourCache
 from rag_spec.retrieval.os3 import StrideScheduler
-from rag_spec.speculation import Speculation, SpeculationTally, speculate
+from rag_spec.speculation import Cancel, Speculation, SpeculationTally, speculate
 from rag_spec.target.transformers.kv_cache import new_cache
 from rag_spec.threads import run_in_compute_thread
 
@@ -261,8 +261,8 @@ class _Guesses(Speculation[_Step, Neighbours]):
         self.run = run
         self.cache = cache
 
-    def advance(self) -> tuple[_Step | None, bool]:
-        run = self.run
+    def advance(self, cancel: Cancel) -> tuple[_Step | None, bool]:
+        run = self.run  # a step is one token: nothing to cut short (not cancellable)
         if run.done:
             return None, True
         run.feed()

@@ -211,15 +211,24 @@ def text_response(completion: Completion, model: str, request_id: str,
             "model": model,
             "choices": [{"index": 0, "text": prefix + completion.text, "logprobs": None,
                          "finish_reason": completion.api_finish_reason}],
-            "usage": completion.usage(),
-            "rag_spec": {**completion.speculation(), "token_ids": completion.token_ids}}
+            "usage": completion.usage(), "rag_spec": _with_ids(completion)}
 
 
-def text_chunk(request_id: str, model: str, text: str,
-               finish_reason: str | None = None) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
+def text_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
+               completion: Completion | None = None) -> dict[str, Any]:
+    """A streamed completion's chunk; the last (``completion`` given) also carries the
+    answer's token ids in the ``rag_spec`` field, as the whole response does."""
+    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+             "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                          "finish_reason": finish_reason}]}
+    if completion is not None:
+        chunk["rag_spec"] = _with_ids(completion)
+    return chunk
+
+
+def _with_ids(completion: Completion) -> dict[str, Any]:
+    """A completion's ``rag_spec`` field: its speculation's statistics and its token ids."""
+    return {**completion.speculation(), "token_ids": completion.token_ids}
 
 
 def embeddings_response(vectors: Any, model: str, tokens: int,

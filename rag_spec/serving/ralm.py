@@ -29,7 +29,7 @@ from rag_spec.retrieval.spec_retriever import SpecRetriever, SpecSession, same_p
 from rag_spec.retrieval.types import Hit, Retriever
 from rag_spec.serving.ralm_state import Extend, RalmState, Segment
 from rag_spec.serving.served_model import ServedModel, ServedState
-from rag_spec.speculation import Speculation, SpeculationTally, speculate
+from rag_spec.speculation import Cancel, Speculation, SpeculationTally, speculate
 from rag_spec.threads import use_one_openmp_thread
 from rag_spec.tokenizing import serial
 
@@ -76,6 +76,8 @@ class RalmStats(SpeculationTally):
     # cache processes again, and of them those the server said it read from its prefix cache
     served_prompt_tokens: int = 0
     served_cached_tokens: int = 0
+    # a served model's strides closed mid-stream, a wrong guess behind them found meanwhile
+    served_cancelled_strides: int = 0
 
 
 @dataclass
@@ -180,6 +182,7 @@ class IterativeRaLM:
         if isinstance(state, ServedState):
             stats.served_prompt_tokens = state.prompt_tokens
             stats.served_cached_tokens = state.cached_tokens
+            stats.served_cancelled_strides = state.cancelled_strides
         text = tokenizer.decode(state.output, skip_special_tokens=True)
         return RalmResult(text, list(state.output), state.passages, stats)
 
@@ -237,11 +240,12 @@ class IterativeRaLM:
             stats.queries_verified += len(queries)
         return hits, elapsed
 
-    def _generate(self, state: RalmState, limit: int) -> None:
-        state.step(min(self.stride, limit - len(state.output)))
+    def _generate(self, state: RalmState | ServedState, limit: int,
+                  cancel: Cancel | None = None) -> None:
+        state.step(min(self.stride, limit - len(state.output)), cancel)
 
-    def _naive(self, state: RalmState, question: str, question_ids: list[int], limit: int,
-               stats: RalmStats) -> None:
+    def _naive(self, state: RalmState | ServedState, question: str, question_ids: list[int],
+               limit: int, stats: RalmStats) -> None:
         state.use(self._search(self.retriever.search, [question], stats)[0][0], -1)
         point = 0
         while True:
@@ -252,7 +256,7 @@ class IterativeRaLM:
             state.use(self._search(self.retriever.search, [query], stats)[0][0], point)
             point += 1
 
-    def _speculative(self, state: RalmState, session: SpecSession, question: str,
+    def _speculative(self, state: RalmState | ServedState, session: SpecSession, question: str,
                      question_ids: list[int], limit: int, stats: RalmStats) -> None:
         scheduler = self._scheduler()
         try:
@@ -271,7 +275,7 @@ class IterativeRaLM:
                 scheduler.resume(self._learned)
         return scheduler
 
-    def _speculate(self, state: RalmState, session: SpecSession, question: str,
+    def _speculate(self, state: RalmState | ServedState, session: SpecSession, question: str,
                    question_ids: list[int], limit: int, stats: RalmStats,
                    scheduler: StrideScheduler) -> None:
         state.use(self._verify(session, [question], stats, scheduler)[0][0], -1)
@@ -307,9 +311,13 @@ def _with_legacy(speculation: RaLMSpeculation, legacy: dict[str, Any]) -> RaLMSp
 
 class _Guesses(Speculation[_Pending, list[Hit]]):
     """Iterative RaLM on the speculation loop: a point is a stride's end, its guess the
-    passages the session's cache ranks first for the query there."""
+    passages the session's cache ranks first for the query there. A stride stops early once a
+    wrong guess behind it is found: a served one closes its stream, one decoded token by token
+    here stops between tokens."""
 
-    def __init__(self, loop: IterativeRaLM, state: RalmState, session: SpecSession,
+    cancellable = True
+
+    def __init__(self, loop: IterativeRaLM, state: RalmState | ServedState, session: SpecSession,
                  question_ids: list[int], limit: int, stats: RalmStats,
                  scheduler: StrideScheduler) -> None:
         self.loop, self.state, self.session = loop, state, session
@@ -317,9 +325,11 @@ class _Guesses(Speculation[_Pending, list[Hit]]):
         self.stats, self.scheduler = stats, scheduler
         self.point = 0  # the next retrieval point's number
 
-    def advance(self) -> tuple[_Pending | None, bool]:
+    def advance(self, cancel: Cancel) -> tuple[_Pending | None, bool]:
         state = self.state
-        self.loop._generate(state, self.limit)
+        self.loop._generate(state, self.limit, cancel)
+        if cancel.is_set():  # rolled back to a wrong guess behind this stride: no point here
+            return None, False
         if state.finished or len(state.output) >= self.limit:
             return None, True
         query = self.loop._query(self.question_ids, state.output)

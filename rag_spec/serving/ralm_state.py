@@ -20,6 +20,7 @@ import torch
 from rag_spec.errors import RagSpecError
 from rag_spec.models.limits import context_window
 from rag_spec.retrieval.types import Hit
+from rag_spec.speculation import Cancel
 from rag_spec.target.transformers.kv_cache import cache_argument, crop, new_cache
 from rag_spec.target.transformers.prefill import append as fill_cache
 
@@ -117,8 +118,10 @@ class RalmState(SegmentHistory):
         self.segments.append(Segment(passages, point, prompt, cache))
         self.compute_seconds += time.perf_counter() - started
 
-    def step(self, n: int) -> int:
-        """Greedily decode up to ``n`` tokens (fewer at EOS); returns how many were added."""
+    def step(self, n: int, cancel: Cancel | None = None) -> int:
+        """Greedily decode up to ``n`` tokens (fewer at EOS, or once ``cancel`` is set: one
+        token at a time it stops between tokens; a speculative stride runs whole); returns how
+        many were added."""
         started = time.perf_counter()
         segment = self.segments[-1]
         if self.window is not None:  # the next retrieval reports the full window
@@ -128,7 +131,7 @@ class RalmState(SegmentHistory):
             tokens = self.extend(segment, self.output, n)
             self.output.extend(tokens)
             added = len(tokens)
-        while added < n and not self.finished:
+        while added < n and not self.finished and not (cancel and cancel.is_set()):
             pending = self.output[-1] if self.output else segment.prompt[-1]
             logits = self.model(input_ids=torch.tensor([[pending]], device=self.model.device),
                                 use_cache=True, **cache_argument(self.model, segment.cache)

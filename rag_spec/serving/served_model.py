@@ -4,8 +4,10 @@ RaLMSpec's loop needs three things of a generator: continue a prefix for a strid
 continue another prefix after a rollback. ``ServedModel`` does them over HTTP: the prompt is
 rendered and tokenized here, with the served model's own tokenizer (its chat template), and
 each stride is ``POST /v1/completions`` with the prompt as token ids, greedy, ``max_tokens``
-the stride, so that a rollback re-sends exactly the kept prefix. The answer's token ids come
-back in the response's ``rag_spec`` field (``rag-spec serve`` sends them); a server that sends
+the stride, so that a rollback re-sends exactly the kept prefix. Strides stream: one that a
+wrong guess behind it has made useless is cancelled by closing its connection (the server stops
+decoding it). The answer's token ids come back in the last chunk's ``rag_spec`` field
+(``rag-spec serve`` sends them); a server that sends
 only text cannot be driven exactly (text does not tokenize back to the same ids) and is named
 as such. The server decodes each request from its prompt: a server that caches prompt
 prefixes (vLLM's automatic prefix caching, llama.cpp's ``cache_prompt``, ``rag-spec serve`` on
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import json
+import socket
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 from rag_spec.errors import RagSpecError
 from rag_spec.retrieval.types import Hit
 from rag_spec.serving.ralm_state import Segment, SegmentHistory
+from rag_spec.speculation import Cancel
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class Continuation:
     it, what it read from its prefix cache, where it says)."""
 
     token_ids: list[int]
-    finish_reason: str  # the API's: "stop" (the end of the answer) or "length"
+    finish_reason: str  # the API's "stop" (the answer's end) or "length"; or "cancelled"
     prompt_tokens: int
     cached_tokens: int = 0
 
@@ -98,51 +102,50 @@ class ServedModel:
         """A greedy answer to ``messages`` on ``/v1/chat/completions``, streamed: each piece
         of text goes to ``on_text`` as the server sends it; under ``json_schema`` (a dict)
         through the API's ``response_format``. Any OpenAI-compatible server."""
-        body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
-                                "temperature": 0, "stream": True,
-                                "stream_options": {"include_usage": True}}
-        if self.model is not None:
-            body["model"] = self.model
+        body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens}
         if json_schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "answer", "schema": json_schema, "strict": True}}
         pieces, reason, usage = [], "length", {}
-        with self._open("/v1/chat/completions", body) as response:
-            for line in response:  # server-sent events: data lines; comments are pings
-                text = line.decode().strip()
-                payload = text.removeprefix("data:").strip()
-                if not text.startswith("data:") or payload == "[DONE]":
-                    continue
-                chunk = json.loads(payload)
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece:
-                        pieces.append(piece)
-                        if on_text is not None:
-                            on_text(piece)
-                    reason = choice.get("finish_reason") or reason
+        for chunk in self._events("/v1/chat/completions", body):
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    pieces.append(piece)
+                    if on_text is not None:
+                        on_text(piece)
+                reason = choice.get("finish_reason") or reason
         return ServedAnswer("".join(pieces), reason, usage)
 
-    def complete(self, token_ids: Sequence[int], max_tokens: int) -> Continuation:
+    def complete(self, token_ids: Sequence[int], max_tokens: int,
+                 cancel: Cancel | None = None) -> Continuation:
         """Greedy tokens after ``token_ids``: at most ``max_tokens``, fewer at the answer's
-        end (its end-of-answer token included, as a loaded model's decoding has it)."""
-        body: dict[str, Any] = {"prompt": list(token_ids), "max_tokens": max_tokens,
-                                "temperature": 0}
-        if self.model is not None:
-            body["model"] = self.model
-        answer = self._post("/v1/completions", body)
+        end (its end-of-answer token included, as a loaded model's decoding has it). Streamed:
+        once ``cancel`` is set the stream is closed, which stops the server's decoding of it,
+        and nothing comes back (``finish_reason`` "cancelled")."""
+        cancel = cancel or Cancel()
+        cancelled = Continuation([], "cancelled", 0)
+        if cancel.is_set():
+            return cancelled
+        final: dict[str, Any] = {}
+        reason, usage = "length", {}
         try:
-            choice = answer["choices"][0]
-            ids = answer["rag_spec"]["token_ids"]
-        except (KeyError, IndexError, TypeError) as err:
+            for chunk in self._events("/v1/completions", {"prompt": list(token_ids),
+                                                          "max_tokens": max_tokens}, cancel):
+                usage = chunk.get("usage") or usage
+                final = chunk.get("rag_spec") or final
+                for choice in chunk.get("choices") or ():
+                    reason = choice.get("finish_reason") or reason
+        except _Cancelled:
+            return cancelled
+        if "token_ids" not in final:
             msg = (f"The server at {self.base_url} answered a completion without its token ids "
-                   "(the response's rag_spec.token_ids, which rag-spec serve sends): iterative "
-                   "RaLM continues prefixes token for token, which text alone cannot give. "
-                   "Serve the model with `rag-spec serve`.")
-            raise RagSpecError(msg) from err
-        usage = answer.get("usage") or {}
-        return Continuation([int(t) for t in ids], choice.get("finish_reason") or "length",
+                   "(the rag_spec.token_ids field of its last chunk, which rag-spec serve "
+                   "sends): iterative RaLM continues prefixes token for token, which text alone "
+                   "cannot give. Serve the model with `rag-spec serve`.")
+            raise RagSpecError(msg)
+        return Continuation([int(t) for t in final["token_ids"]], reason,
                             int(usage.get("prompt_tokens", len(token_ids))),
                             int((usage.get("prompt_tokens_details") or {}).get(
                                 "cached_tokens") or 0))
@@ -152,37 +155,83 @@ class ServedModel:
         as vLLM's and ``rag-spec serve`` have it), so that what follows is measured from a
         cold cache; False where the server has no such route."""
         try:
-            self._post("/reset_prefix_cache", {})
-        except RagSpecError as err:
-            if isinstance(err.__cause__, urllib.error.HTTPError) and err.__cause__.code in (
-                    404, 405):
+            with self._open("/reset_prefix_cache", {}) as response:
+                response.read()
+        except _Refused as err:
+            if err.status in (404, 405):
                 return False
             raise
         return True
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self._open(path, body) as response:
-            return json.loads(response.read())
+    def _events(self, path: str, body: dict[str, Any], cancel: Cancel | None = None
+                ) -> Iterator[dict[str, Any]]:
+        """The chunks of a greedy answer to ``body``, streamed from ``path`` as server-sent
+        events (data lines; comment lines are a server's keep-alive pings). Once ``cancel`` is
+        set the connection is shut, and ``_Cancelled`` raised."""
+        body = {**body, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            with self._open(path, body, cancel) as response:
+                for line in response:
+                    text = line.decode().strip()
+                    payload = text.removeprefix("data:").strip()
+                    if text.startswith("data:") and payload != "[DONE]":
+                        yield json.loads(payload)
+        except RagSpecError:
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled from None
+            raise
+        if cancel is not None and cancel.is_set():  # shut mid-stream: what came is not whole
+            raise _Cancelled
 
     @contextlib.contextmanager
-    def _open(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
-        """The server's response to ``body`` posted at ``path``; errors name the server."""
+    def _open(self, path: str, body: dict[str, Any], cancel: Cancel | None = None
+              ) -> Iterator[http.client.HTTPResponse]:
+        """The server's response to ``body`` posted at ``path``; errors name the server.
+        ``cancel``, once set, shuts the connection (a blocked read then ends)."""
+        url = urllib.parse.urlsplit(self.base_url + path)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(url.hostname or "127.0.0.1", url.port, timeout=self.timeout)
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(),
-                                         headers, method="POST")
+
+        def shut() -> None:
+            with contextlib.suppress(OSError):
+                if connection.sock is not None:
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+            connection.connect()
+            with cancel.hooked(shut) if cancel is not None else contextlib.nullcontext():
+                connection.request("POST", url.path, json.dumps(body).encode(), headers)
+                response = connection.getresponse()
+                if response.status >= 400:
+                    detail = response.read().decode(errors="replace")[:300]
+                    msg = (f"The server at {self.base_url} refused a request to {path} "
+                           f"({response.status}): {detail}")
+                    raise _Refused(msg, response.status)
                 yield response
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:300]
-            msg = f"The server at {self.base_url} refused a completion ({err.code}): {detail}"
-            raise RagSpecError(msg) from err
-        except (urllib.error.URLError, OSError) as err:
+        except (OSError, http.client.HTTPException) as err:
             msg = (f"Could not reach the server at {self.base_url} ({err}); start it (`rag-spec "
                    "serve`) or check the address.")
             raise RagSpecError(msg) from err
+        finally:
+            connection.close()
+
+
+class _Refused(RagSpecError):
+    """The server answered with an error status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Cancelled(Exception):
+    """A streamed answer cut short by its ``Cancel``."""
 
 
 def _tokenizer(tokenizer: Any) -> Any:
@@ -208,6 +257,7 @@ class ServedState(SegmentHistory):
         self.served = served
         self.prompt_tokens = 0  # prompt tokens the server was sent, all strides
         self.cached_tokens = 0  # of them, read from the server's prefix cache (as it says)
+        self.cancelled_strides = 0  # closed mid-stream: a wrong guess behind them was found
         self._ended = False  # the server ended the answer without an end token in the ids
 
     @property
@@ -219,13 +269,17 @@ class ServedState(SegmentHistory):
         if not self.unchanged(passages):
             self.segments.append(Segment(passages, point, self.build_prompt(passages), None))
 
-    def step(self, n: int) -> int:
-        """Up to ``n`` greedy tokens from the server; returns how many were added."""
+    def step(self, n: int, cancel: Cancel | None = None) -> int:
+        """Up to ``n`` greedy tokens from the server (none once ``cancel`` is set: the stride
+        is dropped); returns how many were added."""
         if n < 1 or self.finished:
             return 0
         started = time.perf_counter()
-        done = self.served.complete(self.segments[-1].prompt + self.output, n)
+        done = self.served.complete(self.segments[-1].prompt + self.output, n, cancel)
         self.compute_seconds += time.perf_counter() - started
+        if done.finish_reason == "cancelled":
+            self.cancelled_strides += 1
+            return 0
         self.prompt_tokens += done.prompt_tokens
         self.cached_tokens += done.cached_tokens
         self.output.extend(done.token_ids)

@@ -265,7 +265,7 @@ async def _text_events(lm: LocalLM, prompt: Any, options: Any, request_id: str, 
                 yield _event(api.text_chunk(request_id, model, chunk.text))
             continue
         done = chunk.completion
-        final = api.text_chunk(request_id, model, chunk.text, done.api_finish_reason)
+        final = api.text_chunk(request_id, model, chunk.text, done.api_finish_reason, done)
         if usage:
             final["usage"] = done.usage()
         yield _event(final)

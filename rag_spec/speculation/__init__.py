@@ -4,6 +4,6 @@ verify a stride of guesses with one call, roll back to the first wrong one. Iter
 are (``Speculation``); the loop, the stride schedule and the pipeline of verifications in flight
 are shared."""
 
-from rag_spec.speculation.loop import Speculation, SpeculationTally, speculate
+from rag_spec.speculation.loop import Cancel, Speculation, SpeculationTally, speculate
 
-__all__ = ["Speculation", "SpeculationTally", "speculate"]
+__all__ = ["Cancel", "Speculation", "SpeculationTally", "speculate"]
