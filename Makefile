@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+CORE := $(VENV)/.core
 STAMP := $(VENV)/.installed
 # No NVIDIA GPU: the CPU build of torch; with one, PyPI's default (CUDA) build.
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
@@ -14,16 +15,22 @@ QUESTION ?= How do I join two path components with os.path?
 
 .PHONY: install pull compile demo test check docs bench bench-draft bench-page gpu-check clean
 
-$(STAMP): pyproject.toml $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
+# what the demo needs: torch and rag-spec's own dependencies
+$(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e .
+	touch $@
+
+# the rest, for the tests, the docs and the benches: the extras and the partner packages
+$(STAMP): $(CORE) $(foreach p,$(PARTNERS),integrations/$(p)/pyproject.toml)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,docs,langchain,llamaindex,milvus,serve]' \
 		$(foreach p,$(PARTNERS),-e 'integrations/$(p)$(EXTRAS_$(p))')
 	touch $@
 
 install: $(STAMP)
 
-pull: install  ## fetch and convert the embedded model, build the CPU kernel (once; cached)
+pull: $(CORE)  ## fetch and convert the embedded model, build the CPU kernel (once; cached)
 	$(BIN)/rag-spec models pull --no-compile
 
 compile: pull  ## compile the embedded model's decoding steps ahead of time, float32 and GGUF weights (~6 min, once per machine)
@@ -33,7 +40,7 @@ demo: pull  ## answer a question about the standard library, citing the passages
 	$(BIN)/rag-spec ask "$(QUESTION)"
 
 # pytest -n 2: one worker a core, one torch thread each (tests/conftest.py)
-test: compile  ## every test: tiny random models, compiled steps, servers, then the real model
+test: install compile  ## every test: tiny random models, compiled steps, servers, then the real model
 	$(BIN)/ruff check rag_spec kernels integrations lab tests
 	$(BIN)/python -m pytest -q -n 2
 
@@ -41,14 +48,14 @@ check: install  ## the inner loop (about a minute): lint, then every test but th
 	$(BIN)/ruff check rag_spec kernels integrations lab tests
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not e2e"
 
-docs: pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
+docs: install pull  ## the documentation site, executing every tutorial notebook (warnings are errors)
 	$(BIN)/mkdocs build --strict
 
-bench: compile  ## the headline bench: the default decoder (steps compiled ahead of time) and its ablations
+bench: install compile  ## the headline bench: the default decoder (steps compiled ahead of time) and its ablations
 	$(BIN)/rag-spec bench lookahead --limit 12 --peer llama.cpp --json docs/benchmarks/lookahead.json
 	$(BIN)/python -m rag_spec.bench.page
 
-bench-draft: pull  ## draft models and early exits vs transformers' assisted generation
+bench-draft: install pull  ## draft models and early exits vs transformers' assisted generation
 	$(BIN)/rag-spec bench draft --json docs/benchmarks/draft.json
 	$(BIN)/python -m rag_spec.bench.page
 

@@ -1,20 +1,20 @@
 // The CPU kernels of the operators streamed.py, quantized.py, cpu_attention.py and slots.py define (with
 // their outputs' shapes, for tracing): compiled steps call them from inductor's code as torch's
 // own; the cache's bookkeeping calls move_slots between steps.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
-torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed);
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& values,
-                               const torch::Tensor& scales, const torch::Tensor& mins);
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
+                            const at::Tensor& scales, const at::Tensor& mins);
 void move_slots(at::TensorList tensors, const at::Tensor& index, int64_t start);
-torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key,
-                            const torch::Tensor& value, const torch::Tensor& allowed,
-                            double scale);
+at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const at::Tensor& allowed, double scale);
 #if defined(__AVX512F__)
-torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor& key,
-                                 const torch::Tensor& value, const torch::Tensor& committed,
-                                 const torch::Tensor& recent, const torch::Tensor& select,
-                                 double scale);
+at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& committed,
+                              const at::Tensor& recent, const at::Tensor& select,
+                              double scale);
 #endif
 
 TORCH_LIBRARY_IMPL(rag_spec_cpu, CPU, m) {

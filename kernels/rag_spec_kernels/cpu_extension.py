@@ -1,7 +1,7 @@
 """Our C++ CPU kernels (``streamed_linear.cpp``, ``quantized_linear.cpp``, ``tree_attention.cpp``,
 ``row_attention.cpp``, ``move_slots.cpp``):
 the CPU implementations of the ``rag_spec_cpu`` operators, built for this machine on first use
-by torch's extension loader (gcc and ninja, ~60 s once, then cached under torch's extension
+by torch's extension loader (gcc and ninja, ~30 s once, then cached under torch's extension
 root, ``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are
 built for the vector instructions torch runs here: AVX-512 (every kernel) or AVX2 with FMA (all
 but the tree attention). Callers probe them (``streamed_available``, ``cpu_attention_available``,
@@ -82,7 +82,7 @@ def cpu_extension() -> None:
             (build / "lock").unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
             print(f"rag-spec: building the CPU kernels for this machine in {build} "
-                  "(once, ~60 s)", file=sys.stderr)
+                  "(once, ~30 s)", file=sys.stderr)
         here = Path(__file__).parent
 
         def built() -> None:
@@ -99,7 +99,7 @@ def cpu_extension() -> None:
             if not (build / f"{name}.so").exists():  # not the library's fault (no compiler)
                 raise
             print(f"rag-spec: the CPU kernels built in {build} could not be loaded ({err}); "
-                  "building them again (~60 s)", file=sys.stderr)
+                  "building them again (~30 s)", file=sys.stderr)
             for output in (*build.glob("*.so"), *build.glob("*.o"), build / "build.ninja"):
                 output.unlink(missing_ok=True)
             built()

@@ -5,7 +5,8 @@
 #include <cstring>
 #include <vector>
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 // tensors: [rows, heads, slots, dim] CPU tensors (strided, the last dimension contiguous);
 // index: [rows, width] slots to gather. Writes tensor[b, h, start + j] = tensor[b, h, index[b,

@@ -27,7 +27,8 @@
 #include <vector>
 
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace {
 
@@ -156,23 +157,23 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
 // x: (rows, in) float32; values: (blocks, in / 8, 32) uint8 (4-bit pairs) or (blocks, in / 4,
 // 32) int8; scales and mins: (blocks, in / 32, 8) float16, mins possibly empty (no minimum).
 // Returns (rows, blocks * 8) float32.
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& values,
-                               const torch::Tensor& scales, const torch::Tensor& mins) {
-  const bool four = values.scalar_type() == torch::kByte, minimum = mins.numel() > 0;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
+                               const at::Tensor& scales, const at::Tensor& mins) {
+  const bool four = values.scalar_type() == at::kByte, minimum = mins.numel() > 0;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.size(1) % GROUP == 0 && values.dim() == 3 && values.is_contiguous() &&
-                  (four || values.scalar_type() == torch::kChar) && values.size(2) == 32 &&
+                  (four || values.scalar_type() == at::kChar) && values.size(2) == 32 &&
                   values.size(1) == x.size(1) / (four ? 8 : 4) &&
-                  scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == values.size(0) &&
                   scales.size(1) == x.size(1) / GROUP && scales.size(2) == OUTPUTS &&
                   (!minimum || (mins.sizes() == scales.sizes() &&
-                                mins.scalar_type() == torch::kHalf && mins.is_contiguous())),
+                                mins.scalar_type() == at::kHalf && mins.is_contiguous())),
               "quantized_linear: contiguous float32 (rows, in) input with in a multiple of 32, "
               "(blocks, in / 8, 32) uint8 or (blocks, in / 4, 32) int8 values, (blocks, in / "
               "32, 8) float16 scales and minimums (or none)");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = values.size(0);
-  auto y = torch::empty({rows, nblocks * OUTPUTS}, x.options());
+  auto y = at::empty({rows, nblocks * OUTPUTS}, x.options());
   if (rows == 0 || in == 0) return y.zero_();
   const float* px = x.data_ptr<float>();
   const auto* v = reinterpret_cast<const uint8_t*>(values.data_ptr());

@@ -14,7 +14,8 @@
 // and values come from L2 once for the group (``attend_group``).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -187,17 +188,17 @@ void attend_group(const Tensor4& q, const Tensor4& key, const Tensor4& value, in
 // query [B, heads, q, D], key and value [B, kv_heads, slots, D] (last dimension dense, D a
 // multiple of 8 up to 128), allowed [B, q, slots] uint8: which keys each query sees. Returns
 // [B, q, heads, D].
-torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key,
-                            const torch::Tensor& value, const torch::Tensor& allowed,
+at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& allowed,
                             double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() &&
-                  query.scalar_type() == torch::kFloat && key.scalar_type() == torch::kFloat &&
-                  value.scalar_type() == torch::kFloat && query.stride(3) == 1 &&
+                  query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat && query.stride(3) == 1 &&
                   key.stride(3) == 1 && value.stride(3) == 1 && query.size(3) == key.size(3) &&
                   query.size(3) % 8 == 0 && query.size(3) <= 8 * MOST_CHUNKS &&
                   key.size(1) > 0 && query.size(1) % key.size(1) == 0 &&
                   query.size(1) / key.size(1) <= MOST_GROUP &&
-                  allowed.scalar_type() == torch::kByte && allowed.is_contiguous() &&
+                  allowed.scalar_type() == at::kByte && allowed.is_contiguous() &&
                   allowed.dim() == 3 && allowed.size(0) == query.size(0) &&
                   allowed.size(1) == query.size(2) && allowed.size(2) == key.size(2),
               "row_attention: float32 [B, heads, q, D] queries, [B, kv_heads, slots, D] keys "
@@ -205,7 +206,7 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
               "to 128; last dimension dense), a [B, q, slots] uint8 mask");
   const int64_t batch = query.size(0), heads = query.size(1), queries = query.size(2);
   const int64_t dim = query.size(3), slots = key.size(2), group = heads / key.size(1);
-  auto out = torch::empty({batch, queries, heads, dim}, query.options());
+  auto out = at::empty({batch, queries, heads, dim}, query.options());
   const Tensor4 q{query.data_ptr<float>(), query.stride(0), query.stride(1), query.stride(2)};
   const Tensor4 k{key.data_ptr<float>(), key.stride(0), key.stride(1), key.stride(2)};
   const Tensor4 v{value.data_ptr<float>(), value.stride(0), value.stride(1), value.stride(2)};

@@ -24,7 +24,8 @@
 #include <utility>
 
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace {
 
@@ -174,21 +175,21 @@ void product(const float* px, const W* w, float* py, int64_t rows, int64_t in, i
 
 // x: (rows, in) float32; packed: (blocks, in, 16) float32, float16 or int8 (unscaled). Returns
 // (rows, blocks * 16) float32.
-torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto stored = packed.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   packed.dim() == 3 &&
-                  (stored == torch::kFloat || stored == torch::kHalf || stored == torch::kChar) &&
+                  (stored == at::kFloat || stored == at::kHalf || stored == at::kChar) &&
                   packed.size(2) == 16 && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "streamed_linear: contiguous float32 (rows, in) input and (blocks, in, 16) "
               "float32, float16 or int8 packed weight");
   const int64_t rows = x.size(0), in = x.size(1), nblocks = packed.size(0);
-  auto y = torch::empty({rows, nblocks * 16}, x.options());
+  auto y = at::empty({rows, nblocks * 16}, x.options());
   if (rows == 0 || in == 0) return y.zero_();  // nothing to split into chunks and groups
-  if (stored == torch::kChar)
+  if (stored == at::kChar)
     product(x.data_ptr<float>(), packed.data_ptr<int8_t>(), y.data_ptr<float>(), rows, in,
             nblocks);
-  else if (stored == torch::kHalf)
+  else if (stored == at::kHalf)
     product(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>()),
             y.data_ptr<float>(), rows, in, nblocks);
   else

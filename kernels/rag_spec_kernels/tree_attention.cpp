@@ -18,7 +18,8 @@
 #if defined(__AVX512F__)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <array>
@@ -293,12 +294,12 @@ constexpr auto SLICES = slices(std::make_integer_sequence<int, MAX_CHUNKS>());
 // query: [B, heads, q, D]; key, value: [B, kv_heads, S + R, D] (last dimension contiguous);
 // committed: uint8 [B, K]; recent: uint8 [B, q, R]; select: int64 [B, K] or an empty tensor.
 // Returns [B, q, heads, D], the layout attention modules hand on.
-torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor& key,
-                                 const torch::Tensor& value, const torch::Tensor& committed,
-                                 const torch::Tensor& recent, const torch::Tensor& select,
+at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& committed,
+                                 const at::Tensor& recent, const at::Tensor& select,
                                  double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && key.scalar_type() == torch::kFloat &&
-                  value.scalar_type() == torch::kFloat && query.dim() == 4 && key.dim() == 4 &&
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat && query.dim() == 4 && key.dim() == 4 &&
                   value.dim() == 4,
               "tree_attention_cpu: float32 [B, heads, q, D] query and [B, kv_heads, slots, D] "
               "keys and values");
@@ -308,12 +309,12 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
                 dim = query.size(3), kv_heads = key.size(1);
   TORCH_CHECK(dim % 16 == 0 && dim / 16 <= MAX_CHUNKS && heads % kv_heads == 0,
               "tree_attention_cpu: head dimension a multiple of 16 up to 128");
-  TORCH_CHECK(committed.scalar_type() == torch::kByte && committed.is_contiguous() &&
-                  recent.scalar_type() == torch::kByte && recent.is_contiguous() &&
+  TORCH_CHECK(committed.scalar_type() == at::kByte && committed.is_contiguous() &&
+                  recent.scalar_type() == at::kByte && recent.is_contiguous() &&
                   recent.size(1) == q_len,
               "tree_attention_cpu: contiguous uint8 committed [B, K] and recent [B, q, R] bits");
   const bool selected = select.numel() > 0;
-  TORCH_CHECK(!selected || (select.scalar_type() == torch::kLong && select.is_contiguous() &&
+  TORCH_CHECK(!selected || (select.scalar_type() == at::kLong && select.is_contiguous() &&
                             select.sizes() == committed.sizes()),
               "tree_attention_cpu: select is int64 [B, K] like committed");
   const int64_t n_round = recent.size(2);
@@ -332,7 +333,7 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
   // stay in the core's cache)
   const bool few = batch * kv_heads * splits < 2 * at::get_num_threads();
   const int64_t per_item = q_len > 1 && few ? 1 : groups, item_rows = per_item * q_len;
-  auto state = torch::empty({batch * kv_heads, splits, rows, width}, query.options());
+  auto state = at::empty({batch * kv_heads, splits, rows, width}, query.options());
   float* states = state.data_ptr<float>();
   const Slice slice = SLICES[dim / 16 - 1];
   const int64_t parts = groups / per_item;
@@ -346,7 +347,7 @@ torch::Tensor tree_attention_cpu(const torch::Tensor& query, const torch::Tensor
             states + ((pair * splits + split) * rows + part * item_rows) * width);
     }
   });
-  auto out = torch::empty({batch, q_len, heads, dim}, query.options());
+  auto out = at::empty({batch, q_len, heads, dim}, query.options());
   float* outs = out.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
     for (int64_t pair = first; pair < last; ++pair) {
