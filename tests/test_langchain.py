@@ -178,6 +178,19 @@ def test_iterative_ralm_runnable_speculative_equals_naive(chat):
     assert len(fast._loops) == 2
 
 
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+def test_iterative_ralm_answers_alike_speculative_or_not_on_the_embedded_models_gguf_weights():
+    """The default chat model decodes its GGUF file's weights: both loops decode on its
+    decoder, so speculative retrieval keeps the answer there too."""
+    chat, source = ChatLookahead(max_tokens=64), HashRetriever()
+    naive = IterativeRaLM(llm=chat, retriever=SpecRetriever(source=source), speculative=False,
+                          max_tokens=64)
+    fast = IterativeRaLM(llm=chat, retriever=SpecRetriever(source=source), max_tokens=64)
+    question = "How do I read a CSV file?"  # float32 one-token steps answer it otherwise
+    assert fast.invoke(question) == naive.invoke(question)
+
+
 def test_swapping_in_a_spec_retriever_is_what_turns_speculation_on(chat):
     """As in rag_spec: the same name means the same thing in both packages."""
     from langchain_rag_spec import RagSpecRetriever

@@ -427,3 +427,26 @@ def test_a_cancel_runs_its_hooks_once_and_at_once_for_late_hooks():
     with cancel.hooked(lambda: calls.append("late")):
         pass
     assert calls == ["early", "late"] and cancel.is_set()
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("user_cache")
+def test_on_the_embedded_model_lookahead_keeps_the_tokens_of_its_own_weights():
+    """The embedded model is loaded from its GGUF file, so a default decoder runs the file's
+    weights: inside the loop it gives the tokens of its one-token decoding (no drafts), with
+    retrieval speculated or not; on the float32 weights, the loop's own one-token steps'."""
+    from rag_spec import LookaheadConfig, LookaheadDecoder, load_model
+
+    lm = load_model()
+    question = "How do I copy a directory tree?"
+
+    def answer(retriever, config=None):
+        decoder = None if config is False else LookaheadDecoder(lm.model, lm.tokenizer, config)
+        loop = IterativeRaLM(lm, retriever, stride=4, query_tokens=16, lookahead=decoder)
+        return loop.generate(question, max_new_tokens=24).token_ids
+
+    source = HashRetriever()
+    gguf = answer(source, LookaheadConfig(budget=0))
+    assert answer(source) == answer(SpecRetriever(source)) == gguf
+    plain = answer(source, False)
+    assert answer(SpecRetriever(source), LookaheadConfig(quantized=False)) == plain

@@ -78,6 +78,10 @@ BENCHES = (
           "the stride before, so a stride computes only its new tokens, a rollback what "
           "follows the first changed passage): the naive loop against speculative retrieval "
           "and its ablations."),
+    Bench("ralm_milvus_300ms_served", "Speculative retrieval in front of a served model, Milvus",
+          "The same served loops with the passages in a Milvus Lite collection behind 300 ms. "
+          "Strides stream; `strides cancelled` counts those closed mid-stream because a wrong "
+          "guess behind them was found meanwhile."),
     Bench("ralm_bm25_300ms", "Speculative retrieval, BM25",
           "Iterative RaLM on a BM25 index behind 300 ms."),
     Bench("ralm_exact_5000000", "Speculative retrieval, exact dense at 5M passages",
@@ -405,6 +409,7 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
     names its own."""
     look, chain, structured = (load(n, directory) for n in ("lookahead", "chain", "structured"))
     milvus, serve = load("ralm_milvus_300ms", directory), load("serve", directory)
+    served = load("ralm_milvus_300ms_served", directory)
 
     def decoded(part: str) -> str:
         return (f"{_x(_system(look, part, 'rag_spec_no_drafts'))} without drafts (our kernels, "
@@ -429,9 +434,14 @@ def how_fast(directory: Path = REPORT_DIR) -> str:
         ("iterative RaLM, Milvus behind 300 ms", "the naive loop",
          _x(milvus["systems"]["spec_all_lookahead"]["speedup_vs_naive"]),
          f"{_x(milvus['systems']['spec_all']['speedup_vs_naive'])} speculative retrieval "
-         f"alone, lookahead decoding the rest", milvus), *_serve_rows(serve)]
+         f"alone, lookahead decoding the rest", milvus),
+        ("iterative RaLM in front of `rag-spec serve` (`ServedModel`), Milvus behind 300 ms",
+         "the naive loop, same server", _x(served["systems"]["spec_all"]["speedup_vs_naive"]),
+         f"{served['systems']['spec_all']['speedup_vs_naive'] / served['amdahl_bound']:.2f} "
+         f"of the bound retrieval's share sets ({_x(served['amdahl_bound'])})", served),
+        *_serve_rows(serve)]
     gguf = any("gguf" in look[part] for part in ("rag", "open_ended"))
-    reports = (look, chain, structured, milvus, *(serve for _ in _serve_rows(serve)))
+    reports = (look, chain, structured, milvus, served, *(serve for _ in _serve_rows(serve)))
     machines = sorted({machine(r) for r in reports})
     several = len(machines) > 1  # then each row names its machine
     cells = [(a, b, c, f"{d} (VM {machines.index(machine(source)) + 1})" if several else d)

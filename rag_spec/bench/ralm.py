@@ -13,6 +13,7 @@ import numpy as np
 from rag_spec.bench.prompts import RAG_QUESTIONS, load_questions
 from rag_spec.bench.report import (
     Run,
+    dequantized,
     interleaved,
     loop_summary,
     machine,
@@ -74,7 +75,8 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
     distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
 
-    decoder = None if served else LookaheadDecoder(lm.model, lm.tokenizer)
+    # float32, as the naive loop's one-token steps: the lookahead system's tokens equal its
+    decoder = None if served else LookaheadDecoder(lm.model, lm.tokenizer, dequantized())
     systems = {name: s for name, s in SYSTEMS.items() if not (served and s and s[3])}
     cold = bool(served) and lm.reset_prefix_cache()  # the server can empty its prefix cache
 

@@ -116,7 +116,11 @@ class IterativeRaLM:
             ``speculation_stride``, ``max_speculation_stride`` and ``max_in_flight`` still set
             its fields, with a DeprecationWarning).
         lookahead: a LookaheadDecoder on the same model: each stride is decoded speculatively
-            too, drafting from the question, the passages seen and the output (same tokens).
+            too, drafting from the question, the passages seen and the output, on the
+            decoder's weights: the tokens of their one-token decoding, retrieval speculated or
+            not. Without it the loop decodes the model's own (float32) weights, one token a
+            step; on a model loaded from a GGUF file the decoder's default weights are the
+            file's, so for the same tokens as that, give it ``LookaheadConfig(quantized=False)``.
 
     The stride scheduler's measurements (stride, call and guess latencies, hit rate) carry over
     from one request to the next, so only the first request starts cold at stride 1.

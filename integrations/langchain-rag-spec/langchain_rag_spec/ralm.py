@@ -70,10 +70,11 @@ class IterativeRaLM(RunnableSerializable[str, str]):
         # One loop per setting, kept: its stride scheduler learns from every request.
         key = (local, search, speculative, self.stride, self.query_tokens, self.k)
         ralm = self._loops.get(key)
-        if ralm is None:
+        if ralm is None:  # both loops decode on the chat model's decoder, so on its weights
+            # (a GGUF file's, by default): the same answer whether or not retrieval speculates
             ralm = self._loops.setdefault(key, RaLM(
                 local.lm, SpeculativeSearch(search) if speculative else search,
                 stride=self.stride, query_tokens=self.query_tokens, k=self.k,
-                lookahead=local.decoder if speculative else None))
+                lookahead=local.decoder))
         with local.exclusive():  # the model computes for one caller at a time
             return ralm.generate(question, max_new_tokens=self.max_tokens).text
