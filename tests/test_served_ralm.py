@@ -182,18 +182,12 @@ def test_one_shot_rag_on_a_served_model_streams_the_servers_answer(served, tmp_p
     assert "tokens, " in out and f"s from {served.base_url}" in out
 
 
-def test_a_cancelled_stride_closes_its_stream_and_returns_nothing():
-    """Event order, no clock: a server that sends one chunk and then holds the stream open;
-    setting the stride's ``Cancel`` ends the client's blocked read and shuts the connection
-    (the server reads its end), and the stride comes back empty, "cancelled"."""
+def _one_chunk_server(then):
+    """A loopback server for one request: headers, one event, then ``then(handler)``."""
     import http.server
     import socketserver
 
-    from rag_spec.speculation import Cancel
-
-    sent, closed = threading.Event(), threading.Event()
-
-    class Holding(http.server.BaseHTTPRequestHandler):
+    class OneChunk(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
@@ -201,16 +195,37 @@ def test_a_cancelled_stride_closes_its_stream_and_returns_nothing():
             self.end_headers()
             self.wfile.write(b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n')
             self.wfile.flush()
-            sent.set()
-            if self.rfile.read(1) == b"":  # the client shut its side
-                closed.set()
+            then(self)
 
         def log_message(self, *args):
             pass
 
-    with socketserver.TCPServer(("127.0.0.1", 0), Holding) as server:
-        thread = threading.Thread(target=server.handle_request, daemon=True)
-        thread.start()
+    server = socketserver.TCPServer(("127.0.0.1", 0), OneChunk)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    return server
+
+
+def test_a_stream_that_ends_before_done_is_an_error_not_an_answer():
+    with _one_chunk_server(lambda handler: None) as server:  # closes after the one event
+        served = ServedModel(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=object())
+        with pytest.raises(RagSpecError, match="before its end"):
+            served.complete([1, 2, 3], 8)
+
+
+def test_a_cancelled_stride_closes_its_stream_and_returns_nothing():
+    """Event order, no clock: a server that sends one chunk and then holds the stream open;
+    setting the stride's ``Cancel`` ends the client's blocked read and shuts the connection
+    (the server reads its end), and the stride comes back empty, "cancelled"."""
+    from rag_spec.speculation import Cancel
+
+    sent, closed = threading.Event(), threading.Event()
+
+    def hold(handler):
+        sent.set()
+        if handler.rfile.read(1) == b"":  # the client shut its side
+            closed.set()
+
+    with _one_chunk_server(hold) as server:
         served = ServedModel(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=object())
         cancel, answers = Cancel(), []
         client = threading.Thread(target=lambda: answers.append(
@@ -219,7 +234,6 @@ def test_a_cancelled_stride_closes_its_stream_and_returns_nothing():
         assert sent.wait(30)
         cancel.set()
         client.join(30)
-        thread.join(30)
+        assert closed.wait(30)
     assert answers and answers[0].finish_reason == "cancelled" and answers[0].token_ids == []
-    assert closed.is_set()
     assert served.complete([1, 2, 3], 8, cancel).finish_reason == "cancelled"  # set already

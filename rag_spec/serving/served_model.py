@@ -172,12 +172,17 @@ class ServedModel:
                 "stream_options": {"include_usage": True}}
         if self.model is not None:
             body["model"] = self.model
+        ended = False  # the stream's last line, "data: [DONE]", came
         try:
             with self._open(path, body, cancel) as response:
                 for line in response:
                     text = line.decode().strip()
+                    if not text.startswith("data:"):
+                        continue  # the blank line between events, or a comment (a ping)
                     payload = text.removeprefix("data:").strip()
-                    if text.startswith("data:") and payload != "[DONE]":
+                    if payload == "[DONE]":
+                        ended = True
+                    else:
                         yield json.loads(payload)
         except RagSpecError:
             if cancel is not None and cancel.is_set():
@@ -185,6 +190,10 @@ class ServedModel:
             raise
         if cancel is not None and cancel.is_set():  # shut mid-stream: what came is not whole
             raise _Cancelled
+        if not ended:
+            msg = (f"The server at {self.base_url} closed the stream from {path} before its "
+                   "end (no [DONE]): the answer is incomplete.")
+            raise RagSpecError(msg)
 
     @contextlib.contextmanager
     def _open(self, path: str, body: dict[str, Any], cancel: Cancel | None = None
@@ -200,11 +209,13 @@ class ServedModel:
 
         def shut() -> None:
             with contextlib.suppress(OSError):
-                if connection.sock is not None:
-                    connection.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
 
         try:
             connection.connect()
+            # the socket itself: a response that closes the connection at its end takes it over
+            # from ``connection`` (whose ``sock`` is then None) while its body is read
+            sock = connection.sock
             with cancel.hooked(shut) if cancel is not None else contextlib.nullcontext():
                 connection.request("POST", url.path, json.dumps(body).encode(), headers)
                 response = connection.getresponse()
