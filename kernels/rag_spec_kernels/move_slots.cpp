@@ -6,7 +6,6 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 // tensors: [rows, heads, slots, dim] CPU tensors (strided, the last dimension contiguous);
 // index: [rows, width] slots to gather. Writes tensor[b, h, start + j] = tensor[b, h, index[b,
