@@ -75,7 +75,9 @@ def run(retriever: str = "exact", kb_size: int | None = None, latency_ms: float 
     base = DelayedRetriever(kb, latency_ms) if latency_ms else kb
     distractor_wins = sum(h[0].doc_id >= real for h in kb.search(questions, k=1))
 
-    # float32, as the naive loop's one-token steps: the lookahead system's tokens equal its
+    # on the float32 weights the naive loop's one-token steps decode, so that the lookahead
+    # system's tokens are comparable with the naive loop's (a GGUF-loaded model's default
+    # decoder would decode the file's weights)
     decoder = None if served else LookaheadDecoder(lm.model, lm.tokenizer, dequantized())
     systems = {name: s for name, s in SYSTEMS.items() if not (served and s and s[3])}
     cold = bool(served) and lm.reset_prefix_cache()  # the server can empty its prefix cache
