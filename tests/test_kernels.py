@@ -262,6 +262,41 @@ def test_the_cpu_is_read_from_the_first_processor_and_named_in_every_report(monk
     assert "amx_bf16" in report["vector_flags"]
 
 
+def test_every_kernel_builds_where_torch_runs_avx2_or_avx_512():
+    """One source whose instructions the build's flags leave off fails the whole build, and
+    every kernel's probe then says no: the tests that need a kernel skip, this one fails (the
+    AVX-512 flags once left FMA and F16C off)."""
+    import shutil
+
+    from rag_spec_kernels import (
+        cpu_attention_available,
+        quantized_available,
+        row_attention_available,
+    )
+    from rag_spec_kernels.cpu_extension import vector_isa
+
+    if vector_isa() is None or shutil.which("c++") is None:
+        pytest.skip("no AVX2 or AVX-512 here, or no compiler: nothing to build")
+    assert quantized_available()
+    assert streamed_available(torch.float32)
+    assert row_attention_available()
+    assert slots_kernel_available()
+    assert cpu_attention_available() == (vector_isa() == "AVX512")
+
+
+@pytest.mark.parametrize(("isa", "flags", "extensions"), [
+    ("AVX512", "avx2 avx512f avx512_vnni", ["-mavx512vnni"]),
+    ("AVX512", "avx2 avx512f", []),
+    ("AVX2", "avx2 avx512_vnni", []),  # VNNI's 256-bit form needs AVX-512's encoding too
+])
+def test_vnni_byte_products_are_built_in_where_the_cpu_has_them(isa, flags, extensions,
+                                                                monkeypatch):
+    from rag_spec_kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "cpu_info", lambda: {"flags": flags})
+    assert cpu_extension._extensions(isa) == extensions
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("streamed", "one_row_streamed"),
                          [(False, False), (True, False), (True, True)])

@@ -3,10 +3,10 @@
 the CPU implementations of the ``rag_spec_cpu`` operators, built for this machine on first use
 by torch's extension loader (gcc and ninja, ~30 s once, then cached under torch's extension
 root, ``$TORCH_EXTENSIONS_DIR`` where the user set it) and loaded into the process. They are
-built for the vector instructions torch runs here: AVX-512 (every kernel) or AVX2 with FMA (all
-but the tree attention). Callers probe them (``streamed_available``, ``cpu_attention_available``,
-``row_attention_available``, ``slots_kernel_available``) and keep torch's kernels where they do
-not build."""
+built for the vector instructions torch runs here: AVX-512 (every kernel; with VNNI where the
+CPU has it) or AVX2 with FMA (all but the tree attention). Callers probe them
+(``streamed_available``, ``cpu_attention_available``, ``row_attention_available``,
+``slots_kernel_available``) and keep torch's kernels where they do not build."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _SOURCES = ("streamed_linear.cpp", "quantized_linear.cpp", "tree_attention.cpp",
 _build_lock = threading.Lock()
 # compiler flags per instruction set torch reports (``get_cpu_capability``: its AVX512 means
 # the F, DQ, BW and VL extensions)
-_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
+_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
           "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
@@ -62,6 +62,12 @@ def vector_isa() -> str | None:
     return isa if isa in _FLAGS else None
 
 
+def _extensions(isa: str) -> list[str]:
+    """Compiler flags for the extensions of ``isa`` this CPU also has that a kernel uses:
+    AVX-512 VNNI's byte dot products (``quantized_linear.cpp``)."""
+    return ["-mavx512vnni"] if isa == "AVX512" and "avx512_vnni" in vector_flags() else []
+
+
 @functools.cache
 def cpu_extension() -> None:
     """Build (the first time) and load the kernels; raises where they cannot be built."""
@@ -72,7 +78,9 @@ def cpu_extension() -> None:
         msg = ("rag-spec's CPU kernels need AVX2 or AVX-512; torch runs "
                f"{torch.backends.cpu.get_cpu_capability()} here")
         raise RuntimeError(msg)
-    name = f"rag_spec_cpu_kernels_{isa.lower()}"  # one build per instruction set
+    flags = [*_FLAGS[isa], *_extensions(isa)]
+    # one build per instruction set (and extension)
+    name = "_".join(["rag_spec_cpu_kernels", isa.lower(), *(f[2:] for f in _extensions(isa))])
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build = Path(root) / f"{name}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
@@ -90,7 +98,7 @@ def cpu_extension() -> None:
             # runtime (not linked here), so the kernels share torch's threads
             load(name=name, sources=[str(here / source) for source in _SOURCES],
                  build_directory=str(build), is_python_module=False,
-                 extra_cflags=["-O3", *_FLAGS[isa], "-fopenmp"])
+                 extra_cflags=["-O3", *flags, "-fopenmp"])
 
         try:
             built()

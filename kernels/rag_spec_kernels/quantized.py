@@ -4,11 +4,11 @@ one-token and tree steps alike (AVX-512 or AVX2 CPUs).
 A quantised weight is read at a quarter to a sixth of float32's bytes, which is what bounds a
 CPU's one-token step. The kernel (``quantized_linear.cpp``) quantises each row's inputs to 8 bits
 per group of 32, as llama.cpp does for these formats, and multiplies as integers; it loads each
-block of weights once for up to four rows, so a verified tree costs its rows' arithmetic, not
-another read of the weight: what speculation needs of a quantised model, and what llama.cpp's
-dot products, one row and one output at a time, do not give. Each row's output is computed in
-one fixed order, the same whatever rows are beside it (``quantized_reference`` is the product
-it computes, in float64).
+block of weights once for up to four rows (eight with AVX-512 VNNI), so a verified tree costs
+its rows' arithmetic, not another read of the weight: what speculation needs of a quantised
+model, and what llama.cpp's dot products, one row and one output at a time, do not give. Each
+row's output is computed in one fixed order, the same whatever rows are beside it (and whatever
+instructions the build uses; ``quantized_reference`` is the product it computes, in float64).
 
 ``GroupQuantized`` is the one form every file format is converted to (``rag_spec.target.gguf``
 converts GGUF's blocks): per output, integer values with a scale, and a minimum, per 32 inputs.

@@ -7,23 +7,28 @@
 // group of 32 (a scale of the group's largest magnitude / 127, values rounded to nearest even);
 // a group's integer dot product with a weight's is exact, and only its scaling is float. Unlike
 // llama.cpp's, whose dot products go one row and one output at a time, a weight's block is
-// loaded (and its 4-bit values unpacked) once for up to four rows: a token tree costs its rows'
-// integer arithmetic, not another read of the weight.
+// loaded (and its 4-bit values unpacked) once for up to four rows (eight with VNNI): a token
+// tree costs its rows' integer arithmetic, not another read of the weight.
 //
 // Layout, per block of 8 outputs (one 32-bit lane each): 8-bit values (blocks, in / 4, 32),
 // byte 4 * o + i holding output o's input 4 * c + i; 4-bit values (blocks, in / 8, 32), the
 // same byte holding input 8 * c + i in its low half and 8 * c + 4 + i in its high half; scales
 // and minimums (blocks, in / 32, 8) in half precision. A weight is value * scale + minimum.
 //
-// AVX2's byte products (vpmaddubsw: unsigned by signed, pairs summed to 16 bits) take 4-bit
-// values as they are and 8-bit ones as magnitudes with the sign moved to the input; no sum can
-// saturate (a 16-bit lane sums 16 of a group's 4-bit products, under 2^15). AVX-512 builds run
-// the same instructions. Each output of a row is scaled and summed in one fixed order (group by
-// group), whatever rows are beside it: a row's result does not depend on them.
+// Byte products take 4-bit values as they are and 8-bit ones as magnitudes with the sign moved
+// to the input. On AVX2 (vpmaddubsw: unsigned by signed, pairs summed to 16 bits) no sum can
+// saturate (a 16-bit lane sums 16 of a group's 4-bit products, under 2^15). Where the CPU has
+// AVX-512 VNNI (a build with -mavx512vnni), vpdpbusd sums a lane's four products straight into
+// 32 bits, one instruction where AVX2 takes two or three, and AVX-512's 32 vector registers
+// hold the sums of eight rows past a block. Both give each group the same exact integer sum.
+// Each output of a row is scaled and summed in one fixed order (group by group), whatever rows
+// are beside it: a row's result does not depend on them, nor on the instructions used.
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -34,7 +39,13 @@ namespace {
 
 constexpr int64_t GROUP = 32;  // inputs per scale
 constexpr int64_t OUTPUTS = 8;  // outputs per block
-constexpr int64_t MOST_ROWS = 4;  // rows that go past a loaded block at once
+#ifdef __AVX512VNNI__
+constexpr bool VNNI = true;
+constexpr int MOST_ROWS = 8;  // rows that go past a loaded block at once
+#else
+constexpr bool VNNI = false;
+constexpr int MOST_ROWS = 4;
+#endif
 
 // Each row's inputs as 8-bit integers with a scale per group of 32, and that scale times the
 // group's sum (the minimums' share of a product).
@@ -44,27 +55,58 @@ struct Inputs {
   std::vector<float> scales, sums;  // (rows, groups)
 };
 
+inline float largest_of(__m256 v) {  // the largest of v's 8 lanes
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int sum_of(__m256i v) {  // the sum of v's 8 32-bit lanes
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// One group of 32 inputs as 8-bit values (written to ``values``) with a scale of its largest
+// magnitude / 127, each rounded to nearest even; returns the scale, and the values' sum.
+inline float quantized_group(const float* p, int8_t* values, int& sum) {
+  __m256 v[4];
+  __m256 largest = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(p + 8 * i);
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  // a NaN makes the scale NaN; a scale too small to invert (or not finite) leaves the values
+  // zero, and one not finite still reaches the output through the scale
+  const float scale = _mm256_movemask_ps(unordered) ? NAN : largest_of(largest) / 127.f;
+  if (!(std::isnormal(scale) && scale < 1e37f)) {
+    std::memset(values, 0, GROUP);
+    sum = 0;
+    return scale;
+  }
+  const __m256 inverse = _mm256_set1_ps(1.f / scale);
+  __m256i r[4];  // |value| <= 127: the packs below never saturate
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  sum = sum_of(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+  // packing interleaves the four vectors' halves 4 values at a time; the permute restores order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                            _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(values),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6,
+                                                                            3, 7)));
+  return scale;
+}
+
 Inputs quantized_rows(const float* x, int64_t rows, int64_t in) {
   const int64_t groups = in / GROUP;
   Inputs q{in, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
            std::vector<float>(rows * groups)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
-      const float* p = x + r * in + g * GROUP;
-      float largest = 0.f;
-      for (int64_t k = 0; k < GROUP && largest == largest; ++k)  // a NaN stays: so does the scale
-        if (!(std::fabs(p[k]) <= largest)) largest = std::fabs(p[k]);
-      // a scale too small to invert (or not finite) leaves the group's values zero; one not
-      // finite still reaches the output through the scale
-      const float scale = largest / 127.f;
-      const float inverse = std::isnormal(scale) && scale < 1e37f ? 1.f / scale : 0.f;
-      int sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) {
-        const float rounded = std::nearbyint(p[k] * inverse);  // NaN where p[k] is not finite
-        const int value = rounded == rounded ? static_cast<int>(rounded) : 0;
-        q.values[r * in + g * GROUP + k] = static_cast<int8_t>(value);
-        sum += value;
-      }
+      int sum;
+      const float scale = quantized_group(x + r * in + g * GROUP,
+                                          q.values.data() + r * in + g * GROUP, sum);
       q.scales[r * groups + g] = scale;
       q.sums[r * groups + g] = scale * static_cast<float>(sum);
     }
@@ -77,6 +119,17 @@ inline __m256i four_inputs(const int8_t* p) {  // inputs p[0..3], in every 32-bi
   return _mm256_set1_epi32(bytes);
 }
 
+// sum plus, in each 32-bit lane, the four products of u's bytes (unsigned) and s's (signed);
+// only where every pair of products fits 16 bits on AVX2
+inline __m256i dot4(__m256i sum, __m256i u, __m256i s) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(sum, u, s);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
 inline __m256 halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -85,13 +138,13 @@ inline __m256 halves(const uint16_t* p) {
 template <bool FOUR, bool MIN, int ROWS>
 void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16_t* mins,
                      const Inputs& q, int64_t r0, float* y, int64_t ldy) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
     const int8_t* x = q.values.data() + r0 * q.in + g * GROUP;
-    __m256i sum[ROWS];
-    for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_setzero_si256();
+    // VNNI's products add into their sum: two sums a row halve the chain each waits on
+    __m256i sum[ROWS], more[ROWS];
+    for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm256_setzero_si256();
     if constexpr (FOUR) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 1  // unrolled, gcc computes every product first and spills them
@@ -100,26 +153,39 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (g * 4 + c) * 32));
         const __m256i low = _mm256_and_si256(packed, mask);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-        for (int r = 0; r < ROWS; ++r) {  // 16-bit lanes: at most 16 * 15 * 127 < 2^15
+        for (int r = 0; r < ROWS; ++r) {
           const int8_t* xr = x + r * q.in + c * 8;
-          sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(low, four_inputs(xr)));
-          sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(high, four_inputs(xr + 4)));
+          if constexpr (VNNI) {
+            sum[r] = dot4(sum[r], low, four_inputs(xr));
+            more[r] = dot4(more[r], high, four_inputs(xr + 4));
+          } else {  // 16-bit lanes, widened once a group: at most 16 * 15 * 127 < 2^15
+            sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(low, four_inputs(xr)));
+            sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(high, four_inputs(xr + 4)));
+          }
         }
       }
-      for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_madd_epi16(sum[r], ones);
+      if constexpr (!VNNI)
+        for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_madd_epi16(sum[r], _mm256_set1_epi16(1));
     } else {
+      constexpr int STEP = VNNI ? 2 : 1;  // chunks a pass: one for each sum of a row
 #pragma GCC unroll 1
-      for (int c = 0; c < GROUP / 4; ++c) {
-        const __m256i w =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (g * 8 + c) * 32));
-        const __m256i magnitude = _mm256_sign_epi8(w, w);  // -128 reads as 128, unsigned
+      for (int c = 0; c < GROUP / 4; c += STEP) {
+        __m256i w[STEP], magnitude[STEP];
+        for (int i = 0; i < STEP; ++i) {
+          w[i] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(values + (g * 8 + c + i) * 32));
+          magnitude[i] = _mm256_sign_epi8(w[i], w[i]);  // -128 reads as 128, unsigned
+        }
         for (int r = 0; r < ROWS; ++r) {  // a pair's sum: at most 2 * 128 * 127 < 2^15
-          const __m256i signed_x = _mm256_sign_epi8(four_inputs(x + r * q.in + c * 4), w);
-          sum[r] = _mm256_add_epi32(
-              sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+          const int8_t* xr = x + r * q.in + c * 4;
+          sum[r] = dot4(sum[r], magnitude[0], _mm256_sign_epi8(four_inputs(xr), w[0]));
+          if constexpr (VNNI)
+            more[r] = dot4(more[r], magnitude[1], _mm256_sign_epi8(four_inputs(xr + 4), w[1]));
         }
       }
     }
+    if constexpr (VNNI)
+      for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_add_epi32(sum[r], more[r]);
     const __m256 scale = halves(scales + g * OUTPUTS);
     const __m256 minimum = MIN ? halves(mins + g * OUTPUTS) : _mm256_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
@@ -132,21 +198,25 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
   for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+using Rows = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Inputs&, int64_t,
+                      float*, int64_t);
+
+template <bool FOUR, bool MIN, size_t... N>
+constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
+  return {&rows_past_block<FOUR, MIN, static_cast<int>(N) + 1>...};
+}
+
 template <bool FOUR, bool MIN>
 void product(const float* px, const uint8_t* values, const uint16_t* scales,
              const uint16_t* mins, float* py, int64_t rows, int64_t in, int64_t nblocks) {
-  using Rows = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Inputs&, int64_t,
-                        float*, int64_t);
-  static constexpr Rows ROWS[MOST_ROWS] = {
-      &rows_past_block<FOUR, MIN, 1>, &rows_past_block<FOUR, MIN, 2>,
-      &rows_past_block<FOUR, MIN, 3>, &rows_past_block<FOUR, MIN, 4>};
+  static constexpr auto ROWS = rows_table<FOUR, MIN>(std::make_index_sequence<MOST_ROWS>{});
   const Inputs q = quantized_rows(px, rows, in);
   const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / GROUP * OUTPUTS;
   const int64_t out = nblocks * OUTPUTS;
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b)  // the block stays in the core's cache for its rows
       for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
-        ROWS[std::min(MOST_ROWS, rows - r0) - 1](
+        ROWS[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
             values + b * block_bytes, scales + b * block_groups,
             MIN ? mins + b * block_groups : nullptr, q, r0, py + r0 * out + b * OUTPUTS, out);
   });
