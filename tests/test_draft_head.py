@@ -2,6 +2,7 @@
 the model's own, training raises its agreement and leaves the model alone, and decoding with it
 is lossless, greedy and sampled."""
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -392,6 +393,27 @@ def test_a_published_head_is_the_default_drafter_for_its_model_only(target, head
     with torch.no_grad():
         tuned.model.layers[0].mlp.up_proj.weight.mul_(1.5)
     assert LookaheadDecoder(tuned).drafter.label == "trie"
+
+
+def test_a_head_published_under_the_older_fingerprint_is_found_and_renamed(target, head,
+                                                                          tmp_path, monkeypatch):
+    """Heads published before the fingerprint read each weight's first values (so as not to
+    page a file-loaded model's weights in) were named by values spread over each weight."""
+    from rag_spec.drafters.draft_head import _spread_fingerprint, find_head, model_fingerprint
+
+    monkeypatch.setenv("RAG_SPEC_CACHE", str(tmp_path))
+    older = _spread_fingerprint(target)
+    assert older != model_fingerprint(target)
+    published = copy.deepcopy(head)  # the fixture's head is shared
+    published.trained_for = older
+    path = tmp_path / "heads" / f"{older}.safetensors"
+    path.parent.mkdir()
+    save_head(published, path)
+    found = find_head(target)
+    assert found is not None and found.trained_for == model_fingerprint(target)
+    assert not path.exists()
+    assert (tmp_path / "heads" / f"{model_fingerprint(target)}.safetensors").is_file()
+    assert LookaheadDecoder(target).drafter.label == "draft head + trie"
 
 
 def test_the_fingerprint_reads_a_model_alike_in_float32_and_bfloat16(target):

@@ -424,3 +424,22 @@ def test_on_the_embedded_files_weights_a_ragged_batch_answers_as_each_prompt_alo
     finally:
         batch.close()
     assert [r.result().token_ids for r in rows] == alone
+
+
+def test_a_layer_changed_since_loading_keeps_its_float32_weights(quantized_lm, caplog):
+    """The check reads each weight's first and last outputs only (the float32 pages of a
+    file-loaded model stay unread); a layer trained or edited since differs there."""
+    import copy
+    import logging
+
+    from rag_spec.target.gguf import _checked, read_weights, source_file
+
+    model = copy.deepcopy(quantized_lm.model)  # the fixture's is shared
+    weights = read_weights(source_file(quantized_lm.model), model.config)
+    assert _checked(weights, model).keys() == weights.keys()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # as a step of training would
+    with caplog.at_level(logging.INFO):
+        kept = _checked(weights, model)
+    assert kept.keys() == weights.keys() - {"model.layers.0.mlp.up_proj"}
+    assert "model.layers.0.mlp.up_proj differs from the GGUF file" in caplog.text

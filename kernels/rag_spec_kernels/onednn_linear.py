@@ -208,17 +208,19 @@ class LinearStack:
         with self._lock:
             if version == self._version or self.blocks is not None and self._version:
                 return  # unchanged, or a file's quantised weights (packed once)
-            weight = torch.cat([g.weight.detach() for g in self.linears])
             biases = [g.bias for g in self.linears]
             bias = None if all(b is None for b in biases) else torch.cat([
                 torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
                 if g.bias is None else g.bias.detach() for g in self.linears])
             scale = None
-            if self.stored == torch.int8:
-                weight, scale = quantized(weight)
-            if self.blocks is not None:  # the file's weights: they do not change
+            if self.blocks is not None:  # the file's weights, which do not change; the float32
+                # layers are not read (a model loaded from a file maps their pages in only as
+                # something reads them)
                 packed = pack_quantized(stacked(self.blocks))
             else:
+                weight = torch.cat([g.weight.detach() for g in self.linears])
+                if self.stored == torch.int8:
+                    weight, scale = quantized(weight)
                 packed = (pack_streamed(weight, None if scale is not None else self.stored)
                           if self.streamed else pack_weight(weight))
             if self.streamed and self._version:  # traced layers hold these very tensors

@@ -118,18 +118,29 @@ class DraftHead(torch.nn.Module):
 
 
 def model_fingerprint(model: Any) -> str:
-    """What a head was trained for: the model's shape and a sample of every weight, rounded to
-    bfloat16 first, so that the float32 and bfloat16 loads of one model agree (and a model
-    fine-tuned since does not)."""
+    """What a head was trained for: the model's shape and the first values of every weight,
+    rounded to bfloat16 first, so that the float32 and bfloat16 loads of one model agree (and a
+    model fine-tuned since does not). The first values, not a spread: a model loaded from a
+    file maps its weights' pages in only as something reads them, and a spread of samples
+    would page every weight in."""
+    return _fingerprint(model, lambda flat: flat[:64])
+
+
+def _spread_fingerprint(model: Any) -> str:
+    """The fingerprint heads published before ``model_fingerprint`` read each weight's first
+    values were named by: 64 values spread over each weight (``find_head`` renames them)."""
+    return _fingerprint(model, lambda flat: flat[::max(1, flat.numel() // 64)][:64])
+
+
+def _fingerprint(model: Any, sample: Any) -> str:
     digest = hashlib.blake2b(digest_size=12)
     config = model.config
     digest.update(json.dumps([getattr(config, key, None) for key in _SHAPE]).encode())
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            flat = weight.detach().reshape(-1)
-            sample = flat[::max(1, flat.numel() // 64)][:64]
             digest.update(name.encode())
-            digest.update(sample.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+            digest.update(sample(weight.detach().reshape(-1)).to(torch.bfloat16)
+                          .view(torch.int16).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -138,7 +149,10 @@ def find_head(model: Any) -> DraftHead | None:
     --head`` publishes it in rag-spec's cache), else one shipped with rag-spec; None where
     neither is (or neither could be read: the trie drafts alone then)."""
     fingerprint = model_fingerprint(model)
-    for folder in (_user_heads(), SHIPPED):
+    user = _user_heads()
+    if user is not None:
+        _rename_published(model, user, fingerprint)
+    for folder in (user, SHIPPED):
         path = None if folder is None else folder / f"{fingerprint}.safetensors"
         if path is None or not path.is_file():
             continue
@@ -148,6 +162,25 @@ def find_head(model: Any) -> DraftHead | None:
             log.warning("rag-spec: the draft head %s could not be read (%s: %s); drafting "
                         "with the trie alone.", path, type(err).__name__, err)
     return None
+
+
+def _rename_published(model: Any, folder: Path, fingerprint: str) -> None:
+    """A head the user published for ``model`` under its older fingerprint
+    (``_spread_fingerprint``), published again under ``fingerprint``; looked for only where
+    the user has published heads, none under ``fingerprint``."""
+    if (folder / f"{fingerprint}.safetensors").is_file() or not any(
+            folder.glob("*.safetensors")):
+        return
+    older = folder / f"{_spread_fingerprint(model)}.safetensors"
+    if not older.is_file():
+        return
+    try:
+        head = load_head(model, older, older.stem)
+    except Exception:  # noqa: BLE001 - damaged: left where it is, as any unreadable head
+        return
+    head.trained_for = fingerprint
+    publish_head(model, head)
+    older.unlink(missing_ok=True)
 
 
 def publish_head(model: Any, head: DraftHead) -> Path | None:

@@ -7,11 +7,13 @@ weights (``quantized_linear``). Q4_0, Q4_1 and Q8_0 blocks convert exactly to th
 form (values, a scale, a minimum per 32 inputs); other formats (the K-quants) keep the
 de-quantised float32 layer, and one log line names them.
 
-Every converted weight is checked against the model's layer before it is used: its value,
-rounded once, must equal what transformers de-quantised (to a rounding of the last bit); a
-layer that does not (a weight changed since loading, a tensor this reader maps otherwise) keeps
-its float32 weights. The Llama family's files store the query and key rows permuted for
-llama.cpp's rotary embedding; their rows are put back in transformers' order, as its loader does.
+Every converted weight is checked against the model's layer before it is used, on its first
+and last outputs: their values, rounded once, must equal what transformers de-quantised (to a
+rounding of the last bit); a layer that does not (a weight changed since loading, a tensor this
+reader maps otherwise) keeps its float32 weights. The check reads those outputs alone, so the
+float32 layers' other pages stay unread (``_checked``). The Llama family's files store the
+query and key rows permuted for llama.cpp's rotary embedding; their rows are put back in
+transformers' order, as its loader does.
 
 Which models came from which file is remembered here, weakly, by the code that loaded them
 (``remember_file``): a model's own attributes are never written.
@@ -236,11 +238,17 @@ def _q8_0(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, 32 signed by
 
 
 _CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
+_CHECKED_ROWS = 8  # outputs at each end of a weight compared with the model's layer
 
 
 def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQuantized]:
-    """The weights that equal ``model``'s layers, de-quantised (to a last-bit rounding); the
-    others are named in the log and left out (their layers keep float32)."""
+    """The weights that equal ``model``'s layers, de-quantised (to a last-bit rounding), on
+    each one's first and last ``_CHECKED_ROWS`` outputs; the others are named in the log and
+    left out (their layers keep float32). Sampled: a model loaded from a file maps its float32
+    weights' pages in only as something reads them, and decoding the file's blocks reads none,
+    so a whole check would hold them all in memory (rows spread over a weight would too: a
+    fault maps the pages around it). A layer changed since it was loaded (trained, merged,
+    replaced) differs on those rows too."""
     layers = dict(model.named_modules())
     kept: dict[str, GroupQuantized] = {}
     for path, weight in weights.items():
@@ -249,9 +257,13 @@ def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQ
         if float_weight is None or tuple(float_weight.shape) != weight.shape:
             log.info("rag-spec: %s has no layer of the file's shape; it runs in float32", path)
             continue
-        expected = float_weight.detach().float()
+        rows = torch.arange(weight.shape[0])
+        rows = torch.cat([rows[:_CHECKED_ROWS], rows[_CHECKED_ROWS:][-_CHECKED_ROWS:]])
+        expected = float_weight.detach()[rows].float()
         tolerance = 1e-6 * float(expected.abs().max()) + 1e-12
-        if float((weight.dequantized(torch.float32) - expected).abs().max()) > tolerance:
+        sampled = GroupQuantized(weight.values[rows], weight.scales[rows],
+                                 None if weight.mins is None else weight.mins[rows], weight.bits)
+        if float((sampled.dequantized(torch.float32) - expected).abs().max()) > tolerance:
             log.info("rag-spec: %s differs from the GGUF file it was loaded from (changed "
                      "since?); it runs on its float32 weights", path)
             continue
