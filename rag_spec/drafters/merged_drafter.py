@@ -24,8 +24,7 @@ copying or not: sparing it lost more of its hits than its passes cost, on the em
 model's open-ended prompts (docs/concepts.md, "Why the defaults"). The model also has an
 adaptive budget of its own (the row's policy holds it:
 ``policy.plan.RowPolicy.model_share``), fed by the tokens of its own trees the target
-accepted beyond what the trie's copies beside them kept (those came for nothing), so while its
-guesses keep missing, or only repeat the copies, it is asked only in probe steps, and a useless
+accepted, so while its guesses keep missing it is asked only in probe steps, and a useless
 draft costs the merged drafter little over the trie alone. That budget goes on from one greedy
 request to the next (``policy.plan.Policy``), probes' pace included, so a draft that missed is
 not probed afresh at the fourth step of each (a draft model's probe, with its trial prefill,
@@ -134,9 +133,9 @@ class MergedDrafter(Drafter):
         guesses = propose(self.model, [replace(r, session=r.session.model, budget=plan.nodes,
                                                plan=plan)
                                        for r, plan in zip(requests, plans)], target)
-        for r, plan, guess, copy in zip(requests, plans, guesses, copies):
+        for r, plan, guess in zip(requests, plans, guesses):
             if r.plan is not None:
-                r.plan.guessed(r.context, guess, copy, plan)
+                r.plan.guessed(r.context, guess, plan)
         # The model's passes are weighed by its own budget (what its plan spent), so the row's
         # plan spends none: a row must not stop verifying the trie's free copies for them.
         # (The sizer still weighs them, through that budget, against a plain step that spares

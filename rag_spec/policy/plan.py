@@ -45,8 +45,7 @@ class RowPolicy:
         # a merged drafter's model budget: the carried one, or made at its first share
         self.source = source
         self.merged = False  # under a merged drafter: the model learns from its guesses alone
-        # the model's last tree, the trie's copies beside it, the context's length, the cost
-        self._guess: tuple[TokenTree, TokenTree, int, float] | None = None
+        self._guess: tuple[TokenTree, int, float] | None = None  # tree, context length, cost
         # proposed trees, each with the context length it continues and what drafting it
         # took, until what they would have kept is known
         self._proposals: list[tuple[TokenTree, int, float]] = []
@@ -80,8 +79,7 @@ class RowPolicy:
                     greedy: bool, eager: bool, reads_features: bool, steady: bool,
                     costs: StepCosts | None = None) -> int:
         """Nodes a merged drafter's model may draft this step beside the trie's ``copies``,
-        after learning what its last guess earned: the tokens it kept beyond what the copies
-        beside it kept. A model with passes of its own over the
+        after learning what its last guess earned. A model with passes of its own over the
         context drafts nothing while the trie's copies run two tokens deep (the answer is
         copying), and unless ``eager`` waits for its budget's first probe (the fourth step).
         A head on the target's states (``reads_features``) of a ``greedy`` row is offered the
@@ -94,10 +92,8 @@ class RowPolicy:
         if self.source is None:
             self.source = AdaptiveBudget(1, initial=1.0 if eager else 0.0, steady=steady)
         if self._guess is not None:
-            guess, copied, start, cost = self._guess
-            committed = context[start:]
-            # what the model kept beyond what the trie's copies kept for nothing
-            accepted = max(0, len(guess.follow(committed)) - len(copied.follow(committed)))
+            guess, start, cost = self._guess
+            accepted = len(guess.follow(context[start:]))
             timed = costs is not None and greedy  # a sampled row's drafts stay reproducible
             self.source.update(max(len(guess), 1), accepted,
                                costs.drafting(cost) if timed else cost)
@@ -111,11 +107,9 @@ class RowPolicy:
             return 0
         return merged_share(budget, len(copies), ranked=greedy and reads_features)
 
-    def guessed(self, context: Sequence[int], guess: TokenTree, copies: TokenTree,
-                cost: float) -> None:
-        """The merged drafter's model proposed ``guess`` after ``context`` at ``cost``, beside
-        the trie's ``copies``."""
-        self._guess = (guess, copies, len(context), cost)
+    def guessed(self, context: Sequence[int], guess: TokenTree, cost: float) -> None:
+        """The merged drafter's model proposed ``guess`` after ``context`` at ``cost``."""
+        self._guess = (guess, len(context), cost)
 
     @property
     def model_cost(self) -> float:
@@ -163,13 +157,11 @@ class RowPlan:
                                      reads_features=reads_features, steady=steady, costs=costs)
         return RowPlan(share, share, self.row)
 
-    def guessed(self, context: Sequence[int], guess: TokenTree, copies: TokenTree,
-                model: RowPlan) -> None:
-        """The model drafted ``guess`` under ``model`` (its plan from ``model``) beside the
-        trie's ``copies``."""
+    def guessed(self, context: Sequence[int], guess: TokenTree, model: RowPlan) -> None:
+        """The model drafted ``guess`` under ``model`` (its plan from ``model``)."""
         if self.row is not None and model.nodes:
             self.model_spent = model.spent
-            self.row.guessed(context, guess, copies, model.spent)
+            self.row.guessed(context, guess, model.spent)
 
 
 def trial_paid(plans: Sequence[RowPlan]) -> bool:
