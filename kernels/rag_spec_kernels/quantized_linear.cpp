@@ -206,6 +206,73 @@ constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
   return {&rows_past_block<FOUR, MIN, static_cast<int>(N) + 1>...};
 }
 
+#ifdef __AVX512VNNI__
+// Two adjacent blocks' 16 outputs at once in 512-bit registers (4-bit values): half the
+// instructions of one block at a time, where VNNI multiplies 512 bits at once or nearly (Zen 4
+// runs vpdpbusd on 512 bits about 1.5 times as fast as on 256). Lane by lane the operations
+// are rows_past_block's, so are the bits.
+inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each block
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + apart)), 1);
+}
+
+inline __m512 two_halves(const uint16_t* p, int64_t apart) {  // 8 from each block
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + apart)), 1));
+}
+
+inline __m512i four_inputs_512(const int8_t* p) {
+  int32_t bytes;
+  std::memcpy(&bytes, p, 4);
+  return _mm512_set1_epi32(bytes);
+}
+
+template <bool MIN, int ROWS>
+void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint16_t* scales,
+                          const uint16_t* mins, int64_t block_groups, const Inputs& q,
+                          int64_t r0, float* y, int64_t ldy) {
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < q.groups; ++g) {
+    const int8_t* x = q.values.data() + r0 * q.in + g * GROUP;
+    __m512i sum[ROWS], more[ROWS];
+    for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int c = 0; c < GROUP / 8; ++c) {
+      const __m512i packed = two(values + (g * 4 + c) * 32, block_bytes);
+      const __m512i low = _mm512_and_si512(packed, mask);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = x + r * q.in + c * 8;
+        sum[r] = _mm512_dpbusd_epi32(sum[r], low, four_inputs_512(xr));
+        more[r] = _mm512_dpbusd_epi32(more[r], high, four_inputs_512(xr + 4));
+      }
+    }
+    const __m512 scale = two_halves(scales + g * OUTPUTS, block_groups);
+    const __m512 minimum =
+        MIN ? two_halves(mins + g * OUTPUTS, block_groups) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (r0 + r) * q.groups + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r], more[r])),
+                               _mm512_mul_ps(scale, _mm512_set1_ps(q.scales[at])), acc[r]);
+      if constexpr (MIN) acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(q.sums[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);  // both blocks' outputs
+}
+
+using TwoRows = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                         const Inputs&, int64_t, float*, int64_t);
+
+template <bool MIN, size_t... N>
+constexpr std::array<TwoRows, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
+  return {&rows_past_two_blocks<MIN, static_cast<int>(N) + 1>...};
+}
+#endif
+
 template <bool FOUR, bool MIN>
 void product(const float* px, const uint8_t* values, const uint16_t* scales,
              const uint16_t* mins, float* py, int64_t rows, int64_t in, int64_t nblocks) {
@@ -214,11 +281,27 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
   const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / GROUP * OUTPUTS;
   const int64_t out = nblocks * OUTPUTS;
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b)  // the block stays in the core's cache for its rows
+    for (int64_t b = first; b < last; ++b) {  // the block stays in the core's cache for its rows
+#ifdef __AVX512VNNI__
+      if constexpr (FOUR) {
+        static constexpr auto TWO =
+            two_rows_table<MIN>(std::make_index_sequence<MOST_ROWS>{});
+        if (b + 1 < last) {
+          for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
+            TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
+                values + b * block_bytes, block_bytes, scales + b * block_groups,
+                MIN ? mins + b * block_groups : nullptr, block_groups, q, r0,
+                py + r0 * out + b * OUTPUTS, out);
+          ++b;
+          continue;
+        }
+      }
+#endif
       for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
         ROWS[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
             values + b * block_bytes, scales + b * block_groups,
             MIN ? mins + b * block_groups : nullptr, q, r0, py + r0 * out + b * OUTPUTS, out);
+    }
   });
 }
 
