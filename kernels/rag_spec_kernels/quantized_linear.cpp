@@ -20,7 +20,9 @@
 // saturate (a 16-bit lane sums 16 of a group's 4-bit products, under 2^15). Where the CPU has
 // AVX-512 VNNI (a build with -mavx512vnni), vpdpbusd sums a lane's four products straight into
 // 32 bits, one instruction where AVX2 takes two or three, and AVX-512's 32 vector registers
-// hold the sums of eight rows past a block. Both give each group the same exact integer sum.
+// hold the sums of eight rows past a block; 512-bit registers take two blocks at once, 8-bit
+// values there read as unsigned 128 above themselves, the group's input sum times 128 taken
+// off after. Every path gives each group the same exact integer sum.
 // Each output of a row is scaled and summed in one fixed order (group by group), whatever rows
 // are beside it: a row's result does not depend on them, nor on the instructions used.
 #include <ATen/Parallel.h>
@@ -53,6 +55,7 @@ struct Inputs {
   int64_t in, groups;
   std::vector<int8_t> values;  // (rows, in)
   std::vector<float> scales, sums;  // (rows, groups)
+  std::vector<int32_t> totals;  // (rows, groups): each group's values summed
 };
 
 inline float largest_of(__m256 v) {  // the largest of v's 8 lanes
@@ -101,7 +104,7 @@ inline float quantized_group(const float* p, int8_t* values, int& sum) {
 Inputs quantized_rows(const float* x, int64_t rows, int64_t in) {
   const int64_t groups = in / GROUP;
   Inputs q{in, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
-           std::vector<float>(rows * groups)};
+           std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       int sum;
@@ -109,6 +112,7 @@ Inputs quantized_rows(const float* x, int64_t rows, int64_t in) {
                                           q.values.data() + r * in + g * GROUP, sum);
       q.scales[r * groups + g] = scale;
       q.sums[r * groups + g] = scale * static_cast<float>(sum);
+      q.totals[r * groups + g] = sum;
     }
   return q;
 }
@@ -207,10 +211,10 @@ constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
 }
 
 #ifdef __AVX512VNNI__
-// Two adjacent blocks' 16 outputs at once in 512-bit registers (4-bit values): half the
-// instructions of one block at a time, where VNNI multiplies 512 bits at once or nearly (Zen 4
-// runs vpdpbusd on 512 bits about 1.5 times as fast as on 256). Lane by lane the operations
-// are rows_past_block's, so are the bits.
+// Two adjacent blocks' 16 outputs at once in 512-bit registers: half the
+// instructions of one block at a time, where VNNI multiplies 512 bits at once or nearly (on
+// Zen 4 a 512-bit vpdpbusd outruns two 256-bit ones: python -m lab.quantized_peak). Lane by
+// lane the operations are rows_past_block's, so are the bits.
 inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each block
   return _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
@@ -229,27 +233,45 @@ inline __m512i four_inputs_512(const int8_t* p) {
   return _mm512_set1_epi32(bytes);
 }
 
-template <bool MIN, int ROWS>
+template <bool FOUR, bool MIN, int ROWS>
 void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint16_t* scales,
                           const uint16_t* mins, int64_t block_groups, const Inputs& q,
                           int64_t r0, float* y, int64_t ldy) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < q.groups; ++g) {
     const int8_t* x = q.values.data() + r0 * q.in + g * GROUP;
     __m512i sum[ROWS], more[ROWS];
     for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm512_setzero_si512();
+    if constexpr (FOUR) {
+      const __m512i mask = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 1
-    for (int c = 0; c < GROUP / 8; ++c) {
-      const __m512i packed = two(values + (g * 4 + c) * 32, block_bytes);
-      const __m512i low = _mm512_and_si512(packed, mask);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-      for (int r = 0; r < ROWS; ++r) {
-        const int8_t* xr = x + r * q.in + c * 8;
-        sum[r] = _mm512_dpbusd_epi32(sum[r], low, four_inputs_512(xr));
-        more[r] = _mm512_dpbusd_epi32(more[r], high, four_inputs_512(xr + 4));
+      for (int c = 0; c < GROUP / 8; ++c) {
+        const __m512i packed = two(values + (g * 4 + c) * 32, block_bytes);
+        const __m512i low = _mm512_and_si512(packed, mask);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+        for (int r = 0; r < ROWS; ++r) {
+          const int8_t* xr = x + r * q.in + c * 8;
+          sum[r] = _mm512_dpbusd_epi32(sum[r], low, four_inputs_512(xr));
+          more[r] = _mm512_dpbusd_epi32(more[r], high, four_inputs_512(xr + 4));
+        }
       }
+    } else {  // weights read unsigned, 128 above themselves: 128 times the inputs' sum less
+#pragma GCC unroll 1
+      for (int c = 0; c < GROUP / 4; c += 2) {
+        const __m512i flip = _mm512_set1_epi8(-128);  // w ^ 0x80 is w + 128, unsigned
+        const __m512i above[2] = {
+            _mm512_xor_si512(two(values + (g * 8 + c) * 32, block_bytes), flip),
+            _mm512_xor_si512(two(values + (g * 8 + c + 1) * 32, block_bytes), flip)};
+        for (int r = 0; r < ROWS; ++r) {
+          const int8_t* xr = x + r * q.in + c * 4;
+          sum[r] = _mm512_dpbusd_epi32(sum[r], above[0], four_inputs_512(xr));
+          more[r] = _mm512_dpbusd_epi32(more[r], above[1], four_inputs_512(xr + 4));
+        }
+      }
+      for (int r = 0; r < ROWS; ++r)
+        more[r] = _mm512_sub_epi32(more[r],
+                                   _mm512_set1_epi32(128 * q.totals[(r0 + r) * q.groups + g]));
     }
     const __m512 scale = two_halves(scales + g * OUTPUTS, block_groups);
     const __m512 minimum =
@@ -267,9 +289,9 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint
 using TwoRows = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, int64_t,
                          const Inputs&, int64_t, float*, int64_t);
 
-template <bool MIN, size_t... N>
+template <bool FOUR, bool MIN, size_t... N>
 constexpr std::array<TwoRows, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
-  return {&rows_past_two_blocks<MIN, static_cast<int>(N) + 1>...};
+  return {&rows_past_two_blocks<FOUR, MIN, static_cast<int>(N) + 1>...};
 }
 #endif
 
@@ -283,9 +305,9 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {  // the block stays in the core's cache for its rows
 #ifdef __AVX512VNNI__
-      if constexpr (FOUR) {
+      {
         static constexpr auto TWO =
-            two_rows_table<MIN>(std::make_index_sequence<MOST_ROWS>{});
+            two_rows_table<FOUR, MIN>(std::make_index_sequence<MOST_ROWS>{});
         if (b + 1 < last) {
           for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
             TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
