@@ -214,7 +214,10 @@ constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
 // Two adjacent blocks' 16 outputs at once in 512-bit registers: half the
 // instructions of one block at a time, where VNNI multiplies 512 bits at once or nearly (on
 // Zen 4 a 512-bit vpdpbusd outruns two 256-bit ones: python -m lab.quantized_peak). Lane by
-// lane the operations are rows_past_block's, so are the bits.
+// lane the operations are rows_past_block's, so are the bits. Only for steps of many rows,
+// whose arithmetic outweighs reading the weights: reading two blocks side by side splits one
+// stream of weights in two, which the hardware's prefetching follows worse, and a step of a
+// few rows waits on that reading (python -m lab.quantized_peak, cold weights).
 inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each block
   return _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
@@ -308,7 +311,7 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
       {
         static constexpr auto TWO =
             two_rows_table<FOUR, MIN>(std::make_index_sequence<MOST_ROWS>{});
-        if (b + 1 < last) {
+        if (rows >= MOST_ROWS && b + 1 < last) {
           for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
             TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
                 values + b * block_bytes, block_bytes, scales + b * block_groups,
