@@ -217,7 +217,7 @@ constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
 // lane the operations are rows_past_block's, so are the bits. Only for steps of many rows,
 // whose arithmetic outweighs reading the weights: reading two blocks side by side splits one
 // stream of weights in two, which the hardware's prefetching follows worse, and a step of a
-// few rows waits on that reading (python -m lab.quantized_peak, cold weights).
+// few rows waits on that reading (python -m lab.one_b_shape).
 inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each block
   return _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
