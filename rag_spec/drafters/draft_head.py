@@ -22,6 +22,7 @@ import copy
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,8 @@ def _spread_fingerprint(model: Any) -> str:
     return _fingerprint(model, lambda flat: flat[::max(1, flat.numel() // 64)][:64])
 
 
-def _fingerprint(model: Any, sample: Any) -> str:
+def _fingerprint(model: Any, sample: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """The model's shape and ``sample`` of each flattened weight, in bfloat16, hashed."""
     digest = hashlib.blake2b(digest_size=12)
     config = model.config
     digest.update(json.dumps([getattr(config, key, None) for key in _SHAPE]).encode())
