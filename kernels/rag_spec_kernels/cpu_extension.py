@@ -78,9 +78,10 @@ def cpu_extension() -> None:
         msg = ("rag-spec's CPU kernels need AVX2 or AVX-512; torch runs "
                f"{torch.backends.cpu.get_cpu_capability()} here")
         raise RuntimeError(msg)
-    flags = [*_FLAGS[isa], *_extensions(isa)]
+    extensions = _extensions(isa)
+    flags = [*_FLAGS[isa], *extensions]
     # one build per instruction set (and extension)
-    name = "_".join(["rag_spec_cpu_kernels", isa.lower(), *(f[2:] for f in _extensions(isa))])
+    name = "_".join(["rag_spec_cpu_kernels", isa.lower(), *(f[2:] for f in extensions)])
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
     build = Path(root) / f"{name}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
