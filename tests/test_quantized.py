@@ -107,7 +107,8 @@ def test_a_quantized_stack_multiplies_every_row_count_by_the_files_weights():
     q, k = torch.nn.Linear(64, 32), torch.nn.Linear(64, 16, bias=False)
     blocks = [random_weight(32, 64, 4, seed=1), random_weight(16, 64, 8, minimum=False, seed=2)]
     stack = LinearStack([q, k], blocks=blocks)
-    assert stack.blocks is not None and stack.nbytes == sum(b.nbytes for b in blocks)
+    # one kernel call for both: the 4-bit values widened to 8 bits, scales and minimums halves
+    assert stack.quantized and stack.nbytes == 48 * 64 + 2 * (48 * 2 * 2)
     with torch.inference_mode():
         for rows in (1, 5, 300):  # single rows too: BLAS would read the float32 weight
             x = torch.randn(rows, 64)
@@ -118,6 +119,10 @@ def test_a_quantized_stack_multiplies_every_row_count_by_the_files_weights():
             traced = stack.traced_modules()
             assert torch.equal(traced[0](x), stack.forward(0, x))
             assert isinstance(traced[1], TracedLinear)
+            # a sibling handed an input of its own: its outputs alone, the same numbers
+            assert torch.equal(stack.forward(1, x), stack.product(x)[:, 32:])
+            assert torch.equal(stack.forward(1, x), quantized_linear(
+                x, pack_quantized(blocks[1]), 16))
 
 
 # -- a GGUF file's blocks ------------------------------------------------------------------
@@ -280,7 +285,7 @@ def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
     drafted = LookaheadDecoder(lm.model, lm.tokenizer,
                                LookaheadConfig(budget=8, quantized=True, compile=False),
                                drafter=DRAFTERS[drafter](lm, head))
-    assert all(stack.blocks is not None for stack in drafted.runner.stacks)
+    assert all(stack.quantized for stack in drafted.runner.stacks)
     one, two = prompts(lm)
     expected = [plain.generate(p, N).token_ids for p in (one, two)]
     assert [r.token_ids for r in drafted.generate([one, two], N)] == expected
@@ -288,7 +293,7 @@ def test_every_drafter_on_a_files_weights_equals_its_own_one_token_decoding(
     # another function than the float32 layers': rounded inputs
     float32 = LookaheadDecoder(lm.model, lm.tokenizer,
                                LookaheadConfig(budget=0, compile=False, quantized=False))
-    assert not any(stack.blocks is not None for stack in float32.runner.stacks)
+    assert not any(stack.quantized for stack in float32.runner.stacks)
 
 
 def test_on_a_files_weights_a_padded_batch_prefill_answers_as_each_prompt_alone(
@@ -331,7 +336,7 @@ def test_by_default_a_model_from_a_gguf_file_decodes_its_blocks_and_any_other_fl
     default = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(compile=False))
     result = default.generate([1, 2, 3], 4)
     assert result.stats.weights == "GGUF"
-    assert default.runner.stacks and all(s.blocks is not None for s in default.runner.stacks)
+    assert default.runner.stacks and all(s.quantized for s in default.runner.stacks)
     plain = LookaheadDecoder(lm.model, lm.tokenizer,
                              LookaheadConfig(budget=0, quantized=True, compile=False))
     assert result.token_ids == plain.generate([1, 2, 3], 4).token_ids
@@ -363,7 +368,7 @@ def test_a_model_loaded_from_no_file_decodes_in_float32_saying_so(caplog):
                                                                            compile=False))
         decoder.generate([1, 2, 3], 2)
     assert "was not loaded from a GGUF file" in caplog.text
-    assert not any(stack.blocks is not None for stack in decoder.runner.stacks)
+    assert not any(stack.quantized for stack in decoder.runner.stacks)
 
 
 @pytest.mark.slow
@@ -388,7 +393,7 @@ def test_the_embedded_gguf_file_loads_with_its_chat_template_and_decodes_from_it
                                             config(quantized=True))
         plain = rag_spec.LookaheadDecoder(model.model, model.tokenizer,
                                           config(quantized=True, budget=0))
-        assert all(stack.blocks is not None for stack in drafted.runner.stacks)
+        assert all(stack.quantized for stack in drafted.runner.stacks)
         result = drafted.generate(ids, max_new_tokens=24)
         assert result.token_ids == plain.generate(ids, max_new_tokens=24).token_ids
         assert result.text.strip()  # an answer, not an end token at once
@@ -443,3 +448,29 @@ def test_a_layer_changed_since_loading_keeps_its_float32_weights(quantized_lm, c
         kept = _checked(weights, model)
     assert kept.keys() == weights.keys() - {"model.layers.0.mlp.up_proj"}
     assert "model.layers.0.mlp.up_proj differs from the GGUF file" in caplog.text
+
+
+def test_a_runner_holds_the_files_blocks_only_while_it_packs_them(quantized_lm):
+    """The blocks are memory-mapped from rag-spec's cache: a reference kept after packing would
+    hold every page packing read, beside the kernel's own copy (``rag-spec ask``'s peak RSS)."""
+    import gc
+    import weakref
+
+    import rag_spec.target.gguf as gguf_module
+    from rag_spec.target.transformers.runner import Runner, RunnerSettings
+
+    kernel_or_skip()
+    read = []
+    reader = gguf_module.read_weights
+
+    def watched(*args):
+        weights = reader(*args)
+        read.extend(weakref.ref(w.values) for w in weights.values())
+        return weights
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_module, "read_weights", watched)
+        runner = Runner(quantized_lm.model, RunnerSettings(quantized=True, compile=False))
+    gc.collect()
+    assert read and runner.stacks and all(stack.quantized for stack in runner.stacks)
+    assert all(ref() is None for ref in read)

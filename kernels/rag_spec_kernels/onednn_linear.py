@@ -154,8 +154,10 @@ class LinearStack:
     kernel: a half or a quarter of the bytes per product, for layers whose outputs need not
     equal the float32 layers' (a draft head's); ignored where the streamed kernel is not
     available. ``blocks``: the layers' weights as a GGUF file quantised them, which every row
-    count then multiplies by (``quantized_linear``, where it runs); they are the file's, packed
-    once: a change to the float32 layers later is not seen.
+    count then multiplies by (``quantized_linear``, where it runs; ``quantized`` says so); they
+    are the file's, packed once and not held after (a file's blocks are memory-mapped, and
+    every page packing read would stay resident): a change to the float32 layers later is not
+    seen.
     """
 
     def __init__(self, linears: list[torch.nn.Linear], streamed: bool = True,
@@ -169,25 +171,27 @@ class LinearStack:
         self._lock = threading.Lock()
         self._version: tuple = ()
         # the layers' quantised weights (a GGUF file's), multiplied as they are
-        self.blocks = blocks if blocks and quantized_available() else None
-        self.streamed = (streamed and self.blocks is None
+        self.quantized = bool(blocks) and quantized_available()
+        self.streamed = (streamed and not self.quantized
                          and streamed_available(linears[0].weight.dtype))
         self.stored = stored if self.streamed else None
+        if self.quantized:
+            self._packed = (pack_quantized(stacked(blocks)), self._bias(), None)
         self.refresh()
         # single rows on the streamed kernel, compiled too (``one_row_streamed``)
         self.one_row_streamed = self.streamed and one_row_streamed()
         # a narrow copy takes the streamed (or quantised) kernel for every row count: BLAS
         # would read the float32 weight
         self.one_row_packed = (one_row_packed(linears[0].weight.dtype) or bool(self.stored)
-                               or self.one_row_streamed or self.blocks is not None)
+                               or self.one_row_streamed or self.quantized)
         self.blas_from_rows = (blas_from_rows(linears[0].weight.dtype)
                                if self.streamed and not self.stored else None)
 
     @property
     def nbytes(self) -> int:
         """Memory of the reordered copy: the stacked weights' size (as stored)."""
-        if self.blocks is not None:
-            return sum(weight.nbytes for weight in self.blocks)
+        if self.quantized:
+            return sum(part.nbytes for part in self._packed[0])
         return sum(linear.weight.numel() * (self.stored or linear.weight.dtype).itemsize
                    for linear in self.linears)
 
@@ -206,23 +210,16 @@ class LinearStack:
         """Reorder the weights again if one of them changed (in place or replaced) since."""
         version = tuple((g.weight.data_ptr(), g.weight._version) for g in self.linears)
         with self._lock:
-            if version == self._version or self.blocks is not None and self._version:
-                return  # unchanged, or a file's quantised weights (packed once)
-            biases = [g.bias for g in self.linears]
-            bias = None if all(b is None for b in biases) else torch.cat([
-                torch.zeros(g.out_features, dtype=g.weight.dtype, device=g.weight.device)
-                if g.bias is None else g.bias.detach() for g in self.linears])
-            scale = None
-            if self.blocks is not None:  # the file's weights, which do not change; the float32
-                # layers are not read (a model loaded from a file maps their pages in only as
-                # something reads them)
-                packed = pack_quantized(stacked(self.blocks))
-            else:
-                weight = torch.cat([g.weight.detach() for g in self.linears])
-                if self.stored == torch.int8:
-                    weight, scale = quantized(weight)
-                packed = (pack_streamed(weight, None if scale is not None else self.stored)
-                          if self.streamed else pack_weight(weight))
+            if version == self._version or self.quantized:
+                return  # unchanged, or a file's quantised weights (packed once); the float32
+                # layers are not read then (a model loaded from a file maps their pages in
+                # only as something reads them)
+            bias, scale = self._bias(), None
+            weight = torch.cat([g.weight.detach() for g in self.linears])
+            if self.stored == torch.int8:
+                weight, scale = quantized(weight)
+            packed = (pack_streamed(weight, None if scale is not None else self.stored)
+                      if self.streamed else pack_weight(weight))
             if self.streamed and self._version:  # traced layers hold these very tensors
                 for held, made in zip(self._packed, (packed, bias, scale)):
                     if made is not None:
@@ -233,6 +230,14 @@ class LinearStack:
             alone = list(self._alone.values())
         for stack in alone:
             stack.refresh()
+
+    def _bias(self) -> torch.Tensor | None:
+        """The layers' biases side by side (zeros for a layer without), or None for none."""
+        if all(g.bias is None for g in self.linears):
+            return None
+        return torch.cat([torch.zeros(g.out_features, dtype=g.weight.dtype,
+                                      device=g.weight.device)
+                          if g.bias is None else g.bias.detach() for g in self.linears])
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -248,11 +253,14 @@ class LinearStack:
         held = pending.pop(index, None)
         if held is not None and held[0] is x:
             return held[1]
+        if self.quantized:  # rare (an input the siblings do not share): every output again,
+            # this layer's taken (each output is computed alone, so the same numbers)
+            start = sum(self.sizes[:index])
+            return self.product(x).narrow(-1, start, self.sizes[index])
         with self._lock:  # rare (an input the siblings do not share): built once, packed
             if index not in self._alone:
-                self._alone[index] = LinearStack(
-                    [self.linears[index]], self.streamed, self.stored,
-                    None if self.blocks is None else [self.blocks[index]])
+                self._alone[index] = LinearStack([self.linears[index]], self.streamed,
+                                                 self.stored)
             alone = self._alone[index]
         return alone.product(x)
 
@@ -263,7 +271,7 @@ class LinearStack:
         tensors)."""
         weight, bias, scale = packed or self._packed
         rows = x.reshape(-1, x.shape[-1])
-        if self.blocks is not None:
+        if self.quantized:
             y = quantized_linear(rows, weight, self.out_features, bias)
         else:
             y = (streamed_linear(rows, weight, self.out_features, bias, scale) if self.streamed
@@ -400,7 +408,7 @@ class TracedLinear(_StandIn):
             self.first_sibling, self.last_sibling = index == 0, index == len(stack.sizes) - 1
             self.shared = shared
             # buffers: the compiler checks a module's tensors cheaply
-            if stack.blocks is not None:  # a file's quantised weights
+            if stack.quantized:  # a file's quantised weights
                 for name, tensor in zip(("packed_values", "packed_scales", "packed_mins"),
                                         stack._packed[0], strict=True):
                     self.register_buffer(name, tensor, persistent=False)
@@ -412,14 +420,14 @@ class TracedLinear(_StandIn):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] and (self.stack is None or not (
-                self.stack.one_row_streamed or self.stack.blocks is not None)):
+                self.stack.one_row_streamed or self.stack.quantized)):
             y = (x.unsqueeze(-2) * self.weight).sum(-1)
             return y if self.bias is None else y + self.bias
         if self.stack is None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         held = self.shared.last
         if self.first_sibling or held is None or held[0] is not x:
-            if self.stack.blocks is not None:  # operators, both
+            if self.stack.quantized:  # operators, both
                 product = self.stack.product(x, ((self.packed_values, self.packed_scales,
                                                   self.packed_mins), self.packed_bias, None))
             elif self.stack.streamed:

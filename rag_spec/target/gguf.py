@@ -16,7 +16,9 @@ query and key rows permuted for llama.cpp's rotary embedding; their rows are put
 transformers' order, as its loader does.
 
 Which models came from which file is remembered here, weakly, by the code that loaded them
-(``remember_file``): a model's own attributes are never written.
+(``remember_file``): a model's own attributes are never written. So are the layers that passed
+the check, but not the blocks: they are memory-mapped, and the kernel packs its own copy, so
+every page packing read would stay resident for nothing while a reference to them lived.
 
 gguf's reader parses every token of a file's vocabulary before its tensors (seconds for a
 small model's file), so a file's converted blocks are kept in rag-spec's cache, named by the
@@ -48,7 +50,7 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _SOURCES: weakref.WeakKeyDictionary[Any, Path] = weakref.WeakKeyDictionary()
-_READ: weakref.WeakKeyDictionary[Any, dict[str, GroupQuantized]] = weakref.WeakKeyDictionary()
+_PASSED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _FORMAT = 1  # the kept conversions' layout: a change here invalidates them
 
@@ -76,14 +78,17 @@ def chat_template(path: str | Path) -> str | None:
 def file_weights(model: Any) -> dict[str, GroupQuantized]:
     """The quantised weights of ``model``'s linear layers, by module path (``lm_head``,
     ``model.layers.0.self_attn.q_proj`` ...), from the GGUF file it was loaded from; empty
-    where it was not. Read once per model, checked against its layers (module docstring)."""
+    where it was not. Checked against its layers once per model (module docstring); read on
+    every call, from rag-spec's cache of the file's conversion where there is one (mapped,
+    not copied), so the caller holds them only while it packs them."""
     path = source_file(model)
     if path is None:
         return {}
     with _lock:
-        if model not in _READ:
-            _READ[model] = _checked(read_weights(path, model.config), model)
-        return _READ[model]
+        weights = read_weights(path, model.config)
+        if model not in _PASSED:
+            _PASSED[model] = frozenset(_checked(weights, model))
+        return {module: w for module, w in weights.items() if module in _PASSED[model]}
 
 
 def read_weights(path: str | Path, config: Any) -> dict[str, GroupQuantized]:

@@ -130,7 +130,7 @@ def _kernels(step: CompiledStep) -> list[list[bool]]:
 def _quantized(stack: Any) -> list[Any]:
     """What a stack's quantised weights are, as its graph reads them (widths, whether with
     minimums); empty for float weights."""
-    if stack.blocks is None:
+    if not stack.quantized:
         return []
     values, _, mins = stack._packed[0]
     return [str(values.dtype), mins.numel() > 0]
