@@ -13,8 +13,12 @@ our step and llama.cpp's (2 threads, repacked weights off) at widths 1, 2, 4, 8,
 each over its own one-token step; our one-token step over llama.cpp's; and no-draft tok/s
 (64 tokens after the same prompt) for ours and for llama.cpp at 1 and 2 threads. The issue's
 goals: our one-token step <= 1.1x llama.cpp's, our 13-row step <= 1.6x our one-token step.
-Writes lab/results/one_b_shape.json. ``python -m lab.one_b_shape [Q4_0|Q4_1|Q8_0] [FOLDER]``
-(the file is written once into FOLDER, default /tmp).
+Q4_K_M (what most users' files are: Q4_K matrices, Q6_K for half the value and down
+projections) is quantised from the Q8_0 file by llama.cpp's own quantiser
+(``llama_model_quantize``), gguf-py having none for the K-quants.
+Writes lab/results/one_b_shape_<format>.json.
+``python -m lab.one_b_shape [Q4_0|Q4_1|Q8_0|Q4_K_M] [FOLDER]`` (the file is written once into
+FOLDER, default /tmp).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def write_file(path: Path, kind: str) -> Path:
 
     if path.is_file():
         return path
+    if kind == "Q4_K_M":
+        return _requantized(write_file(path.with_name(path.name.replace(kind, "Q8_0")),
+                                       "Q8_0"), path)
     qtype = gguf.GGMLQuantizationType[kind]
     source = gguf.GGUFReader(str(source_file(rag_spec.load_model().model)))
     writer = gguf.GGUFWriter(str(path) + ".part", "llama")
@@ -92,6 +99,21 @@ def write_file(path: Path, kind: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     Path(str(path) + ".part").rename(path)
+    return path
+
+
+def _requantized(source: Path, path: Path) -> Path:
+    """``source`` quantised to Q4_K_M at ``path`` by llama.cpp."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    part = Path(str(path) + ".part")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(part).encode(), params) != 0:
+        msg = f"llama.cpp could not quantise {source} to Q4_K_M"
+        raise RuntimeError(msg)
+    part.rename(path)
     return path
 
 

@@ -1,6 +1,8 @@
 """Quantised weights kept as a GGUF file holds them: the kernel that multiplies by them (every
 row as it would be alone), the reader that converts a file's blocks, and the decoder on them."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,12 +11,14 @@ from rag_spec_kernels import (
     GroupQuantized,
     LinearStack,
     TracedLinear,
+    linear_stacks,
     pack_quantized,
     quantized_available,
     quantized_linear,
     quantized_reference,
     stacked,
 )
+from rag_spec_kernels.quantized import stackable
 
 
 def kernel_or_skip():
@@ -22,24 +26,32 @@ def kernel_or_skip():
         pytest.skip("the quantised kernel needs AVX-512 or AVX2 and a build")
 
 
-def random_weight(out, inputs, bits, minimum=True, seed=0):
+def random_weight(out, inputs, bits, minimum=True, seed=0, group=32, precision=torch.float16):
     generator = torch.Generator().manual_seed(seed)
     values = (torch.randint(0, 16, (out, inputs), generator=generator, dtype=torch.uint8)
               if bits == 4 else
               torch.randint(-128, 128, (out, inputs), generator=generator, dtype=torch.int8))
-    scales = (torch.rand(out, inputs // 32, generator=generator) * 0.02).half()
-    mins = (-torch.rand(out, inputs // 32, generator=generator) * 0.1).half() if minimum else None
-    return GroupQuantized(values, scales, mins, bits)
+    scales = (torch.rand(out, inputs // group, generator=generator) * 0.02).to(precision)
+    mins = ((-torch.rand(out, inputs // group, generator=generator) * 0.1).to(precision)
+            if minimum else None)
+    return GroupQuantized(values, scales, mins, bits, group)
+
+
+# the legacy formats' forms (Q4_0 and Q4_1, Q8_0, mixed siblings), then the K-quants' (Q4_K,
+# Q6_K widened): single-precision scales, groups of 16
+FORMS = [(4, True, 32, torch.float16), (8, False, 32, torch.float16),
+         (8, True, 32, torch.float16), (4, True, 32, torch.float32),
+         (8, False, 16, torch.float32)]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 7, 13, 16, 17, 40, 130])  # 0: an empty feed
 @pytest.mark.parametrize("out_features", [16, 40, 1000])
-@pytest.mark.parametrize(("bits", "minimum"), [(4, True), (8, False), (8, True)])
+@pytest.mark.parametrize(("bits", "minimum", "group", "precision"), FORMS)
 def test_quantized_products_are_the_reference_product_on_8_bit_inputs(rows, out_features, bits,
-                                                                     minimum):
+                                                                     minimum, group, precision):
     kernel_or_skip()
     torch.manual_seed(rows)
-    weight = random_weight(out_features, 320, bits, minimum)
+    weight = random_weight(out_features, 320, bits, minimum, group=group, precision=precision)
     x, bias = torch.randn(rows, 320), torch.randn(out_features)
     packed = pack_quantized(weight)
     assert packed[0].shape == (-(-out_features // 8), 320 // (8 if bits == 4 else 4), 32)
@@ -67,17 +79,20 @@ def test_inputs_too_small_or_not_finite_do_not_break_the_product():
 
 @pytest.mark.parametrize("rows", [13, 40, 200])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_quantized_row_does_not_depend_on_the_rows_beside_it(rows, bits):
+@pytest.mark.parametrize("group", [32, 16])
+def test_a_quantized_row_does_not_depend_on_the_rows_beside_it(rows, bits, group):
     # bit for bit: a verified tree's logits are one-token steps' on these weights too
     kernel_or_skip()
     torch.manual_seed(rows)
-    weight = random_weight(48, 576, bits)
+    weight = random_weight(48, 576, bits, group=group,
+                           precision=torch.float16 if group == 32 else torch.float32)
     x, packed = torch.randn(rows, 576), pack_quantized(weight)
     together = quantized_linear(x, packed, 48)
     alone = torch.cat([quantized_linear(row[None], packed, 48) for row in x])
     assert torch.equal(together, alone)
     # and whichever block an output is in
-    shifted = GroupQuantized(weight.values[8:], weight.scales[8:], weight.mins[8:], bits)
+    shifted = dataclasses.replace(weight, values=weight.values[8:], scales=weight.scales[8:],
+                                  mins=weight.mins[8:])
     assert torch.equal(together[:, 8:], quantized_linear(x, pack_quantized(shifted), 40))
 
 
@@ -94,11 +109,32 @@ def test_siblings_of_both_widths_stack_as_8_bits_with_zero_minimums():
     both = stacked([four, eight])
     assert both.bits == 8 and both.values.dtype == torch.int8 and both.shape == (48, 64)
     assert torch.equal(both.dequantized(), torch.cat([four.dequantized(), eight.dequantized()]))
+    # a K-quant beside a legacy format: half-precision scales widened to single, exactly
+    k_quant = random_weight(16, 64, 4, precision=torch.float32)
+    mixed = stacked([four, k_quant])
+    assert mixed.scales.dtype == torch.float32 and torch.equal(
+        mixed.dequantized(), torch.cat([four.dequantized(), k_quant.dequantized()]))
+    # groups of 16 beside groups of 32 cannot be one product: their layers multiply alone
+    sixteen = random_weight(16, 64, 8, minimum=False, group=16, precision=torch.float32)
+    assert not stackable([eight, sixteen])
+    with pytest.raises(ValueError, match="groups differ"):
+        stacked([eight, sixteen])
+    q, v = torch.nn.Linear(64, 16, bias=False), torch.nn.Linear(64, 16, bias=False)
+    parent = torch.nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = q, torch.nn.Linear(64, 32, bias=False), v
+    blocks = {"q_proj": random_weight(16, 64, 4), "k_proj": eight, "v_proj": sixteen}
+    found = linear_stacks(parent, {id(m) for m in parent.children()}, blocks=blocks)
+    assert sorted(len(stack.sizes) for _, _, stack, _ in found) == [1, 1, 1]
 
 
 def test_a_badly_shaped_weight_is_refused_with_its_shapes():
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match=r"multiple of the group .* got \(4, 40\), \(4, 1\)"):
         GroupQuantized(torch.zeros(4, 40, dtype=torch.uint8), torch.zeros(4, 1).half(), None, 4)
+    with pytest.raises(ValueError, match="minimums alike"):  # scales and minimums disagree
+        GroupQuantized(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1),
+                       torch.zeros(4, 1).half(), 4)
+    with pytest.raises(ValueError, match="group 8"):
+        GroupQuantized(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 4), None, 8, 8)
 
 
 def test_a_quantized_stack_multiplies_every_row_count_by_the_files_weights():
@@ -185,12 +221,72 @@ def test_a_files_q4_0_q4_1_and_q8_0_blocks_convert_exactly_in_transformers_row_o
     assert read["model.layers.1.mlp.down_proj"].bits == 8
 
 
+def k_quant_blocks(rows, inputs, kind, seed=0, spread=0.3):
+    """Random Q4_K or Q6_K blocks for a (rows, inputs) weight (gguf-py quantises neither):
+    any bytes are a block, but for its half-precision scales, set small and positive here, the
+    weights about ``spread`` wide and centred."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    raw = rng.integers(0, 256, (rows, inputs // 256, size), dtype=np.uint8)
+
+    def halves(scale):
+        return (rng.random((rows, inputs // 256)) * scale).astype(np.float16).view(
+            np.uint8).reshape(rows, -1, 2)
+
+    if kind == "Q4_K":  # d * scale * value - dmin * minimum: 6-bit scales, 4-bit values
+        raw[..., 0:2] = halves(spread / (63 * 15))
+        raw[..., 2:4] = halves(spread / 63)
+    else:  # d * scale * value: signed 8-bit scales, 6-bit values less 32
+        raw[..., 208:210] = halves(spread / (127 * 32))
+    return raw.reshape(rows, -1)
+
+
+def test_a_files_q4_k_and_q6_k_blocks_convert_exactly_and_other_formats_are_named(tmp_path,
+                                                                                  caplog):
+    """The K-quants most files hold: Q4_K as 4-bit values with single-precision scales and
+    minimums per 32, Q6_K's 6-bit values widened to 8 bits with a scale per 16; exactly what
+    gguf-py (transformers' loader) de-quantises them to. Q5_K has no kernel: float32."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    from rag_spec.target.gguf import read_weights
+
+    query = k_quant_blocks(64, 256, "Q4_K")  # transformers' row order
+    # llama.cpp's row order (4 heads): rows are quantised apart, so their blocks move whole
+    stored = query.reshape(4, 2, 8, -1).swapaxes(1, 2).reshape(query.shape)
+    down = k_quant_blocks(32, 512, "Q6_K", seed=1)
+    kinds = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", stored, raw_dtype=kinds.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", down, raw_dtype=kinds.Q6_K)
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 176), dtype=np.uint8),
+                      raw_dtype=kinds.Q5_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = type("Config", (), {"model_type": "llama", "num_attention_heads": 4,
+                                 "num_key_value_heads": 2})()
+    with caplog.at_level("INFO"):
+        read = read_weights(tmp_path / "k.gguf", config)
+    q, d = read["model.layers.0.self_attn.q_proj"], read["model.layers.0.mlp.down_proj"]
+    assert set(read) == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    assert (q.bits, q.group, q.scales.dtype) == (4, 32, torch.float32) and q.mins is not None
+    assert (d.bits, d.group, d.scales.dtype, d.mins) == (8, 16, torch.float32, None)
+    assert torch.equal(q.dequantized(), torch.from_numpy(dequantize(query, kinds.Q4_K)))
+    assert torch.equal(d.dequantized(), torch.from_numpy(dequantize(down, kinds.Q6_K)))
+    assert "Q5_K layers of k.gguf have no quantised kernel yet" in caplog.text
+    assert "the Q6_K layers of k.gguf run on the 8-bit kernel (6-bit values widened)" in \
+        caplog.text
+
+
 # -- the decoder on a file's weights -------------------------------------------------------
 
 
-def quantized_copy(lm, folder):
+def quantized_copy(lm, folder, k_quants=False):
     """A copy of ``lm`` whose layers hold what a GGUF file of them de-quantises to (Q4_1
-    layers, a Q8_0 head, rows permuted as llama.cpp's converter writes them), loaded "from"
+    layers, a Q8_0 head; with ``k_quants``, Q4_K_M's mix: Q4_K layers, Q6_K down projections
+    and head, random blocks; rows permuted as llama.cpp's converter writes them), loaded "from"
     that file, as ``load_model("x.gguf")`` leaves a model."""
     import copy
 
@@ -215,15 +311,20 @@ def quantized_copy(lm, folder):
             else:
                 layer, sub = path.removeprefix("model.layers.").split(".", 1)
                 name, kind = f"blk.{layer}.{names[sub]}.weight", gguf.GGMLQuantizationType.Q4_1
-            weight = module.weight.numpy()
-            stored = weight
+            if k_quants:
+                kind = gguf.GGMLQuantizationType[
+                    "Q6_K" if path == "lm_head" or "down_proj" in path else "Q4_K"]
+                blocks = k_quant_blocks(*module.weight.shape, kind.name, seed=len(path))
+            else:
+                blocks = quantize(module.weight.numpy(), kind)
+            stored = blocks  # rows are quantised apart: they move whole
             if names.get(path.split(".", 3)[-1]) in ("attn_q", "attn_k"):
                 heads = (config.num_attention_heads if path.endswith("q_proj")
                          else config.num_key_value_heads)
-                stored = weight.reshape(heads, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(
-                    weight.shape)
-            writer.add_tensor(name, quantize(stored, kind), raw_dtype=kind)
-            module.weight.copy_(torch.from_numpy(dequantize(quantize(weight, kind), kind)))
+                stored = blocks.reshape(heads, 2, -1, blocks.shape[1]).swapaxes(1, 2).reshape(
+                    blocks.shape)
+            writer.add_tensor(name, stored, raw_dtype=kind)
+            module.weight.copy_(torch.from_numpy(dequantize(blocks, kind)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -263,6 +364,34 @@ def quantized_lm(tmp_path_factory):
     from test_entry_matrix import char_lm
 
     return quantized_copy(char_lm(window=1024), tmp_path_factory.mktemp("gguf"))
+
+
+def test_a_model_from_a_q4_k_m_file_decodes_from_its_blocks_as_its_own_one_token_steps(
+        tmp_path):
+    """Q4_K_M, the files most users have: every layer on the kernel (Q4_K's, Q6_K's widened),
+    drafted answers equal to the one-token decoding of the same weights."""
+    from test_entry_matrix import N, prompts
+
+    from conftest import char_tokenizer, tiny_llama
+    from rag_spec import LookaheadConfig, LookaheadDecoder, TrieDrafter
+    from rag_spec.models import LoadedModel
+
+    kernel_or_skip()
+    tokenizer = char_tokenizer()  # K-quants' blocks are 256 wide: a model 256 wide
+    wide = LoadedModel(tiny_llama(vocab_size=len(tokenizer), window=1024, hidden=256),
+                       tokenizer, "tiny", torch.device("cpu"), torch.float32)
+    lm = quantized_copy(wide, tmp_path, k_quants=True)
+    plain = LookaheadDecoder(lm.model, lm.tokenizer, LookaheadConfig(budget=0, quantized=True,
+                                                                     compile=False))
+    drafted = LookaheadDecoder(lm.model, lm.tokenizer,
+                               LookaheadConfig(budget=8, quantized=True, compile=False),
+                               drafter=TrieDrafter())
+    stacks = drafted.runner.stacks
+    assert stacks and all(stack.quantized for stack in stacks)
+    assert {stack._packed[0][1].dtype for stack in stacks} == {torch.float32}  # the K-quants'
+    one, two = prompts(lm)
+    expected = [plain.generate(p, N).token_ids for p in (one, two)]
+    assert [r.token_ids for r in drafted.generate([one, two], N)] == expected
 
 
 @pytest.mark.parametrize("drafter", ["trie", "head+trie", "draft model", "early exit",

@@ -39,6 +39,7 @@ from rag_spec_kernels.quantized import (
     pack_quantized,
     quantized_available,
     quantized_linear,
+    stackable,
     stacked,
 )
 from rag_spec_kernels.streamed import (
@@ -310,7 +311,7 @@ def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True,
     (parent, attribute name, stack, index in stack): siblings known to share an input stacked
     together, the others alone; ``stored``: the streamed copies' precision; ``blocks``: layers'
     quantised weights by module path under ``root`` (siblings stack only if all or none have
-    them) (``LinearStack``)."""
+    them, in the same groups) (``LinearStack``)."""
     blocks = blocks or {}
     found: list[tuple[torch.nn.Module, str, LinearStack, int]] = []
     taken: set[int] = set()
@@ -319,8 +320,9 @@ def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True,
             group = [parent._modules.get(n) for n in names]
             weights = [blocks.get(f"{path}.{n}" if path else n) for n in names]
             if all(id(g) in own and is_plain_linear(g) for g in group) and len(
-                    {g.in_features for g in group}) == 1 and len(
-                    {w is None for w in weights}) == 1:
+                    {g.in_features for g in group}) == 1 and (
+                    all(w is None for w in weights) or None not in weights
+                    and stackable(weights)):
                 stack = LinearStack(group, streamed, stored,
                                     None if weights[0] is None else weights)
                 found += [(parent, n, stack, i) for i, n in enumerate(names)]

@@ -13,7 +13,10 @@
 // Layout, per block of 8 outputs (one 32-bit lane each): 8-bit values (blocks, in / 4, 32),
 // byte 4 * o + i holding output o's input 4 * c + i; 4-bit values (blocks, in / 8, 32), the
 // same byte holding input 8 * c + i in its low half and 8 * c + 4 + i in its high half; scales
-// and minimums (blocks, in / 32, 8) in half precision. A weight is value * scale + minimum.
+// and minimums (blocks, in / group, 8) in half precision, or in single precision for the
+// K-quants, whose scales are products of two stored numbers. A weight is value * scale +
+// minimum, each scale over a group of 32 inputs, or of 16 (Q6_K); each row's inputs are
+// quantised by the same groups.
 //
 // Byte products take 4-bit values as they are and 8-bit ones as magnitudes with the sign moved
 // to the input. On AVX2 (vpmaddubsw: unsigned by signed, pairs summed to 16 bits) no sum can
@@ -30,6 +33,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,7 +43,6 @@
 
 namespace {
 
-constexpr int64_t GROUP = 32;  // inputs per scale
 constexpr int64_t OUTPUTS = 8;  // outputs per block
 #ifdef __AVX512VNNI__
 constexpr bool VNNI = true;
@@ -49,10 +52,10 @@ constexpr bool VNNI = false;
 constexpr int MOST_ROWS = 4;
 #endif
 
-// Each row's inputs as 8-bit integers with a scale per group of 32, and that scale times the
-// group's sum (the minimums' share of a product).
+// Each row's inputs as 8-bit integers with a scale per group (of the weight's width), and that
+// scale times the group's sum (the minimums' share of a product).
 struct Inputs {
-  int64_t in, groups;
+  int64_t in, group, groups;
   std::vector<int8_t> values;  // (rows, in)
   std::vector<float> scales, sums;  // (rows, groups)
   std::vector<int32_t> totals;  // (rows, groups): each group's values summed
@@ -70,12 +73,13 @@ inline int sum_of(__m256i v) {  // the sum of v's 8 32-bit lanes
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// One group of 32 inputs as 8-bit values (written to ``values``) with a scale of its largest
-// magnitude / 127, each rounded to nearest even; returns the scale, and the values' sum.
-inline float quantized_group(const float* p, int8_t* values, int& sum) {
+// One group of 32 or 16 inputs (``n`` vectors of 8) as 8-bit values (written to ``values``)
+// with a scale of its largest magnitude / 127, each rounded to nearest even; returns the scale,
+// and the values' sum.
+inline float quantized_group(const float* p, int n, int8_t* values, int& sum) {
   __m256 v[4];
   __m256 largest = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < n; ++i) {
     v[i] = _mm256_loadu_ps(p + 8 * i);
     largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
@@ -84,32 +88,33 @@ inline float quantized_group(const float* p, int8_t* values, int& sum) {
   // zero, and one not finite still reaches the output through the scale
   const float scale = _mm256_movemask_ps(unordered) ? NAN : largest_of(largest) / 127.f;
   if (!(std::isnormal(scale) && scale < 1e37f)) {
-    std::memset(values, 0, GROUP);
+    std::memset(values, 0, 8 * n);
     sum = 0;
     return scale;
   }
   const __m256 inverse = _mm256_set1_ps(1.f / scale);
   __m256i r[4];  // |value| <= 127: the packs below never saturate
-  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  for (int i = 0; i < n; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  for (int i = n; i < 4; ++i) r[i] = _mm256_setzero_si256();
   sum = sum_of(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
-  // packing interleaves the four vectors' halves 4 values at a time; the permute restores order
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
-                                            _mm256_packs_epi32(r[2], r[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(values),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6,
-                                                                            3, 7)));
+  // packing interleaves the vectors' halves 4 values at a time; the permute restores order (of
+  // two vectors, the first 16 bytes are theirs)
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  std::memcpy(values, &packed, 8 * n);
   return scale;
 }
 
-Inputs quantized_rows(const float* x, int64_t rows, int64_t in) {
-  const int64_t groups = in / GROUP;
-  Inputs q{in, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
+Inputs quantized_rows(const float* x, int64_t rows, int64_t in, int64_t group) {
+  const int64_t groups = in / group;
+  Inputs q{in, group, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
            std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       int sum;
-      const float scale = quantized_group(x + r * in + g * GROUP,
-                                          q.values.data() + r * in + g * GROUP, sum);
+      const float scale = quantized_group(x + r * in + g * group, static_cast<int>(group / 8),
+                                          q.values.data() + r * in + g * group, sum);
       q.scales[r * groups + g] = scale;
       q.sums[r * groups + g] = scale * static_cast<float>(sum);
       q.totals[r * groups + g] = sum;
@@ -134,27 +139,30 @@ inline __m256i dot4(__m256i sum, __m256i u, __m256i s) {
 #endif
 }
 
-inline __m256 halves(const uint16_t* p) {
+// 8 scales (or minimums) in half or single precision (S: uint16_t or float)
+inline __m256 eight(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+
 // ROWS rows (from ``r0``) past one block: its 8 outputs for each row, stored ``ldy`` apart.
-template <bool FOUR, bool MIN, int ROWS>
-void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16_t* mins,
-                     const Inputs& q, int64_t r0, float* y, int64_t ldy) {
+template <bool FOUR, bool MIN, typename S, int ROWS>
+void rows_past_block(const uint8_t* values, const S* scales, const S* mins, const Inputs& q,
+                     int64_t r0, float* y, int64_t ldy) {
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    const int8_t* x = q.values.data() + r0 * q.in + g * GROUP;
+    const int8_t* x = q.values.data() + r0 * q.in + g * q.group;
     // VNNI's products add into their sum: two sums a row halve the chain each waits on
     __m256i sum[ROWS], more[ROWS];
     for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm256_setzero_si256();
     if constexpr (FOUR) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 1  // unrolled, gcc computes every product first and spills them
-      for (int c = 0; c < GROUP / 8; ++c) {
-        const __m256i packed =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (g * 4 + c) * 32));
+      for (int c = 0; c < q.group / 8; ++c) {
+        const __m256i packed = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(values + (g * q.group / 8 + c) * 32));
         const __m256i low = _mm256_and_si256(packed, mask);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
         for (int r = 0; r < ROWS; ++r) {
@@ -173,11 +181,11 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
     } else {
       constexpr int STEP = VNNI ? 2 : 1;  // chunks a pass: one for each sum of a row
 #pragma GCC unroll 1
-      for (int c = 0; c < GROUP / 4; c += STEP) {
+      for (int c = 0; c < q.group / 4; c += STEP) {
         __m256i w[STEP], magnitude[STEP];
         for (int i = 0; i < STEP; ++i) {
           w[i] = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(values + (g * 8 + c + i) * 32));
+              reinterpret_cast<const __m256i*>(values + (g * q.group / 4 + c + i) * 32));
           magnitude[i] = _mm256_sign_epi8(w[i], w[i]);  // -128 reads as 128, unsigned
         }
         for (int r = 0; r < ROWS; ++r) {  // a pair's sum: at most 2 * 128 * 127 < 2^15
@@ -190,8 +198,8 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
     }
     if constexpr (VNNI)
       for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_add_epi32(sum[r], more[r]);
-    const __m256 scale = halves(scales + g * OUTPUTS);
-    const __m256 minimum = MIN ? halves(mins + g * OUTPUTS) : _mm256_setzero_ps();
+    const __m256 scale = eight(scales + g * OUTPUTS);
+    const __m256 minimum = MIN ? eight(mins + g * OUTPUTS) : _mm256_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (r0 + r) * q.groups + g;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]),
@@ -202,12 +210,13 @@ void rows_past_block(const uint8_t* values, const uint16_t* scales, const uint16
   for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-using Rows = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Inputs&, int64_t,
-                      float*, int64_t);
+template <typename S>
+using Rows = void (*)(const uint8_t*, const S*, const S*, const Inputs&, int64_t, float*,
+                      int64_t);
 
-template <bool FOUR, bool MIN, size_t... N>
-constexpr std::array<Rows, sizeof...(N)> rows_table(std::index_sequence<N...>) {
-  return {&rows_past_block<FOUR, MIN, static_cast<int>(N) + 1>...};
+template <bool FOUR, bool MIN, typename S, size_t... N>
+constexpr std::array<Rows<S>, sizeof...(N)> rows_table(std::index_sequence<N...>) {
+  return {&rows_past_block<FOUR, MIN, S, static_cast<int>(N) + 1>...};
 }
 
 #ifdef __AVX512VNNI__
@@ -224,10 +233,16 @@ inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each blo
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + apart)), 1);
 }
 
-inline __m512 two_halves(const uint16_t* p, int64_t apart) {  // 8 from each block
+inline __m512 sixteen(const uint16_t* p, int64_t apart) {  // 8 from each block
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + apart)), 1));
+}
+
+inline __m512 sixteen(const float* p, int64_t apart) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p))),
+      _mm256_castps_pd(_mm256_loadu_ps(p + apart)), 1));
 }
 
 inline __m512i four_inputs_512(const int8_t* p) {
@@ -236,21 +251,21 @@ inline __m512i four_inputs_512(const int8_t* p) {
   return _mm512_set1_epi32(bytes);
 }
 
-template <bool FOUR, bool MIN, int ROWS>
-void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint16_t* scales,
-                          const uint16_t* mins, int64_t block_groups, const Inputs& q,
-                          int64_t r0, float* y, int64_t ldy) {
+template <bool FOUR, bool MIN, typename S, int ROWS>
+void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const S* scales,
+                          const S* mins, int64_t block_groups, const Inputs& q, int64_t r0,
+                          float* y, int64_t ldy) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    const int8_t* x = q.values.data() + r0 * q.in + g * GROUP;
+    const int8_t* x = q.values.data() + r0 * q.in + g * q.group;
     __m512i sum[ROWS], more[ROWS];
     for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm512_setzero_si512();
     if constexpr (FOUR) {
       const __m512i mask = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 1
-      for (int c = 0; c < GROUP / 8; ++c) {
-        const __m512i packed = two(values + (g * 4 + c) * 32, block_bytes);
+      for (int c = 0; c < q.group / 8; ++c) {
+        const __m512i packed = two(values + (g * q.group / 8 + c) * 32, block_bytes);
         const __m512i low = _mm512_and_si512(packed, mask);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
         for (int r = 0; r < ROWS; ++r) {
@@ -261,11 +276,11 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint
       }
     } else {  // weights read unsigned, 128 above themselves: 128 times the inputs' sum less
 #pragma GCC unroll 1
-      for (int c = 0; c < GROUP / 4; c += 2) {
+      for (int c = 0; c < q.group / 4; c += 2) {
         const __m512i flip = _mm512_set1_epi8(-128);  // w ^ 0x80 is w + 128, unsigned
-        const __m512i above[2] = {
-            _mm512_xor_si512(two(values + (g * 8 + c) * 32, block_bytes), flip),
-            _mm512_xor_si512(two(values + (g * 8 + c + 1) * 32, block_bytes), flip)};
+        const uint8_t* chunk = values + (g * q.group / 4 + c) * 32;
+        const __m512i above[2] = {_mm512_xor_si512(two(chunk, block_bytes), flip),
+                                  _mm512_xor_si512(two(chunk + 32, block_bytes), flip)};
         for (int r = 0; r < ROWS; ++r) {
           const int8_t* xr = x + r * q.in + c * 4;
           sum[r] = _mm512_dpbusd_epi32(sum[r], above[0], four_inputs_512(xr));
@@ -276,9 +291,8 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint
         more[r] = _mm512_sub_epi32(more[r],
                                    _mm512_set1_epi32(128 * q.totals[(r0 + r) * q.groups + g]));
     }
-    const __m512 scale = two_halves(scales + g * OUTPUTS, block_groups);
-    const __m512 minimum =
-        MIN ? two_halves(mins + g * OUTPUTS, block_groups) : _mm512_setzero_ps();
+    const __m512 scale = sixteen(scales + g * OUTPUTS, block_groups);
+    const __m512 minimum = MIN ? sixteen(mins + g * OUTPUTS, block_groups) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (r0 + r) * q.groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r], more[r])),
@@ -289,28 +303,29 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const uint
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);  // both blocks' outputs
 }
 
-using TwoRows = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, int64_t,
-                         const Inputs&, int64_t, float*, int64_t);
+template <typename S>
+using TwoRows = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, const Inputs&,
+                         int64_t, float*, int64_t);
 
-template <bool FOUR, bool MIN, size_t... N>
-constexpr std::array<TwoRows, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
-  return {&rows_past_two_blocks<FOUR, MIN, static_cast<int>(N) + 1>...};
+template <bool FOUR, bool MIN, typename S, size_t... N>
+constexpr std::array<TwoRows<S>, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
+  return {&rows_past_two_blocks<FOUR, MIN, S, static_cast<int>(N) + 1>...};
 }
 #endif
 
-template <bool FOUR, bool MIN>
-void product(const float* px, const uint8_t* values, const uint16_t* scales,
-             const uint16_t* mins, float* py, int64_t rows, int64_t in, int64_t nblocks) {
-  static constexpr auto ROWS = rows_table<FOUR, MIN>(std::make_index_sequence<MOST_ROWS>{});
-  const Inputs q = quantized_rows(px, rows, in);
-  const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / GROUP * OUTPUTS;
+template <bool FOUR, bool MIN, typename S>
+void product(const float* px, const uint8_t* values, const S* scales, const S* mins, float* py,
+             int64_t rows, int64_t in, int64_t group, int64_t nblocks) {
+  static constexpr auto ROWS = rows_table<FOUR, MIN, S>(std::make_index_sequence<MOST_ROWS>{});
+  const Inputs q = quantized_rows(px, rows, in, group);
+  const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / group * OUTPUTS;
   const int64_t out = nblocks * OUTPUTS;
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {  // the block stays in the core's cache for its rows
 #ifdef __AVX512VNNI__
       {
         static constexpr auto TWO =
-            two_rows_table<FOUR, MIN>(std::make_index_sequence<MOST_ROWS>{});
+            two_rows_table<FOUR, MIN, S>(std::make_index_sequence<MOST_ROWS>{});
         if (rows >= MOST_ROWS && b + 1 < last) {
           for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
             TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
@@ -333,39 +348,48 @@ void product(const float* px, const uint8_t* values, const uint16_t* scales,
 }  // namespace
 
 // x: (rows, in) float32; values: (blocks, in / 8, 32) uint8 (4-bit pairs) or (blocks, in / 4,
-// 32) int8; scales and mins: (blocks, in / 32, 8) float16, mins possibly empty (no minimum).
-// Returns (rows, blocks * 8) float32.
+// 32) int8; scales and mins: (blocks, in / group, 8) float16 or float32, a group of 32 or 16
+// inputs, mins possibly empty (no minimum). Returns (rows, blocks * 8) float32.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
                                const at::Tensor& scales, const at::Tensor& mins) {
   const bool four = values.scalar_type() == at::kByte, minimum = mins.numel() > 0;
+  const bool single = scales.scalar_type() == at::kFloat;
+  const int64_t in = x.dim() == 2 ? x.size(1) : 0;
+  const int64_t group = scales.dim() == 3 && scales.size(1) ? in / scales.size(1) : 0;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.size(1) % GROUP == 0 && values.dim() == 3 && values.is_contiguous() &&
-                  (four || values.scalar_type() == at::kChar) && values.size(2) == 32 &&
-                  values.size(1) == x.size(1) / (four ? 8 : 4) &&
-                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.dim() == 3 && scales.size(0) == values.size(0) &&
-                  scales.size(1) == x.size(1) / GROUP && scales.size(2) == OUTPUTS &&
+                  (group == 32 || group == 16) && in % group == 0 && values.dim() == 3 &&
+                  values.is_contiguous() && (four || values.scalar_type() == at::kChar) &&
+                  values.size(2) == 32 && values.size(1) == in / (four ? 8 : 4) &&
+                  (single || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.size(0) == values.size(0) && scales.size(1) * group == in &&
+                  scales.size(2) == OUTPUTS &&
                   (!minimum || (mins.sizes() == scales.sizes() &&
-                                mins.scalar_type() == at::kHalf && mins.is_contiguous())),
-              "quantized_linear: contiguous float32 (rows, in) input with in a multiple of 32, "
-              "(blocks, in / 8, 32) uint8 or (blocks, in / 4, 32) int8 values, (blocks, in / "
-              "32, 8) float16 scales and minimums (or none)");
-  const int64_t rows = x.size(0), in = x.size(1), nblocks = values.size(0);
+                                mins.scalar_type() == scales.scalar_type() &&
+                                mins.is_contiguous())),
+              "quantized_linear: contiguous float32 (rows, in) input, (blocks, in / 8, 32) "
+              "uint8 or (blocks, in / 4, 32) int8 values, (blocks, in / group, 8) float16 or "
+              "float32 scales and minimums (or none), a group of 32 or 16 inputs");
+  const int64_t rows = x.size(0), nblocks = values.size(0);
   auto y = at::empty({rows, nblocks * OUTPUTS}, x.options());
   if (rows == 0 || in == 0) return y.zero_();
   const float* px = x.data_ptr<float>();
   const auto* v = reinterpret_cast<const uint8_t*>(values.data_ptr());
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* m = minimum ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>())
-                          : nullptr;
   float* py = y.data_ptr<float>();
-  if (four && minimum)
-    product<true, true>(px, v, s, m, py, rows, in, nblocks);
-  else if (four)
-    product<true, false>(px, v, s, m, py, rows, in, nblocks);
-  else if (minimum)
-    product<false, true>(px, v, s, m, py, rows, in, nblocks);
+  auto run = [&](const auto* s, const auto* m) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (four && minimum)
+      product<true, true, S>(px, v, s, m, py, rows, in, group, nblocks);
+    else if (four)
+      product<true, false, S>(px, v, s, m, py, rows, in, group, nblocks);
+    else if (minimum)
+      product<false, true, S>(px, v, s, m, py, rows, in, group, nblocks);
+    else
+      product<false, false, S>(px, v, s, m, py, rows, in, group, nblocks);
+  };
+  if (single)
+    run(scales.data_ptr<float>(), minimum ? mins.data_ptr<float>() : nullptr);
   else
-    product<false, false>(px, v, s, m, py, rows, in, nblocks);
+    run(reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+        minimum ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr);
   return y;
 }

@@ -128,12 +128,12 @@ def _kernels(step: CompiledStep) -> list[list[bool]]:
 
 
 def _quantized(stack: Any) -> list[Any]:
-    """What a stack's quantised weights are, as its graph reads them (widths, whether with
-    minimums); empty for float weights."""
+    """What a stack's quantised weights are, as its graph reads them (widths of values and
+    scales, whether with minimums); empty for float weights."""
     if not stack.quantized:
         return []
-    values, _, mins = stack._packed[0]
-    return [str(values.dtype), mins.numel() > 0]
+    values, scales, mins = stack._packed[0]
+    return [str(values.dtype), str(scales.dtype), mins.numel() > 0]
 
 
 @functools.cache
