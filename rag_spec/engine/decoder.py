@@ -72,8 +72,8 @@ class LookaheadConfig:
     # exact=False under True
     compile: bool | Literal["auto"] = "auto"
     # CPU, a model loaded from a GGUF file (``load_model("x.gguf")``, the embedded model):
-    # its linear layers multiply by the file's own 4- and 8-bit weights (Q4_0, Q4_1, Q8_0;
-    # other formats stay float32) in integer products on inputs rounded to 8 bits, as
+    # its linear layers multiply by the file's own 4- and 8-bit weights (Q4_0, Q4_1, Q8_0,
+    # Q4_K, Q6_K; other formats stay float32) in integer products on inputs rounded to 8 bits, as
     # llama.cpp's, and every step attends row by row (a tree's rows bit for bit one-token
     # steps'). Another model than the float32 one: greedy output equals this setting's own
     # no-draft decoding, not ``generate``'s. Compiled steps come from a package of their own
