@@ -1,8 +1,6 @@
 """Quantised weights kept as a GGUF file holds them: the kernel that multiplies by them (every
 row as it would be alone), the reader that converts a file's blocks, and the decoder on them."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -26,35 +24,47 @@ def kernel_or_skip():
         pytest.skip("the quantised kernel needs AVX-512 or AVX2 and a build")
 
 
-def random_weight(out, inputs, bits, minimum=True, seed=0, group=32, precision=torch.float16):
+def random_weight(out, inputs, bits, minimum=True, seed=0, group=32, factored=False):
+    """Random values, scales and minimums: half-precision scales, or (``factored``, the
+    K-quants' form) int8 ones times a factor per 256 inputs."""
     generator = torch.Generator().manual_seed(seed)
     values = (torch.randint(0, 16, (out, inputs), generator=generator, dtype=torch.uint8)
               if bits == 4 else
               torch.randint(-128, 128, (out, inputs), generator=generator, dtype=torch.int8))
-    scales = (torch.rand(out, inputs // group, generator=generator) * 0.02).to(precision)
-    mins = ((-torch.rand(out, inputs // group, generator=generator) * 0.1).to(precision)
+    if factored:
+        def factors(sign):
+            spread = torch.rand(out, inputs // 256, generator=generator) * 3e-4
+            return (sign * spread).half().float()
+
+        scales = torch.randint(-128, 128, (out, inputs // group), generator=generator,
+                               dtype=torch.int8)
+        mins = (torch.randint(0, 64, (out, inputs // group), generator=generator,
+                              dtype=torch.int8) if minimum else None)
+        return GroupQuantized(values, scales, mins, bits, group, factors(1),
+                              factors(-1) if minimum else None)
+    scales = (torch.rand(out, inputs // group, generator=generator) * 0.02).half()
+    mins = ((-torch.rand(out, inputs // group, generator=generator) * 0.1).half()
             if minimum else None)
     return GroupQuantized(values, scales, mins, bits, group)
 
 
 # the legacy formats' forms (Q4_0 and Q4_1, Q8_0, mixed siblings), then the K-quants' (Q4_K,
-# Q6_K widened): single-precision scales, groups of 16
-FORMS = [(4, True, 32, torch.float16), (8, False, 32, torch.float16),
-         (8, True, 32, torch.float16), (4, True, 32, torch.float32),
-         (8, False, 16, torch.float32)]
+# Q6_K widened): integer scales with factors, groups of 16
+FORMS = [(4, True, 32, False), (8, False, 32, False), (8, True, 32, False),
+         (4, True, 32, True), (8, False, 16, True)]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 7, 13, 16, 17, 40, 130])  # 0: an empty feed
 @pytest.mark.parametrize("out_features", [16, 40, 1000])
-@pytest.mark.parametrize(("bits", "minimum", "group", "precision"), FORMS)
+@pytest.mark.parametrize(("bits", "minimum", "group", "factored"), FORMS)
 def test_quantized_products_are_the_reference_product_on_8_bit_inputs(rows, out_features, bits,
-                                                                     minimum, group, precision):
+                                                                     minimum, group, factored):
     kernel_or_skip()
     torch.manual_seed(rows)
-    weight = random_weight(out_features, 320, bits, minimum, group=group, precision=precision)
-    x, bias = torch.randn(rows, 320), torch.randn(out_features)
+    weight = random_weight(out_features, 512, bits, minimum, group=group, factored=factored)
+    x, bias = torch.randn(rows, 512), torch.randn(out_features)
     packed = pack_quantized(weight)
-    assert packed[0].shape == (-(-out_features // 8), 320 // (8 if bits == 4 else 4), 32)
+    assert packed[0].shape == (-(-out_features // 8), 512 // (8 if bits == 4 else 4), 32)
     y = quantized_linear(x, packed, out_features, bias)
     torch.testing.assert_close(y, (quantized_reference(x, weight) + bias).float(),
                                rtol=1e-5, atol=1e-4)
@@ -84,16 +94,24 @@ def test_a_quantized_row_does_not_depend_on_the_rows_beside_it(rows, bits, group
     # bit for bit: a verified tree's logits are one-token steps' on these weights too
     kernel_or_skip()
     torch.manual_seed(rows)
-    weight = random_weight(48, 576, bits, group=group,
-                           precision=torch.float16 if group == 32 else torch.float32)
-    x, packed = torch.randn(rows, 576), pack_quantized(weight)
+    weight = random_weight(48, 768, bits, group=group, factored=group == 16)
+    x, packed = torch.randn(rows, 768), pack_quantized(weight)
     together = quantized_linear(x, packed, 48)
     alone = torch.cat([quantized_linear(row[None], packed, 48) for row in x])
     assert torch.equal(together, alone)
     # and whichever block an output is in
-    shifted = dataclasses.replace(weight, values=weight.values[8:], scales=weight.scales[8:],
-                                  mins=weight.mins[8:])
+    shifted = weight.taken(torch.arange(8, 48))
     assert torch.equal(together[:, 8:], quantized_linear(x, pack_quantized(shifted), 40))
+
+
+def test_a_k_quants_integer_scales_are_their_products_exactly():
+    # 6-bit scales times a half-precision factor: exact in float32, the product's bits
+    weight = random_weight(8, 512, 4, factored=True)
+    scales, mins = weight.scaling(torch.float32)
+    expected = weight.scales.double() * weight.scale_factors.double().repeat_interleave(8, 1)
+    assert torch.equal(scales.double(), expected) and mins is not None
+    packed = pack_quantized(weight)
+    assert packed[1].dtype == torch.int8 and packed[3].shape == (1, 2, 16)
 
 
 def test_dequantizing_rounds_each_weight_once():
@@ -109,20 +127,22 @@ def test_siblings_of_both_widths_stack_as_8_bits_with_zero_minimums():
     both = stacked([four, eight])
     assert both.bits == 8 and both.values.dtype == torch.int8 and both.shape == (48, 64)
     assert torch.equal(both.dequantized(), torch.cat([four.dequantized(), eight.dequantized()]))
-    # a K-quant beside a legacy format: half-precision scales widened to single, exactly
-    k_quant = random_weight(16, 64, 4, precision=torch.float32)
-    mixed = stacked([four, k_quant])
-    assert mixed.scales.dtype == torch.float32 and torch.equal(
-        mixed.dequantized(), torch.cat([four.dequantized(), k_quant.dequantized()]))
-    # groups of 16 beside groups of 32 cannot be one product: their layers multiply alone
-    sixteen = random_weight(16, 64, 8, minimum=False, group=16, precision=torch.float32)
-    assert not stackable([eight, sixteen])
-    with pytest.raises(ValueError, match="groups differ"):
-        stacked([eight, sixteen])
-    q, v = torch.nn.Linear(64, 16, bias=False), torch.nn.Linear(64, 16, bias=False)
+    # K-quants of both widths stack too, their factors side by side
+    k_four = random_weight(16, 256, 4, factored=True)
+    k_eight = random_weight(8, 256, 8, minimum=False, factored=True, seed=1)
+    k_both = stacked([k_four, k_eight])
+    assert k_both.scales.dtype == torch.int8 and torch.equal(
+        k_both.dequantized(), torch.cat([k_four.dequantized(), k_eight.dequantized()]))
+    # groups of 16 beside groups of 32, or integer scales beside half-precision ones, cannot be
+    # one product: their layers multiply alone
+    sixteen = random_weight(16, 256, 8, minimum=False, group=16, factored=True)
+    assert not stackable([k_eight, sixteen]) and not stackable([four, k_four])
+    with pytest.raises(ValueError, match="groups, or their kinds of scales, differ"):
+        stacked([k_eight, sixteen])
+    q, v = torch.nn.Linear(256, 16, bias=False), torch.nn.Linear(256, 16, bias=False)
     parent = torch.nn.Module()
-    parent.q_proj, parent.k_proj, parent.v_proj = q, torch.nn.Linear(64, 32, bias=False), v
-    blocks = {"q_proj": random_weight(16, 64, 4), "k_proj": eight, "v_proj": sixteen}
+    parent.q_proj, parent.k_proj, parent.v_proj = q, torch.nn.Linear(256, 8, bias=False), v
+    blocks = {"q_proj": random_weight(16, 256, 4), "k_proj": k_eight, "v_proj": sixteen}
     found = linear_stacks(parent, {id(m) for m in parent.children()}, blocks=blocks)
     assert sorted(len(stack.sizes) for _, _, stack, _ in found) == [1, 1, 1]
 
@@ -271,8 +291,9 @@ def test_a_files_q4_k_and_q6_k_blocks_convert_exactly_and_other_formats_are_name
         read = read_weights(tmp_path / "k.gguf", config)
     q, d = read["model.layers.0.self_attn.q_proj"], read["model.layers.0.mlp.down_proj"]
     assert set(read) == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
-    assert (q.bits, q.group, q.scales.dtype) == (4, 32, torch.float32) and q.mins is not None
-    assert (d.bits, d.group, d.scales.dtype, d.mins) == (8, 16, torch.float32, None)
+    assert (q.bits, q.group, q.scales.dtype) == (4, 32, torch.int8) and q.mins is not None
+    assert (d.bits, d.group, d.scales.dtype, d.mins) == (8, 16, torch.int8, None)
+    assert q.scale_factors.shape == q.min_factors.shape == (64, 1)  # one a super-block
     assert torch.equal(q.dequantized(), torch.from_numpy(dequantize(query, kinds.Q4_K)))
     assert torch.equal(d.dequantized(), torch.from_numpy(dequantize(down, kinds.Q6_K)))
     assert "Q5_K layers of k.gguf have no quantised kernel yet" in caplog.text
@@ -388,7 +409,7 @@ def test_a_model_from_a_q4_k_m_file_decodes_from_its_blocks_as_its_own_one_token
                                drafter=TrieDrafter())
     stacks = drafted.runner.stacks
     assert stacks and all(stack.quantized for stack in stacks)
-    assert {stack._packed[0][1].dtype for stack in stacks} == {torch.float32}  # the K-quants'
+    assert {stack._packed[0][1].dtype for stack in stacks} == {torch.int8}  # the K-quants'
     one, two = prompts(lm)
     expected = [plain.generate(p, N).token_ids for p in (one, two)]
     assert [r.token_ids for r in drafted.generate([one, two], N)] == expected

@@ -6,7 +6,8 @@
 
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
-                            const at::Tensor& scales, const at::Tensor& mins);
+                            const at::Tensor& scales, const at::Tensor& mins,
+                            const at::Tensor& factors);
 void move_slots(at::TensorList tensors, const at::Tensor& index, int64_t start);
 at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& value, const at::Tensor& allowed, double scale);

@@ -411,8 +411,8 @@ class TracedLinear(_StandIn):
             self.shared = shared
             # buffers: the compiler checks a module's tensors cheaply
             if stack.quantized:  # a file's quantised weights
-                for name, tensor in zip(("packed_values", "packed_scales", "packed_mins"),
-                                        stack._packed[0], strict=True):
+                for name, tensor in zip(("packed_values", "packed_scales", "packed_mins",
+                                         "packed_factors"), stack._packed[0], strict=True):
                     self.register_buffer(name, tensor, persistent=False)
                 self.register_buffer("packed_bias", stack._packed[1], persistent=False)
             elif stack.streamed:
@@ -431,7 +431,8 @@ class TracedLinear(_StandIn):
         if self.first_sibling or held is None or held[0] is not x:
             if self.stack.quantized:  # operators, both
                 product = self.stack.product(x, ((self.packed_values, self.packed_scales,
-                                                  self.packed_mins), self.packed_bias, None))
+                                                  self.packed_mins, self.packed_factors),
+                                                 self.packed_bias, None))
             elif self.stack.streamed:
                 product = self.stack.product(x, (self.packed, self.packed_bias,
                                                  self.packed_scale))

@@ -12,8 +12,8 @@ instructions the build uses; ``quantized_reference`` is the product it computes,
 
 ``GroupQuantized`` is the one form every file format is converted to (``rag_spec.target.gguf``
 converts GGUF's blocks): per output, integer values with a scale, and a minimum, per 32 inputs
-(per 16 for Q6_K's); scales in half precision as the legacy formats store them, or in single
-precision where they are products of two stored numbers (the K-quants').
+(per 16 for Q6_K's); scales in half precision as the legacy formats store them, or, as the
+K-quants store them, small integers with a factor per 256 inputs.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ import torch
 from rag_spec_kernels.cpu_extension import cpu_extension, vector_isa
 
 GROUP = 32  # inputs per scale (GGUF's block formats but Q6_K, whose groups are of 16)
+SPAN = 256  # inputs per factor of integer scales (a K-quant's super-block)
 _BLOCK = 8  # outputs per packed block: one 32-bit lane each
 log = logging.getLogger(__name__)
 
 torch.library.define("rag_spec_cpu::quantized_linear",  # its CPU kernel: quantized_linear.cpp
-                     "(Tensor x, Tensor values, Tensor scales, Tensor mins) -> Tensor")
+                     "(Tensor x, Tensor values, Tensor scales, Tensor mins, Tensor factors) "
+                     "-> Tensor")
 
 
 @torch.library.register_fake("rag_spec_cpu::quantized_linear")
 def _product_shape(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
-                   mins: torch.Tensor) -> torch.Tensor:
+                   mins: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], values.shape[0] * _BLOCK)
 
 
@@ -44,78 +46,122 @@ def _product_shape(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 class GroupQuantized:
     """A (out, in) weight as integers with a scale, and a minimum, per ``group`` inputs of an
     output: ``weight[o, k] = values[o, k] * scales[o, k // group] + mins[o, k // group]``,
-    rounded once."""
+    rounded once. Scales (and minimums) are half-precision numbers, or int8 ones times a
+    float32 factor per ``SPAN`` inputs (``scale_factors``, ``min_factors``: (out, in // SPAN)),
+    the K-quants' form, whose products are exact in float32."""
 
     values: torch.Tensor  # (out, in): uint8 in 0..15 (bits 4) or int8 (bits 8)
-    scales: torch.Tensor  # (out, in // group) float16 or float32
+    scales: torch.Tensor  # (out, in // group) float16, or int8 with scale_factors
     mins: torch.Tensor | None  # like scales; None: no minimum
     bits: int  # 4 or 8
     group: int = GROUP  # 32, or 16
+    scale_factors: torch.Tensor | None = None
+    min_factors: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         out, inner = self.values.shape
-        group = self.group
+        group, factored = self.group, self.scales.dtype == torch.int8
+        spans = (out, inner // SPAN)
         if (group not in (GROUP, GROUP // 2) or inner % group
                 or self.scales.shape != (out, inner // group) or self.bits not in (4, 8)
-                or self.scales.dtype not in (torch.float16, torch.float32)
-                or self.mins is not None and self.mins.dtype != self.scales.dtype):
+                or self.scales.dtype not in (torch.float16, torch.int8)
+                or self.mins is not None and self.mins.dtype != self.scales.dtype
+                or factored and (inner % SPAN or _shape(self.scale_factors) != spans
+                                 or self.mins is not None
+                                 and _shape(self.min_factors) != spans)):
             msg = (f"GroupQuantized: (out, in) values with in a multiple of the group ({GROUP} "
-                   f"or {GROUP // 2}), (out, in // group) float16 or float32 scales (minimums "
-                   f"alike) and 4 or 8 bits; got {tuple(self.values.shape)}, "
-                   f"{tuple(self.scales.shape)} {self.scales.dtype}, group {group}, "
-                   f"{self.bits} bits")
+                   f"or {GROUP // 2}), (out, in // group) float16 scales, or int8 ones with "
+                   f"(out, in // {SPAN}) factors (minimums alike), and 4 or 8 bits; got "
+                   f"{tuple(self.values.shape)}, {tuple(self.scales.shape)} {self.scales.dtype}, "
+                   f"factors {_shape(self.scale_factors)}, group {group}, {self.bits} bits")
             raise ValueError(msg)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.values.shape)  # type: ignore[return-value]
 
+    def scaling(self, arithmetic: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's scale and minimum (None: none) as numbers of ``arithmetic``: a factor
+        times an integer is exact in float32."""
+        def expanded(numbers: torch.Tensor, factors: torch.Tensor | None) -> torch.Tensor:
+            if factors is None:
+                return numbers.to(arithmetic)
+            spread = factors.to(arithmetic).repeat_interleave(SPAN // self.group, dim=1)
+            return numbers.to(arithmetic) * spread
+
+        return (expanded(self.scales, self.scale_factors),
+                None if self.mins is None else expanded(self.mins, self.min_factors))
+
     def dequantized(self, arithmetic: torch.dtype = torch.float64) -> torch.Tensor:
         """The float32 weight, each value rounded once as the kernel rounds it (the product and
         the sum are exact in float64); ``arithmetic=torch.float32`` rounds twice, a few times
         faster, for a check with a tolerance."""
         out, inner = self.shape
+        scales, mins = self.scaling(arithmetic)
         weight = (self.values.view(out, inner // self.group, self.group).to(arithmetic)
-                  * self.scales.to(arithmetic)[..., None])  # each group's scale over its 32
-        if self.mins is not None:
-            weight += self.mins.to(arithmetic)[..., None]
+                  * scales[..., None])  # each group's scale over its values
+        if mins is not None:
+            weight += mins[..., None]
         return weight.view(out, inner).float()
+
+    def taken(self, rows: torch.Tensor) -> GroupQuantized:
+        """The weight's outputs ``rows``, in that order."""
+        def of(table: torch.Tensor | None) -> torch.Tensor | None:
+            return None if table is None else table[rows]
+
+        return GroupQuantized(self.values[rows], self.scales[rows], of(self.mins), self.bits,
+                              self.group, of(self.scale_factors), of(self.min_factors))
 
     @property
     def nbytes(self) -> int:
-        """Bytes the packed weight takes (values, scales, minimums)."""
+        """Bytes the packed weight takes (values, scales, minimums, factors)."""
         out, inner = self.shape
-        return (out * inner * self.bits // 8 + self.scales.nbytes
-                + (0 if self.mins is None else self.mins.nbytes))
+        return out * inner * self.bits // 8 + sum(
+            table.nbytes for table in (self.scales, self.mins, self.scale_factors,
+                                       self.min_factors) if table is not None)
+
+
+def _shape(table: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if table is None else tuple(table.shape)
 
 
 def stackable(parts: list[GroupQuantized]) -> bool:
-    """Whether sibling layers' weights can be multiplied as one (``stacked``): the same groups."""
-    return len({part.group for part in parts}) == 1
+    """Whether sibling layers' weights can be multiplied as one (``stacked``): the same groups,
+    scales of one kind."""
+    return len({(part.group, part.scales.dtype) for part in parts}) == 1
 
 
 def stacked(parts: list[GroupQuantized]) -> GroupQuantized:
     """Weights of sibling layers as one, outputs one after another; where their widths differ
-    the 4-bit ones are widened to 8 bits (the values fit), and half-precision scales to single
-    (exactly), so one kernel call serves them."""
+    the 4-bit ones are widened to 8 bits (the values fit), so one kernel call serves them."""
     if not stackable(parts):
-        msg = "stacked: the weights' groups differ; multiply them one by one"
+        msg = ("stacked: the weights' groups, or their kinds of scales, differ; multiply them "
+               "one by one")
         raise ValueError(msg)
     bits = max(part.bits for part in parts)
     dtype = torch.uint8 if bits == 4 else torch.int8
-    values = torch.cat([part.values.to(dtype) for part in parts])
-    precision = max((part.scales.dtype for part in parts), key=lambda d: d.itemsize)
-    scales = torch.cat([part.scales.to(precision) for part in parts])
-    mins = None if all(part.mins is None for part in parts) else torch.cat([
-        torch.zeros_like(part.scales, dtype=precision) if part.mins is None
-        else part.mins.to(precision) for part in parts])
-    return GroupQuantized(values, scales, mins, bits, parts[0].group)
+    factored = parts[0].scale_factors is not None
+
+    def joined(field: str, like: str) -> torch.Tensor | None:  # zeros where a part has none
+        tables = [getattr(part, field) for part in parts]
+        if all(table is None for table in tables):
+            return None
+        return torch.cat([torch.zeros_like(getattr(part, like)) if table is None else table
+                          for part, table in zip(parts, tables)])
+
+    return GroupQuantized(
+        torch.cat([part.values.to(dtype) for part in parts]), joined("scales", "scales"),
+        joined("mins", "scales"), bits, parts[0].group,
+        joined("scale_factors", "scale_factors") if factored else None,
+        joined("min_factors", "scale_factors") if factored else None)
 
 
-def pack_quantized(weight: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` in the kernel's layout: values, scales and minimums (empty: none) per block
-    of 8 outputs, zero-padded to whole blocks (``quantized_linear.cpp`` describes it; the
-    scales' width tells the kernel the group's)."""
+def pack_quantized(weight: GroupQuantized
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` in the kernel's layout: values, scales, minimums (empty: none) and the
+    integer scales' factors (empty: none; scales' then minimums', side by side) per block of 8
+    outputs, zero-padded to whole blocks (``quantized_linear.cpp`` describes it; the scales'
+    width tells the kernel the group's)."""
     out, inner = weight.shape
     pad = -out % _BLOCK
     values = torch.nn.functional.pad(weight.values, (0, 0, 0, pad))
@@ -134,7 +180,12 @@ def pack_quantized(weight: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, 
 
     mins = (torch.empty(0, dtype=weight.scales.dtype) if weight.mins is None
             else blocks(weight.mins))
-    return values.contiguous(), blocks(weight.scales), mins
+    factors = torch.empty(0)
+    if weight.scale_factors is not None:
+        of_mins = (torch.zeros_like(weight.scale_factors) if weight.min_factors is None
+                   else weight.min_factors)
+        factors = torch.cat([blocks(weight.scale_factors), blocks(of_mins)], -1).contiguous()
+    return values.contiguous(), blocks(weight.scales), mins, factors
 
 
 def quantized_reference(x: torch.Tensor, weight: GroupQuantized) -> torch.Tensor:
@@ -150,10 +201,11 @@ def quantized_reference(x: torch.Tensor, weight: GroupQuantized) -> torch.Tensor
     values = torch.round(groups * inverse).double()  # (rows, groups, 32)
     scale = scale.double().squeeze(-1)  # (rows, groups)
     out = weight.shape[0]
+    scales, mins = weight.scaling(torch.float64)
     dots = torch.einsum("rgk,ogk->rog", values, weight.values.double().view(out, -1, group))
-    y = (dots * weight.scales.double() * scale[:, None]).sum(-1)
-    if weight.mins is not None:
-        y += (weight.mins.double() * (scale * values.sum(-1))[:, None]).sum(-1)
+    y = (dots * scales * scale[:, None]).sum(-1)
+    if mins is not None:
+        y += (mins * (scale * values.sum(-1))[:, None]).sum(-1)
     return y
 
 
@@ -184,7 +236,8 @@ def quantized_available() -> bool:
     return ok
 
 
-def quantized_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def quantized_linear(x: torch.Tensor,
+                     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                      out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a (rows, in) float32 ``x`` and a ``pack_quantized`` result,
     where ``quantized_available`` (which builds the kernel) said yes; traceable."""

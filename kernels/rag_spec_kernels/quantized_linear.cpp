@@ -13,10 +13,12 @@
 // Layout, per block of 8 outputs (one 32-bit lane each): 8-bit values (blocks, in / 4, 32),
 // byte 4 * o + i holding output o's input 4 * c + i; 4-bit values (blocks, in / 8, 32), the
 // same byte holding input 8 * c + i in its low half and 8 * c + 4 + i in its high half; scales
-// and minimums (blocks, in / group, 8) in half precision, or in single precision for the
-// K-quants, whose scales are products of two stored numbers. A weight is value * scale +
-// minimum, each scale over a group of 32 inputs, or of 16 (Q6_K); each row's inputs are
-// quantised by the same groups.
+// and minimums (blocks, in / group, 8) in half precision; or, for the K-quants, whose scales
+// are 6- or 8-bit numbers times a half-precision one per 256 inputs, those numbers as bytes and
+// their factors (blocks, in / 256, 16: 8 outputs' scale factors, then their minimums') in single
+// precision, multiplied here (exactly, so the same bits as precomputed scales, in fewer bytes).
+// A weight is value * scale + minimum, each scale over a group of 32 inputs, or of 16 (Q6_K);
+// each row's inputs are quantised by the same groups.
 //
 // Byte products take 4-bit values as they are and 8-bit ones as magnitudes with the sign moved
 // to the input. On AVX2 (vpmaddubsw: unsigned by signed, pairs summed to 16 bits) no sum can
@@ -139,17 +141,53 @@ inline __m256i dot4(__m256i sum, __m256i u, __m256i s) {
 #endif
 }
 
-// 8 scales (or minimums) in half or single precision (S: uint16_t or float)
-inline __m256 eight(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+// A block's scales and minimums, group by group: half precision (S = uint16_t), or bytes times
+// a factor per 256 inputs (S = int8_t); and where the next block's are, for two at once.
+template <typename S>
+struct Scales {
+  const S* scales;
+  const S* mins;  // null: no minimums
+  const float* factors;  // null: none (half precision)
+  int64_t per;  // groups a factor spans
+  int64_t groups_apart, factors_apart;
 
-inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+  // the 8 outputs' scales (which 0) or minimums (1) of group g
+  __m256 eight(int64_t g, int which) const {
+    const S* p = (which ? mins : scales) + g * OUTPUTS;
+    if constexpr (std::is_same_v<S, uint16_t>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+                           _mm256_loadu_ps(factors + g / per * 2 * OUTPUTS + which * OUTPUTS));
+    }
+  }
+
+#ifdef __AVX512VNNI__
+  __m512 sixteen(int64_t g, int which) const {  // this block's 8, then the next one's
+    const S* p = (which ? mins : scales) + g * OUTPUTS;
+    if constexpr (std::is_same_v<S, uint16_t>) {
+      return _mm512_cvtph_ps(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + groups_apart)), 1));
+    } else {
+      const __m128i bytes =
+          _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + groups_apart)));
+      const float* f = factors + g / per * 2 * OUTPUTS + which * OUTPUTS;
+      const __m512 factor = _mm512_castpd_ps(_mm512_insertf64x4(
+          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(f))),
+          _mm256_castps_pd(_mm256_loadu_ps(f + factors_apart)), 1));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), factor);
+    }
+  }
+#endif
+};
 
 // ROWS rows (from ``r0``) past one block: its 8 outputs for each row, stored ``ldy`` apart.
 template <bool FOUR, bool MIN, typename S, int ROWS>
-void rows_past_block(const uint8_t* values, const S* scales, const S* mins, const Inputs& q,
-                     int64_t r0, float* y, int64_t ldy) {
+void rows_past_block(const uint8_t* values, const Scales<S>& s, const Inputs& q, int64_t r0,
+                     float* y, int64_t ldy) {
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
@@ -198,8 +236,8 @@ void rows_past_block(const uint8_t* values, const S* scales, const S* mins, cons
     }
     if constexpr (VNNI)
       for (int r = 0; r < ROWS; ++r) sum[r] = _mm256_add_epi32(sum[r], more[r]);
-    const __m256 scale = eight(scales + g * OUTPUTS);
-    const __m256 minimum = MIN ? eight(mins + g * OUTPUTS) : _mm256_setzero_ps();
+    const __m256 scale = s.eight(g, 0);
+    const __m256 minimum = MIN ? s.eight(g, 1) : _mm256_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (r0 + r) * q.groups + g;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]),
@@ -211,8 +249,7 @@ void rows_past_block(const uint8_t* values, const S* scales, const S* mins, cons
 }
 
 template <typename S>
-using Rows = void (*)(const uint8_t*, const S*, const S*, const Inputs&, int64_t, float*,
-                      int64_t);
+using Rows = void (*)(const uint8_t*, const Scales<S>&, const Inputs&, int64_t, float*, int64_t);
 
 template <bool FOUR, bool MIN, typename S, size_t... N>
 constexpr std::array<Rows<S>, sizeof...(N)> rows_table(std::index_sequence<N...>) {
@@ -233,18 +270,6 @@ inline __m512i two(const uint8_t* p, int64_t apart) {  // 32 bytes from each blo
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + apart)), 1);
 }
 
-inline __m512 sixteen(const uint16_t* p, int64_t apart) {  // 8 from each block
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + apart)), 1));
-}
-
-inline __m512 sixteen(const float* p, int64_t apart) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(
-      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p))),
-      _mm256_castps_pd(_mm256_loadu_ps(p + apart)), 1));
-}
-
 inline __m512i four_inputs_512(const int8_t* p) {
   int32_t bytes;
   std::memcpy(&bytes, p, 4);
@@ -252,9 +277,8 @@ inline __m512i four_inputs_512(const int8_t* p) {
 }
 
 template <bool FOUR, bool MIN, typename S, int ROWS>
-void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const S* scales,
-                          const S* mins, int64_t block_groups, const Inputs& q, int64_t r0,
-                          float* y, int64_t ldy) {
+void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const Scales<S>& s,
+                          const Inputs& q, int64_t r0, float* y, int64_t ldy) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
@@ -291,8 +315,8 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const S* s
         more[r] = _mm512_sub_epi32(more[r],
                                    _mm512_set1_epi32(128 * q.totals[(r0 + r) * q.groups + g]));
     }
-    const __m512 scale = sixteen(scales + g * OUTPUTS, block_groups);
-    const __m512 minimum = MIN ? sixteen(mins + g * OUTPUTS, block_groups) : _mm512_setzero_ps();
+    const __m512 scale = s.sixteen(g, 0);
+    const __m512 minimum = MIN ? s.sixteen(g, 1) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (r0 + r) * q.groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r], more[r])),
@@ -304,8 +328,8 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const S* s
 }
 
 template <typename S>
-using TwoRows = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, const Inputs&,
-                         int64_t, float*, int64_t);
+using TwoRows = void (*)(const uint8_t*, int64_t, const Scales<S>&, const Inputs&, int64_t,
+                         float*, int64_t);
 
 template <bool FOUR, bool MIN, typename S, size_t... N>
 constexpr std::array<TwoRows<S>, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
@@ -314,12 +338,18 @@ constexpr std::array<TwoRows<S>, sizeof...(N)> two_rows_table(std::index_sequenc
 #endif
 
 template <bool FOUR, bool MIN, typename S>
-void product(const float* px, const uint8_t* values, const S* scales, const S* mins, float* py,
-             int64_t rows, int64_t in, int64_t group, int64_t nblocks) {
+void product(const float* px, const uint8_t* values, const S* scales, const S* mins,
+             const float* factors, float* py, int64_t rows, int64_t in, int64_t group,
+             int64_t nblocks) {
   static constexpr auto ROWS = rows_table<FOUR, MIN, S>(std::make_index_sequence<MOST_ROWS>{});
   const Inputs q = quantized_rows(px, rows, in, group);
   const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / group * OUTPUTS;
-  const int64_t out = nblocks * OUTPUTS;
+  const int64_t block_factors = in / 256 * 2 * OUTPUTS, out = nblocks * OUTPUTS;
+  const auto block = [&](int64_t b) {
+    return Scales<S>{scales + b * block_groups, MIN ? mins + b * block_groups : nullptr,
+                     factors ? factors + b * block_factors : nullptr, 256 / group,
+                     block_groups, block_factors};
+  };
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {  // the block stays in the core's cache for its rows
 #ifdef __AVX512VNNI__
@@ -329,8 +359,7 @@ void product(const float* px, const uint8_t* values, const S* scales, const S* m
         if (rows >= MOST_ROWS && b + 1 < last) {
           for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
             TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
-                values + b * block_bytes, block_bytes, scales + b * block_groups,
-                MIN ? mins + b * block_groups : nullptr, block_groups, q, r0,
+                values + b * block_bytes, block_bytes, block(b), q, r0,
                 py + r0 * out + b * OUTPUTS, out);
           ++b;
           continue;
@@ -338,9 +367,8 @@ void product(const float* px, const uint8_t* values, const S* scales, const S* m
       }
 #endif
       for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
-        ROWS[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
-            values + b * block_bytes, scales + b * block_groups,
-            MIN ? mins + b * block_groups : nullptr, q, r0, py + r0 * out + b * OUTPUTS, out);
+        ROWS[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](values + b * block_bytes, block(b), q,
+                                                          r0, py + r0 * out + b * OUTPUTS, out);
     }
   });
 }
@@ -348,48 +376,57 @@ void product(const float* px, const uint8_t* values, const S* scales, const S* m
 }  // namespace
 
 // x: (rows, in) float32; values: (blocks, in / 8, 32) uint8 (4-bit pairs) or (blocks, in / 4,
-// 32) int8; scales and mins: (blocks, in / group, 8) float16 or float32, a group of 32 or 16
-// inputs, mins possibly empty (no minimum). Returns (rows, blocks * 8) float32.
+// 32) int8; scales and mins: (blocks, in / group, 8) float16, or int8 with factors (blocks, in /
+// 256, 16) float32, a group of 32 or 16 inputs, mins possibly empty (no minimum), factors empty
+// for float16 scales. Returns (rows, blocks * 8) float32.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
-                               const at::Tensor& scales, const at::Tensor& mins) {
+                               const at::Tensor& scales, const at::Tensor& mins,
+                               const at::Tensor& factors) {
   const bool four = values.scalar_type() == at::kByte, minimum = mins.numel() > 0;
-  const bool single = scales.scalar_type() == at::kFloat;
+  const bool bytes = scales.scalar_type() == at::kChar;
   const int64_t in = x.dim() == 2 ? x.size(1) : 0;
   const int64_t group = scales.dim() == 3 && scales.size(1) ? in / scales.size(1) : 0;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   (group == 32 || group == 16) && in % group == 0 && values.dim() == 3 &&
                   values.is_contiguous() && (four || values.scalar_type() == at::kChar) &&
                   values.size(2) == 32 && values.size(1) == in / (four ? 8 : 4) &&
-                  (single || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  (bytes || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.size(0) == values.size(0) && scales.size(1) * group == in &&
                   scales.size(2) == OUTPUTS &&
                   (!minimum || (mins.sizes() == scales.sizes() &&
                                 mins.scalar_type() == scales.scalar_type() &&
-                                mins.is_contiguous())),
+                                mins.is_contiguous())) &&
+                  (!bytes || (in % 256 == 0 && factors.scalar_type() == at::kFloat &&
+                              factors.is_contiguous() && factors.dim() == 3 &&
+                              factors.size(0) == values.size(0) &&
+                              factors.size(1) == in / 256 && factors.size(2) == 2 * OUTPUTS)),
               "quantized_linear: contiguous float32 (rows, in) input, (blocks, in / 8, 32) "
-              "uint8 or (blocks, in / 4, 32) int8 values, (blocks, in / group, 8) float16 or "
-              "float32 scales and minimums (or none), a group of 32 or 16 inputs");
+              "uint8 or (blocks, in / 4, 32) int8 values, (blocks, in / group, 8) float16 "
+              "scales and minimums (or none), or int8 ones with (blocks, in / 256, 16) float32 "
+              "factors, a group of 32 or 16 inputs");
   const int64_t rows = x.size(0), nblocks = values.size(0);
   auto y = at::empty({rows, nblocks * OUTPUTS}, x.options());
   if (rows == 0 || in == 0) return y.zero_();
   const float* px = x.data_ptr<float>();
   const auto* v = reinterpret_cast<const uint8_t*>(values.data_ptr());
   float* py = y.data_ptr<float>();
-  auto run = [&](const auto* s, const auto* m) {
+  auto run = [&](const auto* s, const auto* m, const float* f) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     if (four && minimum)
-      product<true, true, S>(px, v, s, m, py, rows, in, group, nblocks);
+      product<true, true, S>(px, v, s, m, f, py, rows, in, group, nblocks);
     else if (four)
-      product<true, false, S>(px, v, s, m, py, rows, in, group, nblocks);
+      product<true, false, S>(px, v, s, m, f, py, rows, in, group, nblocks);
     else if (minimum)
-      product<false, true, S>(px, v, s, m, py, rows, in, group, nblocks);
+      product<false, true, S>(px, v, s, m, f, py, rows, in, group, nblocks);
     else
-      product<false, false, S>(px, v, s, m, py, rows, in, group, nblocks);
+      product<false, false, S>(px, v, s, m, f, py, rows, in, group, nblocks);
   };
-  if (single)
-    run(scales.data_ptr<float>(), minimum ? mins.data_ptr<float>() : nullptr);
+  if (bytes)
+    run(scales.data_ptr<int8_t>(), minimum ? mins.data_ptr<int8_t>() : nullptr,
+        factors.data_ptr<float>());
   else
     run(reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-        minimum ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr);
+        minimum ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
+        nullptr);
   return y;
 }

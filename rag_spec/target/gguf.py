@@ -4,8 +4,9 @@ transformers' GGUF loader de-quantises a file into float32 layers; this module r
 file's blocks as they are (gguf's reader: memory-mapped, nothing de-quantised) for the layers
 of a model loaded from it, so that the decoder can multiply by the file's own 4- and 8-bit
 weights (``quantized_linear``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks convert exactly to the
-kernel's form (values, a scale, a minimum per 32 inputs, or 16); Q6_K's 6-bit values are
-widened to 8 bits, and its layers named in one log line. Other formats (Q5_K, the IQ
+kernel's form (values, a scale, a minimum per 32 inputs, or 16; the K-quants' scales as their
+small integers and the factor of each 256 inputs); Q6_K's 6-bit values are widened to 8 bits,
+and its layers named in one log line. Other formats (Q5_K, the IQ
 quants ...) keep the de-quantised float32 layer, and one log line names them.
 
 Every converted weight is checked against the model's layer before it is used, on its first
@@ -29,7 +30,6 @@ file's path, size and modification time: later processes load them instead
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -54,7 +54,7 @@ _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _SOURCES: weakref.WeakKeyDictionary[Any, Path] = weakref.WeakKeyDictionary()
 _PASSED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-_FORMAT = 2  # the kept conversions' layout: a change here invalidates them
+_FORMAT = 3  # the kept conversions' layout: a change here invalidates them
 
 
 def remember_file(model: Any, path: str | Path) -> None:
@@ -135,10 +135,9 @@ def _keep(kept: Path, weights: dict[str, GroupQuantized], other: set[str]) -> No
 
     tensors, forms = {}, {}
     for module, weight in weights.items():
-        tensors[f"{module}.values"] = weight.values.contiguous()
-        tensors[f"{module}.scales"] = weight.scales.contiguous()
-        if weight.mins is not None:
-            tensors[f"{module}.mins"] = weight.mins.contiguous()
+        for field in _TABLES:
+            if getattr(weight, field) is not None:
+                tensors[f"{module}.{field}"] = getattr(weight, field).contiguous()
         forms[module] = [weight.bits, weight.group]
     try:
         with atomic_file(kept) as scratch:
@@ -155,9 +154,14 @@ def _load_kept(kept: Path, path: Path) -> dict[str, GroupQuantized]:
         meta = file.metadata()
         forms = json.loads(meta["forms"])
         names = set(file.keys())
+
+        def table(module: str, field: str) -> torch.Tensor | None:
+            name = f"{module}.{field}"
+            return file.get_tensor(name) if name in names else None
+
         weights = {module: GroupQuantized(
-            file.get_tensor(f"{module}.values"), file.get_tensor(f"{module}.scales"),
-            file.get_tensor(f"{module}.mins") if f"{module}.mins" in names else None, b, group)
+            table(module, "values"), table(module, "scales"), table(module, "mins"), b, group,
+            table(module, "scale_factors"), table(module, "min_factors"))
             for module, (b, group) in forms.items()}
     _name_others(set(json.loads(meta["other"])), path)
     return weights
@@ -191,14 +195,8 @@ def _converted(path: Path, config: Any) -> tuple[dict[str, GroupQuantized], set[
             continue
         weight = _CONVERT[kind](np.asarray(tensor.data))
         rows = _rows(tensor.name, weight.shape[0], config)
-        weights[module] = weight if rows is None else _taken(weight, rows)
+        weights[module] = weight if rows is None else weight.taken(rows)
     return weights, other
-
-
-def _taken(weight: GroupQuantized, rows: torch.Tensor) -> GroupQuantized:
-    """``weight``'s outputs ``rows``, in that order."""
-    return dataclasses.replace(weight, values=weight.values[rows], scales=weight.scales[rows],
-                               mins=None if weight.mins is None else weight.mins[rows])
 
 
 def _module_path(name: str, own_output: bool) -> str | None:
@@ -250,33 +248,32 @@ def _q8_0(data: np.ndarray) -> GroupQuantized:  # blocks of: scale, 32 signed by
     return GroupQuantized(torch.from_numpy(values), _halves(raw, 0), None, 8)
 
 
-def _singles(raw: np.ndarray, start: int) -> np.ndarray:
-    """Half-precision numbers at byte ``start`` of each block, as float32: (out, blocks, 1)."""
-    return raw[..., start:start + 2].copy().view(np.float16).astype(np.float32)
+def _factors(raw: np.ndarray, start: int) -> torch.Tensor:
+    """The half-precision number at byte ``start`` of each super-block, as float32:
+    (out, blocks)."""
+    return torch.from_numpy(raw[..., start:start + 2].copy().view(np.float16)[..., 0]).float()
 
 
 def _q4_k(data: np.ndarray) -> GroupQuantized:
     """Super-blocks of 256: a scale and a minimum (half), 8 six-bit scales and minimums
-    (their products with those: each 32 values' scale and minimum, exact in float32), 128
-    bytes of values, each 64 as one 32 in the low halves of 32 bytes and the next in the
-    high."""
+    that multiply them (each 32 values' scale and minimum), 128 bytes of values, each 64 as
+    one 32 in the low halves of 32 bytes and the next in the high."""
     from gguf.quants import Q4_K
 
     raw = data.reshape(data.shape[0], -1, 144)
     out, blocks = raw.shape[:2]
-    scales, mins = (part.reshape(out, blocks, 8).astype(np.float32)
+    scales, mins = (torch.from_numpy(part.reshape(out, -1).astype(np.int8))
                     for part in Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12)))
     packed = raw[..., 16:].reshape(out, blocks, 4, 1, 32)
     values = (packed >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
-    return GroupQuantized(torch.from_numpy(values.reshape(out, -1).copy()),
-                          torch.from_numpy((_singles(raw, 0) * scales).reshape(out, -1)),
-                          torch.from_numpy(-(_singles(raw, 2) * mins).reshape(out, -1)), 4)
+    return GroupQuantized(torch.from_numpy(values.reshape(out, -1).copy()), scales, mins, 4,
+                          32, _factors(raw, 0), -_factors(raw, 2))
 
 
 def _q6_k(data: np.ndarray) -> GroupQuantized:
     """Super-blocks of 256: 128 bytes of values' low 4 bits, 64 of their high 2 bits, 16
     signed scales (one per 16 values) and a scale (half) they multiply; each value less 32
-    (6 bits, widened to 8), each 16's scale exact in float32."""
+    (6 bits, widened to 8)."""
     raw = data.reshape(data.shape[0], -1, 210)
     out, blocks = raw.shape[:2]
     low = raw[..., :128].reshape(out, blocks, 2, 1, 64) >> np.array(
@@ -285,14 +282,15 @@ def _q6_k(data: np.ndarray) -> GroupQuantized:
     high = raw[..., 128:192].reshape(out, blocks, 2, 1, 32) >> np.array(
         [0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
     values = (low | (high & 0x03) << 4).astype(np.int8) - np.int8(32)
-    scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32) * _singles(raw, 208)
-    return GroupQuantized(torch.from_numpy(values.reshape(out, -1)),
-                          torch.from_numpy(scales.reshape(out, -1)), None, 8, 16)
+    scales = torch.from_numpy(raw[..., 192:208].copy().view(np.int8).reshape(out, -1))
+    return GroupQuantized(torch.from_numpy(values.reshape(out, -1)), scales, None, 8, 16,
+                          _factors(raw, 208))
 
 
 _CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 # formats whose values a wider kernel form holds exactly: named once in the log
 _WIDENED = {"Q6_K": "8-bit kernel (6-bit values widened)"}
+_TABLES = ("values", "scales", "mins", "scale_factors", "min_factors")  # a weight's tensors
 _CHECKED_ROWS = 8  # outputs at each end of a weight compared with the model's layer
 
 
@@ -316,7 +314,7 @@ def _checked(weights: dict[str, GroupQuantized], model: Any) -> dict[str, GroupQ
         rows = torch.cat([rows[:_CHECKED_ROWS], rows[_CHECKED_ROWS:][-_CHECKED_ROWS:]])
         expected = float_weight.detach()[rows].float()
         tolerance = 1e-6 * float(expected.abs().max()) + 1e-12
-        sampled = _taken(weight, rows)
+        sampled = weight.taken(rows)
         if float((sampled.dequantized(torch.float32) - expected).abs().max()) > tolerance:
             log.info("rag-spec: %s differs from the GGUF file it was loaded from (changed "
                      "since?); it runs on its float32 weights", path)

@@ -132,7 +132,7 @@ def _quantized(stack: Any) -> list[Any]:
     scales, whether with minimums); empty for float weights."""
     if not stack.quantized:
         return []
-    values, scales, mins = stack._packed[0]
+    values, scales, mins, _ = stack._packed[0]
     return [str(values.dtype), str(scales.dtype), mins.numel() > 0]
 
 
