@@ -155,6 +155,12 @@ def test_a_badly_shaped_weight_is_refused_with_its_shapes():
                        torch.zeros(4, 1).half(), 4)
     with pytest.raises(ValueError, match="group 8"):
         GroupQuantized(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 4), None, 8, 8)
+    with pytest.raises(ValueError, match="factors"):  # half-precision scales take no factors
+        GroupQuantized(torch.zeros(4, 256, dtype=torch.int8), torch.zeros(4, 8).half(), None,
+                       8, 32, torch.ones(4, 1))
+    with pytest.raises(ValueError, match=r"factors None"):  # integer ones need theirs
+        GroupQuantized(torch.zeros(4, 256, dtype=torch.int8),
+                       torch.zeros(4, 8, dtype=torch.int8), None, 8)
 
 
 def test_a_quantized_stack_multiplies_every_row_count_by_the_files_weights():

@@ -68,7 +68,8 @@ class GroupQuantized:
                 or self.mins is not None and self.mins.dtype != self.scales.dtype
                 or factored and (inner % SPAN or _shape(self.scale_factors) != spans
                                  or self.mins is not None
-                                 and _shape(self.min_factors) != spans)):
+                                 and _shape(self.min_factors) != spans)
+                or not factored and (self.scale_factors, self.min_factors) != (None, None)):
             msg = (f"GroupQuantized: (out, in) values with in a multiple of the group ({GROUP} "
                    f"or {GROUP // 2}), (out, in // group) float16 scales, or int8 ones with "
                    f"(out, in // {SPAN}) factors (minimums alike), and 4 or 8 bits; got "

@@ -1,10 +1,11 @@
 // Few-row products over weights kept in quantised blocks, as GGUF files hold them (quantized.py
-// converts a file's blocks to these layouts): each output's inputs in groups of 32 with a scale
-// (and a minimum) per group, the values 4 bits (Q4_0, Q4_1) or 8 bits (Q8_0) wide. Weights are
-// read at a sixth or a quarter of float32's bytes, and multiplied as integers.
+// converts a file's blocks to these layouts): each output's inputs in groups of 32 (16 for
+// Q6_K) with a scale (and a minimum) per group, the values 4 bits (Q4_0, Q4_1, Q4_K) or 8 bits
+// (Q8_0, Q6_K widened) wide. Weights are read at a sixth or a quarter of float32's bytes, and
+// multiplied as integers.
 //
 // As llama.cpp does for these formats, each row's inputs are first quantised to 8 bits per
-// group of 32 (a scale of the group's largest magnitude / 127, values rounded to nearest even);
+// group (a scale of the group's largest magnitude / 127, values rounded to nearest even);
 // a group's integer dot product with a weight's is exact, and only its scaling is float. Unlike
 // llama.cpp's, whose dot products go one row and one output at a time, a weight's block is
 // loaded (and its 4-bit values unpacked) once for up to four rows (eight with VNNI): a token
