@@ -311,7 +311,7 @@ def linear_stacks(root: torch.nn.Module, own: set[int], streamed: bool = True,
     (parent, attribute name, stack, index in stack): siblings known to share an input stacked
     together, the others alone; ``stored``: the streamed copies' precision; ``blocks``: layers'
     quantised weights by module path under ``root`` (siblings stack only if all or none have
-    them, in the same groups) (``LinearStack``)."""
+    them, in forms one product takes: ``stackable``) (``LinearStack``)."""
     blocks = blocks or {}
     found: list[tuple[torch.nn.Module, str, LinearStack, int]] = []
     taken: set[int] = set()

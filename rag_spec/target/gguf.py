@@ -6,8 +6,8 @@ of a model loaded from it, so that the decoder can multiply by the file's own 4-
 weights (``quantized_linear``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks convert exactly to the
 kernel's form (values, a scale, a minimum per 32 inputs, or 16; the K-quants' scales as their
 small integers and the factor of each 256 inputs); Q6_K's 6-bit values are widened to 8 bits,
-and its layers named in one log line. Other formats (Q5_K, the IQ
-quants ...) keep the de-quantised float32 layer, and one log line names them.
+and its layers named in one log line. Other formats (Q5_K, the IQ quants ...) keep the
+de-quantised float32 layer, and one log line names them.
 
 Every converted weight is checked against the model's layer before it is used, on its first
 and last outputs: their values, rounded once, must equal what transformers de-quantised (to a
