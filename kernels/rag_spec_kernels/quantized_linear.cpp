@@ -58,7 +58,7 @@ constexpr int MOST_ROWS = 4;
 // Each row's inputs as 8-bit integers with a scale per group (of the weight's width), and that
 // scale times the group's sum (the minimums' share of a product).
 struct Inputs {
-  int64_t in, group, groups;
+  int64_t in, groups;
   std::vector<int8_t> values;  // (rows, in)
   std::vector<float> scales, sums;  // (rows, groups)
   std::vector<int32_t> totals;  // (rows, groups): each group's values summed
@@ -76,13 +76,14 @@ inline int sum_of(__m256i v) {  // the sum of v's 8 32-bit lanes
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// One group of 32 or 16 inputs (``n`` vectors of 8) as 8-bit values (written to ``values``)
-// with a scale of its largest magnitude / 127, each rounded to nearest even; returns the scale,
-// and the values' sum.
-inline float quantized_group(const float* p, int n, int8_t* values, int& sum) {
+// One group of 32 or 16 inputs (N vectors of 8) as 8-bit values (written to ``values``) with a
+// scale of its largest magnitude / 127, each rounded to nearest even; returns the scale, and
+// the values' sum.
+template <int N>
+inline float quantized_group(const float* p, int8_t* values, int& sum) {
   __m256 v[4];
   __m256 largest = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < N; ++i) {
     v[i] = _mm256_loadu_ps(p + 8 * i);
     largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
@@ -91,33 +92,34 @@ inline float quantized_group(const float* p, int n, int8_t* values, int& sum) {
   // zero, and one not finite still reaches the output through the scale
   const float scale = _mm256_movemask_ps(unordered) ? NAN : largest_of(largest) / 127.f;
   if (!(std::isnormal(scale) && scale < 1e37f)) {
-    std::memset(values, 0, 8 * n);
+    std::memset(values, 0, 8 * N);
     sum = 0;
     return scale;
   }
   const __m256 inverse = _mm256_set1_ps(1.f / scale);
   __m256i r[4];  // |value| <= 127: the packs below never saturate
-  for (int i = 0; i < n; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-  for (int i = n; i < 4; ++i) r[i] = _mm256_setzero_si256();
+  for (int i = 0; i < N; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  for (int i = N; i < 4; ++i) r[i] = _mm256_setzero_si256();
   sum = sum_of(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
   // packing interleaves the vectors' halves 4 values at a time; the permute restores order (of
   // two vectors, the first 16 bytes are theirs)
   const __m256i packed = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  std::memcpy(values, &packed, 8 * n);
+  std::memcpy(values, &packed, 8 * N);
   return scale;
 }
 
-Inputs quantized_rows(const float* x, int64_t rows, int64_t in, int64_t group) {
-  const int64_t groups = in / group;
-  Inputs q{in, group, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
+template <int G>
+Inputs quantized_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t groups = in / G;
+  Inputs q{in, groups, std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
            std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       int sum;
-      const float scale = quantized_group(x + r * in + g * group, static_cast<int>(group / 8),
-                                          q.values.data() + r * in + g * group, sum);
+      const float scale = quantized_group<G / 8>(x + r * in + g * G,
+                                                 q.values.data() + r * in + g * G, sum);
       q.scales[r * groups + g] = scale;
       q.sums[r * groups + g] = scale * static_cast<float>(sum);
       q.totals[r * groups + g] = sum;
@@ -149,7 +151,7 @@ struct Scales {
   const S* scales;
   const S* mins;  // null: no minimums
   const float* factors;  // null: none (half precision)
-  int64_t per;  // groups a factor spans
+  int shift;  // log2 of the groups a factor spans (8 or 16: a shift, not a division)
   int64_t groups_apart, factors_apart;
 
   // the 8 outputs' scales (which 0) or minimums (1) of group g
@@ -160,7 +162,7 @@ struct Scales {
     } else {
       return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-                           _mm256_loadu_ps(factors + g / per * 2 * OUTPUTS + which * OUTPUTS));
+                           _mm256_loadu_ps(factors + (g >> shift) * 2 * OUTPUTS + which * OUTPUTS));
     }
   }
 
@@ -175,7 +177,7 @@ struct Scales {
       const __m128i bytes =
           _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + groups_apart)));
-      const float* f = factors + g / per * 2 * OUTPUTS + which * OUTPUTS;
+      const float* f = factors + (g >> shift) * 2 * OUTPUTS + which * OUTPUTS;
       const __m512 factor = _mm512_castpd_ps(_mm512_insertf64x4(
           _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(f))),
           _mm256_castps_pd(_mm256_loadu_ps(f + factors_apart)), 1));
@@ -185,23 +187,25 @@ struct Scales {
 #endif
 };
 
-// ROWS rows (from ``r0``) past one block: its 8 outputs for each row, stored ``ldy`` apart.
-template <bool FOUR, bool MIN, typename S, int ROWS>
+// ROWS rows (from ``r0``) past one block: its 8 outputs for each row, stored ``ldy`` apart
+// (G: inputs per group, a constant, as every loop bound here: a bound read at run time cost
+// steps of a few rows about a tenth, python -m lab.quantized_peak).
+template <bool FOUR, bool MIN, typename S, int G, int ROWS>
 void rows_past_block(const uint8_t* values, const Scales<S>& s, const Inputs& q, int64_t r0,
                      float* y, int64_t ldy) {
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    const int8_t* x = q.values.data() + r0 * q.in + g * q.group;
+    const int8_t* x = q.values.data() + r0 * q.in + g * G;
     // VNNI's products add into their sum: two sums a row halve the chain each waits on
     __m256i sum[ROWS], more[ROWS];
     for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm256_setzero_si256();
     if constexpr (FOUR) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 1  // unrolled, gcc computes every product first and spills them
-      for (int c = 0; c < q.group / 8; ++c) {
+      for (int c = 0; c < G / 8; ++c) {
         const __m256i packed = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(values + (g * q.group / 8 + c) * 32));
+            reinterpret_cast<const __m256i*>(values + (g * G / 8 + c) * 32));
         const __m256i low = _mm256_and_si256(packed, mask);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
         for (int r = 0; r < ROWS; ++r) {
@@ -220,11 +224,11 @@ void rows_past_block(const uint8_t* values, const Scales<S>& s, const Inputs& q,
     } else {
       constexpr int STEP = VNNI ? 2 : 1;  // chunks a pass: one for each sum of a row
 #pragma GCC unroll 1
-      for (int c = 0; c < q.group / 4; c += STEP) {
+      for (int c = 0; c < G / 4; c += STEP) {
         __m256i w[STEP], magnitude[STEP];
         for (int i = 0; i < STEP; ++i) {
           w[i] = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(values + (g * q.group / 4 + c + i) * 32));
+              reinterpret_cast<const __m256i*>(values + (g * G / 4 + c + i) * 32));
           magnitude[i] = _mm256_sign_epi8(w[i], w[i]);  // -128 reads as 128, unsigned
         }
         for (int r = 0; r < ROWS; ++r) {  // a pair's sum: at most 2 * 128 * 127 < 2^15
@@ -252,9 +256,9 @@ void rows_past_block(const uint8_t* values, const Scales<S>& s, const Inputs& q,
 template <typename S>
 using Rows = void (*)(const uint8_t*, const Scales<S>&, const Inputs&, int64_t, float*, int64_t);
 
-template <bool FOUR, bool MIN, typename S, size_t... N>
+template <bool FOUR, bool MIN, typename S, int G, size_t... N>
 constexpr std::array<Rows<S>, sizeof...(N)> rows_table(std::index_sequence<N...>) {
-  return {&rows_past_block<FOUR, MIN, S, static_cast<int>(N) + 1>...};
+  return {&rows_past_block<FOUR, MIN, S, G, static_cast<int>(N) + 1>...};
 }
 
 #ifdef __AVX512VNNI__
@@ -277,20 +281,20 @@ inline __m512i four_inputs_512(const int8_t* p) {
   return _mm512_set1_epi32(bytes);
 }
 
-template <bool FOUR, bool MIN, typename S, int ROWS>
+template <bool FOUR, bool MIN, typename S, int G, int ROWS>
 void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const Scales<S>& s,
                           const Inputs& q, int64_t r0, float* y, int64_t ldy) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    const int8_t* x = q.values.data() + r0 * q.in + g * q.group;
+    const int8_t* x = q.values.data() + r0 * q.in + g * G;
     __m512i sum[ROWS], more[ROWS];
     for (int r = 0; r < ROWS; ++r) sum[r] = more[r] = _mm512_setzero_si512();
     if constexpr (FOUR) {
       const __m512i mask = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 1
-      for (int c = 0; c < q.group / 8; ++c) {
-        const __m512i packed = two(values + (g * q.group / 8 + c) * 32, block_bytes);
+      for (int c = 0; c < G / 8; ++c) {
+        const __m512i packed = two(values + (g * G / 8 + c) * 32, block_bytes);
         const __m512i low = _mm512_and_si512(packed, mask);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
         for (int r = 0; r < ROWS; ++r) {
@@ -301,9 +305,9 @@ void rows_past_two_blocks(const uint8_t* values, int64_t block_bytes, const Scal
       }
     } else {  // weights read unsigned, 128 above themselves: 128 times the inputs' sum less
 #pragma GCC unroll 1
-      for (int c = 0; c < q.group / 4; c += 2) {
+      for (int c = 0; c < G / 4; c += 2) {
         const __m512i flip = _mm512_set1_epi8(-128);  // w ^ 0x80 is w + 128, unsigned
-        const uint8_t* chunk = values + (g * q.group / 4 + c) * 32;
+        const uint8_t* chunk = values + (g * G / 4 + c) * 32;
         const __m512i above[2] = {_mm512_xor_si512(two(chunk, block_bytes), flip),
                                   _mm512_xor_si512(two(chunk + 32, block_bytes), flip)};
         for (int r = 0; r < ROWS; ++r) {
@@ -332,23 +336,23 @@ template <typename S>
 using TwoRows = void (*)(const uint8_t*, int64_t, const Scales<S>&, const Inputs&, int64_t,
                          float*, int64_t);
 
-template <bool FOUR, bool MIN, typename S, size_t... N>
+template <bool FOUR, bool MIN, typename S, int G, size_t... N>
 constexpr std::array<TwoRows<S>, sizeof...(N)> two_rows_table(std::index_sequence<N...>) {
-  return {&rows_past_two_blocks<FOUR, MIN, S, static_cast<int>(N) + 1>...};
+  return {&rows_past_two_blocks<FOUR, MIN, S, G, static_cast<int>(N) + 1>...};
 }
 #endif
 
-template <bool FOUR, bool MIN, typename S>
+template <bool FOUR, bool MIN, typename S, int G>
 void product(const float* px, const uint8_t* values, const S* scales, const S* mins,
-             const float* factors, float* py, int64_t rows, int64_t in, int64_t group,
-             int64_t nblocks) {
-  static constexpr auto ROWS = rows_table<FOUR, MIN, S>(std::make_index_sequence<MOST_ROWS>{});
-  const Inputs q = quantized_rows(px, rows, in, group);
-  const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / group * OUTPUTS;
+             const float* factors, float* py, int64_t rows, int64_t in, int64_t nblocks) {
+  static constexpr auto ROWS =
+      rows_table<FOUR, MIN, S, G>(std::make_index_sequence<MOST_ROWS>{});
+  const Inputs q = quantized_rows<G>(px, rows, in);
+  const int64_t block_bytes = in * (FOUR ? 4 : 8), block_groups = in / G * OUTPUTS;
   const int64_t block_factors = in / 256 * 2 * OUTPUTS, out = nblocks * OUTPUTS;
   const auto block = [&](int64_t b) {
     return Scales<S>{scales + b * block_groups, MIN ? mins + b * block_groups : nullptr,
-                     factors ? factors + b * block_factors : nullptr, 256 / group,
+                     factors ? factors + b * block_factors : nullptr, G == 32 ? 3 : 4,
                      block_groups, block_factors};
   };
   at::parallel_for(0, nblocks, 1, [&](int64_t first, int64_t last) {
@@ -356,7 +360,7 @@ void product(const float* px, const uint8_t* values, const S* scales, const S* m
 #ifdef __AVX512VNNI__
       {
         static constexpr auto TWO =
-            two_rows_table<FOUR, MIN, S>(std::make_index_sequence<MOST_ROWS>{});
+            two_rows_table<FOUR, MIN, S, G>(std::make_index_sequence<MOST_ROWS>{});
         if (rows >= MOST_ROWS && b + 1 < last) {
           for (int64_t r0 = 0; r0 < rows; r0 += MOST_ROWS)
             TWO[std::min<int64_t>(MOST_ROWS, rows - r0) - 1](
@@ -413,14 +417,21 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values,
   float* py = y.data_ptr<float>();
   auto run = [&](const auto* s, const auto* m, const float* f) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-    if (four && minimum)
-      product<true, true, S>(px, v, s, m, f, py, rows, in, group, nblocks);
-    else if (four)
-      product<true, false, S>(px, v, s, m, f, py, rows, in, group, nblocks);
-    else if (minimum)
-      product<false, true, S>(px, v, s, m, f, py, rows, in, group, nblocks);
+    auto grouped = [&](auto width) {
+      constexpr int G = decltype(width)::value;
+      if (four && minimum)
+        product<true, true, S, G>(px, v, s, m, f, py, rows, in, nblocks);
+      else if (four)
+        product<true, false, S, G>(px, v, s, m, f, py, rows, in, nblocks);
+      else if (minimum)
+        product<false, true, S, G>(px, v, s, m, f, py, rows, in, nblocks);
+      else
+        product<false, false, S, G>(px, v, s, m, f, py, rows, in, nblocks);
+    };
+    if (group == 16)
+      grouped(std::integral_constant<int, 16>{});
     else
-      product<false, false, S>(px, v, s, m, f, py, rows, in, group, nblocks);
+      grouped(std::integral_constant<int, 32>{});
   };
   if (bytes)
     run(scales.data_ptr<int8_t>(), minimum ? mins.data_ptr<int8_t>() : nullptr,
