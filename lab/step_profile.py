@@ -48,7 +48,7 @@ CALLS = {"head pass": ("rag_spec.drafters.feature_drafter", "_HeadPasses", "forw
          "copies after guesses": ("rag_spec.drafters.merged_drafter", None, "_extensions"),
          "merge": ("rag_spec.drafters.merged_drafter", None, "_merged"),
          "trie learning": ("rag_spec.drafters.trie_drafter", "TrieSession", "observe"),
-         "verify": ("rag_spec.engine.decoder", None, "verify"),
+         "verify": ("rag_spec.engine.batch", None, "verify"),
          "cache compaction": ("rag_spec.target.transformers.tree_cache", "TreeKVCache", "keep")}
 
 
